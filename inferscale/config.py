@@ -1,0 +1,207 @@
+"""One validated, frozen configuration object for every backend.
+
+Build it from a dict, a TOML file, or the environment::
+
+    Config.from_dict({"retriever": {"name": "faiss", "options": {"nlist": 64}}})
+    Config.from_toml("inferscale.toml")
+    Config.from_env()     # INFERSCALE_CONFIG=<toml>, INFERSCALE_RETRIEVER=faiss, ...
+
+Backend names are checked against the registered plugins when a backend is
+built (:func:`build`); options are checked against the backend's ``Options``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import tomllib
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import MappingProxyType
+from typing import Any
+
+from inferscale.errors import ConfigError
+
+DEFAULT_INSTRUCTION = (
+    "You are a helpful assistant. Answer the user's question using these facts "
+    "you remember about them. If the facts do not contain the answer, say so.\nFacts:\n"
+)
+
+
+@dataclass(frozen=True)
+class BackendSpec:
+    """A backend selected by registered name, with its options."""
+
+    name: str
+    options: Mapping[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self):
+        if not isinstance(self.name, str) or not self.name:
+            raise ConfigError(f"backend name must be a non-empty string, got {self.name!r}")
+        if not isinstance(self.options, Mapping):
+            raise ConfigError(f"options of {self.name!r} must be a table, got {self.options!r}")
+        object.__setattr__(self, "options", MappingProxyType(dict(self.options)))
+
+    @classmethod
+    def parse(cls, value: Any, section: str) -> BackendSpec:
+        if isinstance(value, BackendSpec):
+            return value
+        if isinstance(value, str):
+            return cls(value)
+        if isinstance(value, Mapping):
+            extra = set(value) - {"name", "options"}
+            if extra or "name" not in value:
+                raise ConfigError(f"[{section}] takes 'name' and 'options', got {sorted(value)}")
+            return cls(value["name"], value.get("options", {}))
+        raise ConfigError(f"[{section}] must be a backend name or a table, got {value!r}")
+
+    def to_dict(self) -> dict:
+        return {"name": self.name, "options": dict(self.options)}
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """The serving LLM: a Hugging Face directory, or a GGUF file inside one."""
+
+    path: str | None = None
+    gguf_file: str | None = None
+    dtype: str = "float32"
+
+    def __post_init__(self):
+        if self.dtype not in ("float32", "bfloat16", "float16"):
+            raise ConfigError(f"model dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
+
+
+_BACKENDS = {
+    "retriever": "exact",
+    "kv_store": "pinned",
+    "encoder": "turns",
+    "composer": "relevance",
+    "embedder": "minilm",
+}
+
+
+@dataclass(frozen=True)
+class Config:
+    model: ModelSpec = ModelSpec()
+    retriever: BackendSpec = BackendSpec("exact")
+    kv_store: BackendSpec = BackendSpec("pinned")
+    encoder: BackendSpec = BackendSpec("turns", {"window": 2})
+    composer: BackendSpec = BackendSpec("relevance")
+    embedder: BackendSpec = BackendSpec("minilm")
+    data_dir: str = "~/.local/share/inferscale"
+    instruction: str = DEFAULT_INSTRUCTION
+    top_k: int = 10
+
+    def __post_init__(self):
+        if not isinstance(self.top_k, int) or self.top_k < 1:
+            raise ConfigError(f"top_k must be a positive integer, got {self.top_k!r}")
+        if not isinstance(self.instruction, str):
+            raise ConfigError("instruction must be a string")
+
+    @property
+    def data_path(self) -> Path:
+        return Path(os.path.expanduser(self.data_dir))
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> Config:
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = set(data) - known
+        if unknown:
+            raise ConfigError(f"unknown config key(s) {sorted(unknown)} — known: {sorted(known)}")
+        kwargs: dict[str, Any] = {}
+        for key, value in data.items():
+            if key in _BACKENDS:
+                kwargs[key] = BackendSpec.parse(value, key)
+            elif key == "model":
+                kwargs[key] = _parse_model(value)
+            else:
+                kwargs[key] = value
+        return cls(**kwargs)
+
+    @classmethod
+    def from_toml(cls, path: str | os.PathLike) -> Config:
+        try:
+            with open(path, "rb") as fh:
+                return cls.from_dict(tomllib.load(fh))
+        except tomllib.TOMLDecodeError as exc:
+            raise ConfigError(f"{path}: {exc}") from exc
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None) -> Config:
+        """``INFERSCALE_CONFIG`` (a TOML file) then per-key overrides:
+        ``INFERSCALE_RETRIEVER``, ``INFERSCALE_KV_STORE``, ``INFERSCALE_ENCODER``,
+        ``INFERSCALE_COMPOSER``, ``INFERSCALE_EMBEDDER`` (backend names),
+        ``INFERSCALE_DATA_DIR``, ``INFERSCALE_TOP_K``, ``INFERSCALE_MODEL``."""
+        env = os.environ if environ is None else environ
+        base = cls.from_toml(env["INFERSCALE_CONFIG"]) if env.get("INFERSCALE_CONFIG") else cls()
+        data = base.to_dict()
+        for key in _BACKENDS:
+            if name := env.get(f"INFERSCALE_{key.upper()}"):
+                data[key] = {"name": name, "options": {}}
+        if value := env.get("INFERSCALE_DATA_DIR"):
+            data["data_dir"] = value
+        if value := env.get("INFERSCALE_MODEL"):
+            data["model"] = {**data["model"], "path": value}
+        if value := env.get("INFERSCALE_TOP_K"):
+            try:
+                data["top_k"] = int(value)
+            except ValueError:
+                raise ConfigError(f"INFERSCALE_TOP_K must be an integer, got {value!r}") from None
+        return cls.from_dict(data)
+
+    def to_dict(self) -> dict[str, Any]:
+        """A plain, JSON-serialisable dict (round-trips through :meth:`from_dict`)."""
+        out: dict[str, Any] = {}
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if isinstance(value, BackendSpec):
+                value = value.to_dict()
+            elif isinstance(value, ModelSpec):
+                value = dataclasses.asdict(value)
+            out[f.name] = value
+        return out
+
+
+def _parse_model(value: Any) -> ModelSpec:
+    if isinstance(value, ModelSpec):
+        return value
+    if isinstance(value, str):
+        return ModelSpec(path=value)
+    if isinstance(value, Mapping):
+        known = {f.name for f in dataclasses.fields(ModelSpec)}
+        if set(value) - known:
+            raise ConfigError(f"[model] unknown key(s) {sorted(set(value) - known)} — known: {sorted(known)}")
+        return ModelSpec(**value)
+    raise ConfigError(f"[model] must be a path or a table, got {value!r}")
+
+
+def build(kind: str, spec: BackendSpec, **runtime: Any):
+    """Instantiate the backend ``spec`` names, with validated options.
+
+    ``runtime`` carries objects only known at run time (a device, a data dir)
+    to backends whose constructor accepts them.
+    """
+    from inferscale.plugins import get_backend
+
+    cls = get_backend(kind, spec.name)
+    options = make_options(cls, spec.options, f"{kind} {spec.name!r}")
+    return cls(options, **runtime)
+
+
+def make_options(cls: type, options: Mapping[str, Any], where: str):
+    """Validate ``options`` against ``cls.Options`` (a dataclass)."""
+    opt_cls = getattr(cls, "Options", None)
+    if opt_cls is None:
+        if options:
+            raise ConfigError(f"{where} takes no options, got {sorted(options)}")
+        return None
+    fields = {f.name: f for f in dataclasses.fields(opt_cls)}
+    unknown = set(options) - set(fields)
+    if unknown:
+        raise ConfigError(f"{where}: unknown option(s) {sorted(unknown)} — known: {sorted(fields)}")
+    try:
+        return opt_cls(**options)
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(f"{where}: {exc}") from exc

@@ -1,0 +1,83 @@
+"""Worker side, vLLM-free: turn a load request into post-RoPE K/V for this rank.
+
+The KV store lives in the worker process. A user's facts are loaded from the
+disk tier on first use and then kept by the store (pinned host or HBM).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from inferscale.compose.rope import RotaryEmbedding
+from inferscale.compose.segment import SYSTEM_USER, Segment, gather_segment, rotate_segment
+from inferscale.connector.params import segment_salt
+from inferscale.errors import ModelMismatchError
+from inferscale.storage.base import KVStore
+from inferscale.storage.tiered import ensure_user
+
+
+@dataclass(frozen=True)
+class LoadSpec:
+    """One request's load, as the scheduler sends it (picklable, no tensors).
+
+    Tokens ``start..end-1`` of the segment go to ``slots`` (one slot per token);
+    ``salt`` is the segment's cache salt: the worker re-derives it from the
+    token ids it gathered, so K/V is never written under other tokens.
+    """
+
+    req_id: str
+    user_id: str
+    fact_ids: tuple[str, ...]
+    start: int
+    end: int
+    slots: tuple[int, ...]
+    salt: str
+
+
+def kv_head_range(num_kv_heads: int, tp_size: int, tp_rank: int) -> slice:
+    """The KV heads one tensor-parallel rank holds (vLLM replicates heads when tp > heads)."""
+    if num_kv_heads >= tp_size:
+        if num_kv_heads % tp_size:
+            raise ModelMismatchError(f"{num_kv_heads} KV heads do not split over {tp_size} ranks")
+        per_rank = num_kv_heads // tp_size
+        return slice(tp_rank * per_rank, (tp_rank + 1) * per_rank)
+    head = tp_rank * num_kv_heads // tp_size
+    return slice(head, head + 1)
+
+
+class SegmentLoader:
+    def __init__(self, store: KVStore, disk: KVStore, rope: RotaryEmbedding, heads: slice,
+                 device: torch.device | str, dtype: torch.dtype):
+        self.store, self.disk, self.rope = store, disk, rope
+        self.heads, self.device, self.dtype = heads, torch.device(device), dtype
+
+    def load(self, spec: LoadSpec, num_layers: int, head_size: int) -> Segment:
+        """K/V for the spec's tokens, rotated to their positions, this rank's heads, cache dtype."""
+        for user in (SYSTEM_USER, spec.user_id):
+            ensure_user(self.store, self.disk, user)
+        batch = gather_segment(self.store, spec.user_id, spec.fact_ids, self.device)
+        if segment_salt(spec.user_id, batch.flat_token_ids()) != spec.salt:
+            raise ValueError("stored facts changed since the request was scheduled (token ids differ)")
+        if batch.num_tokens != spec.end or len(spec.slots) != spec.end - spec.start:
+            raise ValueError(f"segment has {batch.num_tokens} tokens, request expects {spec.end}")
+        _check_shape(batch.keys, num_layers, head_size)
+        segment = rotate_segment(batch, self.rope, spec.start, spec.end)
+        segment.keys = segment.keys[:, :, self.heads].to(self.dtype).contiguous()
+        segment.values = segment.values[:, :, self.heads].to(self.dtype).contiguous()
+        return segment
+
+
+def _check_shape(keys: torch.Tensor, num_layers: int, head_size: int) -> None:
+    if keys.shape[0] != num_layers or keys.shape[-1] != head_size:
+        raise ModelMismatchError(
+            f"stored K/V has {keys.shape[0]} layers × head size {keys.shape[-1]}, "
+            f"the served model {num_layers} × {head_size}: memory was encoded with another model"
+        )
+
+
+def slots_for(block_ids: Sequence[int], block_size: int, start: int, end: int) -> tuple[int, ...]:
+    """Cache slots of token positions ``start..end-1`` given the request's block table."""
+    return tuple(block_ids[p // block_size] * block_size + p % block_size for p in range(start, end))

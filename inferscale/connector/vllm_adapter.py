@@ -1,0 +1,180 @@
+"""The vLLM KV connector: a thin adapter over the vLLM-free core.
+
+Load it with::
+
+    KVTransferConfig(
+        kv_connector="InferScaleConnector",
+        kv_connector_module_path="inferscale.connector.vllm_adapter",
+        kv_role="kv_both",
+        kv_load_failure_policy="recompute",
+        kv_connector_extra_config={"config": Config(...).to_dict()},   # or {"config_file": "x.toml"}
+    )
+
+Scheduler side (EngineCore process): :mod:`inferscale.connector.planner` decides
+how many memory tokens each request skips; only a picklable
+:class:`InferScaleMetadata` crosses to the workers. Worker side: the KV store
+lives here; :mod:`inferscale.connector.loader` gathers and rotates the facts'
+K/V, and :func:`compat.write_kv` writes them through the backend's own op.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from inferscale.compose.rope import RotaryEmbedding
+from inferscale.config import Config, build
+from inferscale.connector import compat
+from inferscale.connector.loader import LoadSpec, SegmentLoader, kv_head_range, slots_for
+from inferscale.connector.planner import NO_MEMORY, Plan, plan_request
+from inferscale.connector.stats import ConnectorStats, Fallback
+from inferscale.storage.disk import DiskStore
+
+logger = compat.init_logger("vllm.inferscale.connector")
+
+
+@dataclass
+class InferScaleMetadata(compat.KVConnectorMetadata):
+    loads: list[LoadSpec] = field(default_factory=list)
+
+
+def config_from_extra(extra: dict[str, Any] | None) -> Config:
+    extra = extra or {}
+    if "config" in extra:
+        return Config.from_dict(extra["config"])
+    if "config_file" in extra:
+        return Config.from_toml(extra["config_file"])
+    return Config.from_env()
+
+
+def disk_store(config: Config) -> DiskStore:
+    return DiskStore(DiskStore.Options(root=str(config.data_path / "kv")))
+
+
+class InferScaleConnector(compat.KVConnectorBase_V1):
+    def __init__(self, vllm_config, role, kv_cache_config=None):
+        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        self.config = config_from_extra(vllm_config.kv_transfer_config.kv_connector_extra_config)
+        self.block_size = vllm_config.cache_config.block_size
+        self.disk = disk_store(self.config)
+        self.stats = ConnectorStats()
+        if role == compat.KVConnectorRole.SCHEDULER:
+            self._plans: dict[str, Plan] = {}
+            self._pending: dict[str, Plan] = {}
+            self._loaded_blocks: dict[str, set[int]] = {}
+            self._failed: set[str] = set()
+        else:
+            self._init_worker(vllm_config)
+
+    # ---------------- scheduler side ----------------
+
+    def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int, bool]:
+        plan = plan_request(self.disk, request.prompt_token_ids or [], request.kv_transfer_params,
+                            request.cache_salt, num_computed_tokens)
+        if plan is not NO_MEMORY:
+            self._plans[request.request_id] = plan
+        return plan.num_external, False
+
+    def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
+        if num_external_tokens > 0:
+            self._pending[request.request_id] = self._plans[request.request_id]
+
+    def build_connector_meta(self, scheduler_output) -> InferScaleMetadata:
+        meta = InferScaleMetadata()
+        scheduled = [*compat.new_requests(scheduler_output), *compat.resumed_requests(scheduler_output)]
+        for req_id, block_ids in scheduled:
+            plan = self._pending.pop(req_id, None)
+            if plan is None:
+                continue
+            start = plan.segment_len - plan.num_external
+            slots = slots_for(block_ids, self.block_size, start, plan.segment_len)
+            meta.loads.append(LoadSpec(req_id, plan.memory.user_id, plan.memory.fact_ids,
+                                       start, plan.segment_len, slots, plan.salt))
+            self._loaded_blocks[req_id] = {s // self.block_size for s in slots}
+        return meta
+
+    def update_connector_output(self, connector_output) -> None:
+        invalid = getattr(connector_output, "invalid_block_ids", None) or set()
+        for req_id, blocks in self._loaded_blocks.items():
+            if blocks & invalid:
+                self._failed.add(req_id)
+
+    def request_finished(self, request, block_ids) -> tuple[bool, dict | None]:
+        req_id = request.request_id
+        plan = self._plans.pop(req_id, None)
+        self._pending.pop(req_id, None)
+        loaded = self._loaded_blocks.pop(req_id, None) is not None
+        if plan is None:
+            return False, None
+        fallback = Fallback.LOAD_ERROR if req_id in self._failed else plan.fallback
+        self._failed.discard(req_id)
+        if fallback is not None:
+            self.stats.record_fallback(fallback)
+            logger.warning("inferscale: request %s prefilled normally (%s): %s", req_id,
+                           fallback.value, plan.detail or "the worker could not load the memory")
+        elif loaded:
+            self.stats.record_injection(plan.num_external)
+        report = {
+            "segment_tokens": plan.segment_len,
+            "injected_tokens": plan.num_external if loaded and fallback is None else 0,
+            "fallback": fallback.value if fallback else None,
+            "detail": plan.detail,
+        }
+        return False, {"inferscale": report}
+
+    # ---------------- worker side ----------------
+
+    def _init_worker(self, vllm_config) -> None:
+        hf_config = vllm_config.model_config.hf_config
+        text_config = getattr(hf_config, "get_text_config", lambda: hf_config)()
+        self.rope = RotaryEmbedding.from_hf_config(text_config)
+        num_kv_heads = vllm_config.model_config.get_total_num_kv_heads()
+        rank, world = compat.tensor_parallel()
+        self.heads = kv_head_range(num_kv_heads, world, rank)
+        self.head_size = vllm_config.model_config.get_head_size()
+        self.store = build("kv_store", self.config.kv_store)
+        self.layer_names: list[str] = []
+        self.loader: SegmentLoader | None = None
+        self._load_errors: set[int] = set()
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        self.layer_names = sorted(kv_caches, key=compat.layer_index)
+        first = kv_caches[self.layer_names[0]]
+        self.loader = SegmentLoader(self.store, self.disk, self.rope, self.heads, first.device, first.dtype)
+
+    def start_load_kv(self, forward_context, **kwargs: Any) -> None:
+        meta = self._get_connector_metadata()
+        for spec in getattr(meta, "loads", ()):
+            try:
+                self._load(spec, forward_context)
+            except Exception as exc:  # never crash the engine: report the blocks, vLLM recomputes
+                logger.warning("inferscale: loading memory for %s failed (%s: %s); it will be recomputed",
+                               spec.req_id, type(exc).__name__, exc)
+                self.stats.record_fallback(Fallback.LOAD_ERROR)
+                self._load_errors.update(s // self.block_size for s in spec.slots)
+
+    def _load(self, spec: LoadSpec, forward_context) -> None:
+        if self.loader is None:
+            raise RuntimeError("KV caches were never registered with the connector")
+        segment = self.loader.load(spec, len(self.layer_names), self.head_size)
+        slots = torch.tensor(spec.slots, dtype=torch.long, device=self.loader.device)
+        for index, name in enumerate(self.layer_names):
+            layer = forward_context.no_compile_layers[name]
+            kv_cache = compat.layer_kv_cache(layer, forward_context)
+            compat.write_kv(layer, segment.keys[index], segment.values[index], kv_cache, slots)
+        self.stats.record_injection(spec.end - spec.start)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return None
+
+    def save_kv_layer(self, layer_name: str, kv_layer, attn_metadata, **kwargs: Any) -> None:
+        return None
+
+    def wait_for_save(self) -> None:
+        return None
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        errors, self._load_errors = self._load_errors, set()
+        return errors

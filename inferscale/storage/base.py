@@ -1,0 +1,57 @@
+"""The KVStore interface: where facts' pre-RoPE K/V live, per user."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Mapping, Sequence
+from typing import ClassVar
+
+import torch
+
+from inferscale.kv import FactKV, KVBatch
+
+
+class KVStore(ABC):
+    """Stores facts' K/V keyed by ``(user_id, fact_id)``.
+
+    ``get`` returns the requested facts, in the requested order, on ``device``
+    as one :class:`~inferscale.kv.KVBatch` (contiguous per layer). Unknown users
+    raise :class:`~inferscale.errors.UnknownUserError`, unknown facts
+    :class:`~inferscale.errors.MissingFactError`; corrupt data raises
+    :class:`~inferscale.errors.CorruptDataError` and is never returned.
+    """
+
+    name: ClassVar[str]
+    #: True when K/V live in process memory (so a backing tier is needed to persist)
+    volatile: ClassVar[bool] = True
+
+    @abstractmethod
+    def put(self, user_id: str, facts: Mapping[str, FactKV]) -> None:
+        """Add or replace facts of one user."""
+
+    @abstractmethod
+    def get(self, user_id: str, fact_ids: Sequence[str], device: torch.device | str | None = None) -> KVBatch:
+        """The facts' K/V, concatenated in ``fact_ids`` order, on ``device``."""
+
+    @abstractmethod
+    def delete(self, user_id: str, fact_ids: Sequence[str] | None = None) -> None:
+        """Forget some facts of a user, or the whole user when ``fact_ids`` is None."""
+
+    @abstractmethod
+    def list(self, user_id: str) -> list[str]:
+        """The user's fact_ids (empty when the user is unknown)."""
+
+    @abstractmethod
+    def users(self) -> list[str]:
+        """Every user with stored facts."""
+
+    @abstractmethod
+    def nbytes(self, user_id: str) -> int:
+        """Bytes of K/V held for the user."""
+
+    def token_ids(self, user_id: str, fact_ids: Sequence[str]) -> list[tuple[int, ...]]:
+        """The facts' token ids (no K/V moved); default goes through :meth:`get`."""
+        return self.get(user_id, fact_ids, "cpu").token_ids
+
+    def has_user(self, user_id: str) -> bool:
+        return bool(self.list(user_id))

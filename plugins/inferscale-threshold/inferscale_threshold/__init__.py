@@ -1,0 +1,1 @@
+"""Example InferScale plugin: the ``threshold`` composer."""
