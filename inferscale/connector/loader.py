@@ -14,7 +14,8 @@ import torch
 from inferscale.compose.rope import RotaryEmbedding
 from inferscale.compose.segment import SYSTEM_USER, Segment, gather_segment, rotate_segment
 from inferscale.connector.params import segment_salt
-from inferscale.errors import ModelMismatchError
+from inferscale.errors import MissingFactError, ModelMismatchError
+from inferscale.kv import KVBatch
 from inferscale.storage.base import KVStore
 from inferscale.storage.tiered import ensure_user
 
@@ -56,10 +57,11 @@ class SegmentLoader:
 
     def load(self, spec: LoadSpec, num_layers: int, head_size: int) -> Segment:
         """K/V for the spec's tokens, rotated to their positions, this rank's heads, cache dtype."""
-        for user in (SYSTEM_USER, spec.user_id):
-            ensure_user(self.store, self.disk, user)
-        batch = gather_segment(self.store, spec.user_id, spec.fact_ids, self.device)
-        if segment_salt(spec.user_id, batch.flat_token_ids()) != spec.salt:
+        batch = self._gather(spec)
+        if batch is None:  # the memory tier is stale: another process wrote to disk since
+            self._refresh(spec.user_id)
+            batch = self._gather(spec)
+        if batch is None:
             raise ValueError("stored facts changed since the request was scheduled (token ids differ)")
         if batch.num_tokens != spec.end or len(spec.slots) != spec.end - spec.start:
             raise ValueError(f"segment has {batch.num_tokens} tokens, request expects {spec.end}")
@@ -68,6 +70,22 @@ class SegmentLoader:
         segment.keys = segment.keys[:, :, self.heads].to(self.dtype).contiguous()
         segment.values = segment.values[:, :, self.heads].to(self.dtype).contiguous()
         return segment
+
+
+    def _gather(self, spec: LoadSpec) -> KVBatch | None:
+        """The segment's pre-RoPE K/V; None when the cached facts are not the scheduled ones."""
+        for user in (SYSTEM_USER, spec.user_id):
+            ensure_user(self.store, self.disk, user)
+        try:
+            batch = gather_segment(self.store, spec.user_id, spec.fact_ids, self.device)
+        except MissingFactError:
+            return None
+        return batch if segment_salt(spec.user_id, batch.flat_token_ids()) == spec.salt else None
+
+    def _refresh(self, user_id: str) -> None:
+        for user in (SYSTEM_USER, user_id):
+            self.store.delete(user)
+            ensure_user(self.store, self.disk, user)
 
 
 def _check_shape(keys: torch.Tensor, num_layers: int, head_size: int) -> None:

@@ -71,7 +71,13 @@ def _match(memory: MemoryRequest, segment: list[int], prompt: list[int], cache_s
         return Plan(memory, m, fallback=Fallback.TOKEN_MISMATCH,
                     detail=f"prompt differs from the memory segment at token {first} of {m}")
     salt = segment_salt(memory.user_id, segment)
-    if cache_salt != salt:
+    if not salt_matches(cache_salt, salt):
         return Plan(memory, m, salt=salt, fallback=Fallback.MISSING_CACHE_SALT,
                     detail="request lacks the segment's cache_salt (inferscale.connector.params.segment_salt)")
     return Plan(memory, m, num_external=max(0, m - num_computed), salt=salt)
+
+
+def salt_matches(cache_salt: str | None, salt: str) -> bool:
+    """The request's salt is the segment's, optionally with a ``:suffix`` (a
+    client that wants no prefix-cache reuse at all adds a nonce)."""
+    return cache_salt is not None and (cache_salt == salt or cache_salt.startswith(salt + ":"))

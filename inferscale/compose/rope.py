@@ -1,0 +1,311 @@
+"""Chunked RoPE: rotary position embeddings applied to stored pre-RoPE keys.
+
+InferScale stores every fact's keys *before* RoPE and rotates them at whatever
+positions the fact lands on. Because ``R_a^T R_b = R_{b-a}``, this placement is
+exact: attention scores depend only on the query/key position difference.
+
+:class:`RotaryEmbedding` is built from a Hugging Face config and reproduces the
+model's own rotary embedding: the same ``inv_freq`` (default, linear, dynamic
+NTK, llama3, yarn, longrope), the same attention scaling folded into cos/sin,
+and the same float32 angle arithmetic (``float(position) * inv_freq``) that
+transformers and vLLM use, so rotated keys equal the keys the model itself
+would have produced at those positions.
+
+Layout: ``x`` is ``[..., T, H, D]`` (keys ``[T, H, D]``, all layers
+``[L, T, H, D]``); ``positions`` is an integer tensor ``[T]``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping
+from typing import Any, Literal
+
+import torch
+
+from inferscale.errors import ConfigError, ModelMismatchError
+
+Style = Literal["neox", "gptj"]
+
+DEFAULT_THETA = 10_000.0
+# Models whose rotary embedding rotates interleaved pairs (transformers' ``rotate_every_two``);
+# their configs give ``rotary_dim`` and no rope parameters.
+_INTERLEAVED_MODEL_TYPES = frozenset({"gptj", "codegen"})
+# RoPE types whose parameters include the pretraining context length.
+_NEEDS_ORIGINAL_MAX = frozenset({"llama3", "yarn", "longrope"})
+
+InvFreqFn = Callable[[Mapping[str, Any], int, int, int | None], tuple[torch.Tensor, float]]
+
+
+class RotaryEmbedding:
+    """A model's rotary embedding, applicable at arbitrary per-token positions.
+
+    Only the first ``rotary_dim`` dims of each head rotate (partial rotary);
+    the rest pass through unchanged. All math is float32 on ``x``'s device and
+    the result has ``x``'s dtype.
+    """
+
+    def __init__(
+        self,
+        inv_freq: torch.Tensor,
+        head_size: int,
+        *,
+        style: Style = "neox",
+        attention_scaling: float = 1.0,
+    ):
+        rotary_dim = 2 * inv_freq.numel()
+        if inv_freq.dim() != 1 or rotary_dim == 0 or rotary_dim > head_size:
+            raise ConfigError(f"inv_freq must be 1-D with 1..{head_size // 2} entries, got {tuple(inv_freq.shape)}")
+        if style not in ("neox", "gptj"):
+            raise ConfigError(f"RoPE style must be 'neox' or 'gptj', got {style!r}")
+        self.head_size = head_size
+        self.rotary_dim = rotary_dim
+        self.style: Style = style
+        self.attention_scaling = float(attention_scaling)
+        self.inv_freq = inv_freq.detach().to(device="cpu", dtype=torch.float32)
+
+    def __repr__(self) -> str:
+        return (
+            f"RotaryEmbedding(head_size={self.head_size}, rotary_dim={self.rotary_dim}, "
+            f"style={self.style!r}, attention_scaling={self.attention_scaling})"
+        )
+
+    @classmethod
+    def from_hf_config(cls, config: Any, *, seq_len: int | None = None) -> RotaryEmbedding:
+        """The rotary embedding a Hugging Face model with ``config`` uses.
+
+        Reads ``config.rope_parameters`` (transformers >= 5) or the older
+        ``config.rope_theta`` / ``config.rope_scaling`` / ``config.partial_rotary_factor``.
+
+        ``seq_len`` only matters for RoPE types whose frequencies depend on the
+        sequence length, and follows transformers' semantics:
+
+        * ``dynamic`` (dynamic NTK): ``None`` gives the frequencies the model uses
+          for sequences within ``max_position_embeddings`` (i.e. unscaled);
+          ``seq_len=n`` gives those transformers uses when the longest position
+          in the batch is ``n - 1``. vLLM instead precomputes one table at
+          ``max_position_embeddings * factor``: pass
+          ``seq_len=int(config.max_position_embeddings * factor)`` to match vLLM.
+        * ``longrope``: ``None`` (or ``seq_len <= original_max_position_embeddings``)
+          gives the short factors, a longer ``seq_len`` the long factors.
+        """
+        params = _rope_parameters(config)
+        rope_type = params["rope_type"]
+        inv_freq_fn = _INV_FREQ_FNS.get(rope_type)
+        if inv_freq_fn is None:
+            raise ConfigError(f"unsupported rope_type {rope_type!r} — supported: {', '.join(sorted(_INV_FREQ_FNS))}")
+        head_size = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        style: Style = "gptj" if getattr(config, "model_type", None) in _INTERLEAVED_MODEL_TYPES else "neox"
+        if style == "gptj":
+            rotary_dim = getattr(config, "rotary_dim", None) or head_size
+        else:
+            rotary_dim = int(head_size * params.get("partial_rotary_factor", 1.0))
+        if rotary_dim % 2 or not 0 < rotary_dim <= head_size:
+            raise ConfigError(f"rotary dim {rotary_dim} must be even and within head size {head_size}")
+        inv_freq, scaling = inv_freq_fn(params, rotary_dim, config.max_position_embeddings, seq_len)
+        return cls(inv_freq, head_size, style=style, attention_scaling=scaling)
+
+    def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """float32 ``cos`` and ``sin`` ``[T, rotary_dim // 2]`` at ``positions``, times attention_scaling."""
+        cos, sin = self._unit_cos_sin(positions)
+        return cos * self.attention_scaling, sin * self.attention_scaling
+
+    def rotate(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Apply RoPE: ``x`` as the model sees it at ``positions``."""
+        cos, sin = self.cos_sin(self._check(x, positions))
+        return self._apply(x, cos, sin)
+
+    def inverse(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Undo :meth:`rotate`: rotate by ``-positions`` and divide by attention_scaling."""
+        cos, sin = self._unit_cos_sin(self._check(x, positions))
+        return self._apply(x, cos / self.attention_scaling, -sin / self.attention_scaling)
+
+    def relocate(self, x: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> torch.Tensor:
+        """Move already-rotated ``x`` from positions ``src`` to ``dst`` (a rotation by ``dst - src``).
+
+        The rotation angle is ``angle(dst) - angle(src)`` of the model's own
+        float32 angles (combined by the angle-difference identities), not
+        ``float32((dst - src) * inv_freq)``: at 128k positions a float32 angle
+        carries up to ~4e-3 rad of rounding, and relocated keys must land
+        exactly where :meth:`rotate` at ``dst`` (and so the model) puts them.
+        The result equals ``rotate(inverse(x, src), dst)`` in one pass.
+        """
+        cos_src, sin_src = self._unit_cos_sin(self._check(x, src))
+        cos_dst, sin_dst = self._unit_cos_sin(self._check(x, dst))
+        cos = cos_dst * cos_src + sin_dst * sin_src
+        sin = sin_dst * cos_src - cos_dst * sin_src
+        return self._apply(x, cos, sin)
+
+    def _check(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """``positions`` on ``x``'s device, after checking both shapes."""
+        if x.dim() < 3 or x.shape[-1] != self.head_size:
+            raise ModelMismatchError(f"expected x of shape [..., T, H, {self.head_size}], got {tuple(x.shape)}")
+        if positions.dim() != 1 or positions.shape[0] != x.shape[-3]:
+            raise ValueError(f"positions must be [T] with T={x.shape[-3]}, got {tuple(positions.shape)}")
+        if positions.dtype.is_floating_point or positions.dtype.is_complex:
+            raise ValueError(f"positions must be integers, got {positions.dtype}")
+        return positions.to(x.device)
+
+    def _unit_cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Unscaled cos/sin, computed exactly as transformers and vLLM do (float32 product)."""
+        angles = positions.to(torch.float32)[:, None] * self.inv_freq.to(positions.device)[None, :]
+        return angles.cos(), angles.sin()
+
+    def _apply(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """Rotate each pair of the rotary dims by (cos, sin) ``[T, rotary_dim // 2]``."""
+        xf = x.to(torch.float32)
+        rot, rest = xf[..., : self.rotary_dim], xf[..., self.rotary_dim :]
+        cos, sin = cos[:, None, :], sin[:, None, :]  # broadcast over heads
+        if self.style == "neox":
+            x1, x2 = rot.chunk(2, dim=-1)
+            rotated = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+        else:
+            x1, x2 = rot[..., 0::2], rot[..., 1::2]
+            rotated = torch.stack((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).flatten(-2)
+        return torch.cat((rotated, rest), dim=-1).to(x.dtype)
+
+
+def _rope_parameters(config: Any) -> dict[str, Any]:
+    """The config's RoPE parameters as one flat dict, however the config stores them.
+
+    transformers >= 5 keeps them all in ``config.rope_parameters`` (``rope_theta``
+    and ``partial_rotary_factor`` included; ``rope_scaling`` is an alias).
+    transformers 4.x kept ``config.rope_theta`` and ``config.rope_scaling``
+    (``None`` without scaling, type under ``"type"`` or ``"rope_type"``).
+    """
+    stored = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+    if any(isinstance(value, Mapping) for value in stored.values()):
+        raise ConfigError(f"per-layer-type RoPE parameters ({sorted(stored)}) are not supported")
+    params = dict(stored)
+    if params.get("rope_theta") is None:
+        params["rope_theta"] = getattr(config, "rope_theta", None) or DEFAULT_THETA
+    if params.get("partial_rotary_factor") is None and getattr(config, "partial_rotary_factor", None) is not None:
+        params["partial_rotary_factor"] = config.partial_rotary_factor
+    params["rope_type"] = params.get("rope_type") or params.get("type") or "default"
+    if params["rope_type"] in _NEEDS_ORIGINAL_MAX:
+        # as transformers: a top-level config attribute (Phi-3) wins over the rope parameters
+        params["original_max_position_embeddings"] = (
+            getattr(config, "original_max_position_embeddings", None)
+            or params.get("original_max_position_embeddings")
+            or config.max_position_embeddings
+        )
+    return params
+
+
+def _exponents(dim: int) -> torch.Tensor:
+    """``2i / dim`` for each rotary pair, as float32."""
+    return torch.arange(0, dim, 2, dtype=torch.int64).float() / dim
+
+
+def _default(
+    params: Mapping[str, Any], dim: int, max_positions: int, seq_len: int | None
+) -> tuple[torch.Tensor, float]:
+    """Plain RoPE: ``theta ** (-2i / dim)``."""
+    return 1.0 / (params["rope_theta"] ** _exponents(dim)), 1.0
+
+
+def _linear(
+    params: Mapping[str, Any], dim: int, max_positions: int, seq_len: int | None
+) -> tuple[torch.Tensor, float]:
+    """Position interpolation: every frequency divided by ``factor``."""
+    inv_freq, _ = _default(params, dim, max_positions, seq_len)
+    return inv_freq / params["factor"], 1.0
+
+
+def _dynamic(
+    params: Mapping[str, Any], dim: int, max_positions: int, seq_len: int | None
+) -> tuple[torch.Tensor, float]:
+    """Dynamic NTK: theta grows with the sequence length beyond ``max_positions``.
+
+    Beyond ``max_positions`` the new theta is computed in float32 tensors, as
+    transformers does at run time, so the frequencies match it bit for bit.
+    """
+    if seq_len is None or seq_len <= max_positions:
+        return _default(params, dim, max_positions, seq_len)
+    factor = params["factor"]
+    ratio = factor * torch.tensor(seq_len) / max_positions - (factor - 1)
+    theta = params["rope_theta"] * ratio ** (dim / (dim - 2))
+    return 1.0 / (theta ** _exponents(dim)), 1.0
+
+
+def _llama3(
+    params: Mapping[str, Any], dim: int, max_positions: int, seq_len: int | None
+) -> tuple[torch.Tensor, float]:
+    """Llama 3.1: long wavelengths divided by ``factor``, short ones kept, a smooth ramp between."""
+    inv_freq, _ = _default(params, dim, max_positions, seq_len)
+    factor, low, high = params["factor"], params["low_freq_factor"], params["high_freq_factor"]
+    old_context = params["original_max_position_embeddings"]
+    low_freq_wavelen, high_freq_wavelen = old_context / low, old_context / high
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
+    smooth = (old_context / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    is_medium = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
+    return torch.where(is_medium, smoothed, scaled), 1.0
+
+
+def _yarn_mscale(scale: float, mscale: float = 1.0) -> float:
+    """YaRN's attention temperature ``0.1 * mscale * ln(scale) + 1`` (1 when not scaling)."""
+    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+
+def _yarn_correction_dim(num_rotations: float, dim: int, theta: float, max_positions: int) -> float:
+    """The rotary dim whose wavelength fits ``num_rotations`` times in ``max_positions``."""
+    return (dim * math.log(max_positions / (num_rotations * 2 * math.pi))) / (2 * math.log(theta))
+
+
+def _yarn(
+    params: Mapping[str, Any], dim: int, max_positions: int, seq_len: int | None
+) -> tuple[torch.Tensor, float]:
+    """YaRN: interpolate low frequencies, keep high ones, ramp between; scale attention by mscale."""
+    theta, old_context = params["rope_theta"], params["original_max_position_embeddings"]
+    factor = params.get("factor")
+    if factor is None:
+        factor = max_positions / old_context
+    scaling = params.get("attention_factor")
+    if scaling is None:
+        mscale, mscale_all_dim = params.get("mscale"), params.get("mscale_all_dim")
+        if mscale and mscale_all_dim:
+            scaling = _yarn_mscale(factor, mscale) / _yarn_mscale(factor, mscale_all_dim)
+        else:
+            scaling = _yarn_mscale(factor)
+    beta_fast, beta_slow = params.get("beta_fast") or 32, params.get("beta_slow") or 1
+    low = _yarn_correction_dim(beta_fast, dim, theta, old_context)
+    high = _yarn_correction_dim(beta_slow, dim, theta, old_context)
+    if params.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001  # avoid a zero-width ramp
+    ramp = torch.clamp((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low), 0, 1)
+    extrapolation_weight = 1 - ramp
+    pos_freqs = theta ** _exponents(dim)
+    interpolated, extrapolated = 1.0 / (factor * pos_freqs), 1.0 / pos_freqs
+    inv_freq = interpolated * (1 - extrapolation_weight) + extrapolated * extrapolation_weight
+    return inv_freq, float(scaling)
+
+
+def _longrope(
+    params: Mapping[str, Any], dim: int, max_positions: int, seq_len: int | None
+) -> tuple[torch.Tensor, float]:
+    """LongRoPE (Phi-3): per-frequency rescale factors, long ones beyond the pretraining length."""
+    old_context = params["original_max_position_embeddings"]
+    factor = params.get("factor")
+    if factor is None:
+        factor = max_positions / old_context
+    scaling = params.get("attention_factor")
+    if scaling is None:
+        scaling = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(old_context))
+    long = seq_len is not None and seq_len > old_context
+    ext_factors = torch.tensor(params["long_factor" if long else "short_factor"], dtype=torch.float32)
+    return 1.0 / (ext_factors * params["rope_theta"] ** _exponents(dim)), float(scaling)
+
+
+_INV_FREQ_FNS: dict[str, InvFreqFn] = {
+    "default": _default,
+    "linear": _linear,
+    "dynamic": _dynamic,
+    "llama3": _llama3,
+    "yarn": _yarn,
+    "longrope": _longrope,
+}

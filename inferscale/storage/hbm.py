@@ -1,0 +1,53 @@
+"""HBMStore: facts' K/V held on the accelerator (or the CPU when there is none)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import torch
+
+from inferscale.errors import ConfigError
+from inferscale.storage.layout import (
+    KVLayout,
+    auto_device,
+    runtime_device,
+    stack_block,
+    validate_device_name,
+)
+from inferscale.storage.memory import MemoryStore, Source
+
+
+class HBMStore(MemoryStore):
+    """One device tensor ``[2, L, T, H, D]`` per fact; ``get`` is one ``cat`` on the device.
+
+    The fastest tier and the smallest: everything stays in GPU memory, so a
+    ``get`` onto the same device is a device-to-device gather. Volatile: fill it
+    from the disk tier (:func:`inferscale.storage.tiered.ensure_user`).
+    """
+
+    name: ClassVar[str] = "hbm"
+
+    @dataclass(frozen=True)
+    class Options:
+        #: where K/V live; None: the current CUDA device if there is one, else the CPU
+        device: str | None = None
+
+        def __post_init__(self):
+            validate_device_name(self.device)
+
+    def __init__(self, options: Options | None = None, **runtime: Any):
+        """``runtime["device"]`` is used when the options name none; other runtime keys are ignored."""
+        options = options or self.Options()
+        device = auto_device(options.device or runtime_device(runtime))
+        if device.type == "cuda" and not torch.cuda.is_available():
+            raise ConfigError(f"kv_store 'hbm': device {device} asked for but CUDA is not available")
+        super().__init__(device)
+
+    def _place(self, layout: KVLayout, sources: Mapping[str, Source]) -> dict[str, torch.Tensor]:
+        """Keep blocks already held; stack new facts onto the device."""
+        return {
+            fact_id: src if isinstance(src, torch.Tensor) else stack_block(src, self.device)
+            for fact_id, src in sources.items()
+        }

@@ -1,0 +1,142 @@
+"""The on-disk encoding of one user's facts: a checksummed safetensors file.
+
+See ``docs/storage-format.md`` for the specification. In short, tensors
+``<fact_id>/keys`` and ``<fact_id>/values`` (``[L, T, H, D]``, the user's
+dtype) and ``<fact_id>/token_ids`` (int64 ``[T]``) per fact, and metadata
+``format``, ``format_version``, ``user_id``, ``layout``, ``fact_ids`` and
+``sha256`` (see :func:`checksum`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Mapping
+
+import torch
+from safetensors.torch import load as st_load
+from safetensors.torch import save as st_save
+
+from inferscale.errors import CorruptDataError
+from inferscale.kv import FactKV
+from inferscale.storage.layout import KVLayout
+
+FORMAT = "inferscale-kv"
+FORMAT_VERSION = "1"
+CHECKSUM_KEY = "sha256"
+PARTS = ("keys", "values", "token_ids")
+
+
+def tensor_name(fact_id: str, part: str) -> str:
+    """``<fact_id>/<part>``; fact ids never contain ``/``, so names are unambiguous."""
+    return f"{fact_id}/{part}"
+
+
+def checksum(metadata: Mapping[str, str], tensors: Mapping[str, torch.Tensor]) -> str:
+    """SHA-256 (hex) over the metadata and the tensors, independent of file layout.
+
+    Fed, in order: for each metadata key except ``sha256``, sorted by key,
+    ``key NUL value NUL`` (UTF-8); then for each tensor, sorted by name,
+    ``name NUL dtype NUL shape NUL`` (dtype as torch names it, e.g.
+    ``bfloat16``; shape as comma-separated decimal sizes, empty for a scalar)
+    followed by the tensor's raw bytes, C order, little-endian.
+    """
+    digest = hashlib.sha256()
+    for key in sorted(metadata):
+        if key != CHECKSUM_KEY:
+            digest.update(f"{key}\0{metadata[key]}\0".encode())
+    for name in sorted(tensors):
+        tensor = tensors[name].contiguous()
+        dtype = str(tensor.dtype).removeprefix("torch.")
+        shape = ",".join(str(s) for s in tensor.shape)
+        digest.update(f"{name}\0{dtype}\0{shape}\0".encode())
+        digest.update(tensor.reshape(-1).view(torch.uint8).numpy())
+    return digest.hexdigest()
+
+
+def encode(user_id: str, layout: KVLayout, facts: Mapping[str, FactKV]) -> bytes:
+    """The file's bytes for ``facts`` (all of ``layout``), in the given fact order."""
+    tensors: dict[str, torch.Tensor] = {}
+    for fact_id, kv in facts.items():
+        tensors[tensor_name(fact_id, "keys")] = _owned_cpu(kv.keys)
+        tensors[tensor_name(fact_id, "values")] = _owned_cpu(kv.values)
+        tensors[tensor_name(fact_id, "token_ids")] = torch.tensor(kv.token_ids, dtype=torch.int64)
+    metadata = {
+        "format": FORMAT,
+        "format_version": FORMAT_VERSION,
+        "user_id": user_id,
+        "layout": json.dumps(layout.to_dict(), sort_keys=True),
+        "fact_ids": json.dumps(list(facts)),
+    }
+    metadata[CHECKSUM_KEY] = checksum(metadata, tensors)
+    return st_save(tensors, metadata)
+
+
+def decode(data: bytes, user_id: str, where: str) -> tuple[KVLayout, dict[str, FactKV]]:
+    """Parse and verify a file's bytes; any defect raises CorruptDataError naming ``where``."""
+    metadata, tensors = _parse(data, where)
+    _check_header(metadata, user_id, where)
+    if metadata[CHECKSUM_KEY] != checksum(metadata, tensors):
+        raise CorruptDataError(f"{where}: checksum mismatch (the file was altered or damaged)")
+    try:
+        layout = KVLayout.from_dict(json.loads(metadata["layout"]))
+        fact_ids = json.loads(metadata["fact_ids"])
+        return layout, _facts(layout, fact_ids, tensors)
+    except (ValueError, TypeError, KeyError) as exc:
+        raise CorruptDataError(f"{where}: inconsistent contents ({exc})") from exc
+
+
+def _parse(data: bytes, where: str) -> tuple[dict[str, str], dict[str, torch.Tensor]]:
+    """Metadata and tensors of a safetensors buffer (8-byte LE length, JSON header, data)."""
+    try:
+        size = int.from_bytes(data[:8], "little")
+        if len(data) < 8 or 8 + size > len(data):
+            raise ValueError(f"header of {size} bytes does not fit in {len(data)} bytes")
+        header = json.loads(data[8 : 8 + size])
+        metadata = header.get("__metadata__") or {}
+        if not isinstance(metadata, dict):
+            raise ValueError("metadata is not a table")
+        tensors = st_load(data)
+    except Exception as exc:  # anything unparsable is corrupt, whatever the parser raised
+        raise CorruptDataError(f"{where}: not a readable safetensors file ({exc})") from exc
+    return metadata, tensors
+
+
+def _check_header(metadata: Mapping[str, str], user_id: str, where: str) -> None:
+    if metadata.get("format") != FORMAT:
+        raise CorruptDataError(f"{where}: not an {FORMAT} file (format={metadata.get('format')!r})")
+    if metadata.get("format_version") != FORMAT_VERSION:
+        raise CorruptDataError(
+            f"{where}: unsupported format_version {metadata.get('format_version')!r} "
+            f"(this version reads {FORMAT_VERSION!r})"
+        )
+    missing = {"user_id", "layout", "fact_ids", CHECKSUM_KEY} - set(metadata)
+    if missing:
+        raise CorruptDataError(f"{where}: metadata lacks {sorted(missing)}")
+    if metadata["user_id"] != user_id:
+        raise CorruptDataError(f"{where}: holds user {metadata['user_id']!r}, expected {user_id!r}")
+
+
+def _facts(layout: KVLayout, fact_ids: list, tensors: Mapping[str, torch.Tensor]) -> dict[str, FactKV]:
+    """FactKVs from verified tensors; ValueError when names, shapes or dtypes disagree."""
+    expected = {tensor_name(f, part) for f in fact_ids for part in PARTS}
+    if len(set(fact_ids)) != len(fact_ids) or expected != set(tensors):
+        raise ValueError("tensor names do not match the fact_ids list")
+    facts = {}
+    for fact_id in fact_ids:
+        kv = FactKV(
+            tensors[tensor_name(fact_id, "token_ids")].tolist(),
+            tensors[tensor_name(fact_id, "keys")],
+            tensors[tensor_name(fact_id, "values")],
+        )
+        if KVLayout.of(kv) != layout or tensors[tensor_name(fact_id, "token_ids")].dim() != 1:
+            raise ValueError(f"fact {fact_id!r} does not match the layout {layout.describe()}")
+        facts[fact_id] = kv
+    return facts
+
+
+def _owned_cpu(tensor: torch.Tensor) -> torch.Tensor:
+    """A contiguous CPU copy that shares storage with nothing (safetensors requires it)."""
+    out = torch.empty(tensor.shape, dtype=tensor.dtype)
+    out.copy_(tensor.detach())
+    return out

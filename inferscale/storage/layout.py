@@ -1,0 +1,176 @@
+"""The shape of a user's K/V, and the small tensor helpers every store shares.
+
+A *block* is one fact's K/V stacked as ``[2, num_layers, num_tokens,
+num_kv_heads, head_size]`` (``block[0]`` keys, ``block[1]`` values).
+Concatenating blocks along dim 2 gives ``[2, L, T_total, H, D]`` whose ``[0]``
+and ``[1]`` are contiguous ``[L, T_total, H, D]`` tensors: a KVBatch's keys and
+values, in one allocation.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from inferscale.errors import MissingFactError, ModelMismatchError
+from inferscale.facts import check_id
+from inferscale.kv import FactKV, KVBatch
+
+
+@dataclass(frozen=True)
+class KVLayout:
+    """What every fact of one user shares: the model's K/V geometry and dtype."""
+
+    num_layers: int
+    num_kv_heads: int
+    head_size: int
+    dtype: torch.dtype
+
+    @classmethod
+    def of(cls, kv: FactKV) -> KVLayout:
+        layers, _, heads, size = kv.keys.shape
+        return cls(int(layers), int(heads), int(size), kv.keys.dtype)
+
+    @property
+    def dtype_name(self) -> str:
+        """``"bfloat16"``, ``"float32"``, ... (``torch.<name>``)."""
+        return str(self.dtype).removeprefix("torch.")
+
+    def block_shape(self, num_tokens: int) -> tuple[int, int, int, int, int]:
+        return (2, self.num_layers, num_tokens, self.num_kv_heads, self.head_size)
+
+    def token_numel(self) -> int:
+        """Elements of K plus V for one token across all layers."""
+        return 2 * self.num_layers * self.num_kv_heads * self.head_size
+
+    def token_nbytes(self) -> int:
+        return self.token_numel() * self.dtype.itemsize
+
+    def describe(self) -> str:
+        return (
+            f"{self.num_layers} layers x {self.num_kv_heads} kv heads x head size "
+            f"{self.head_size}, {self.dtype_name}"
+        )
+
+    def to_dict(self) -> dict:
+        return {
+            "num_layers": self.num_layers,
+            "num_kv_heads": self.num_kv_heads,
+            "head_size": self.head_size,
+            "dtype": self.dtype_name,
+        }
+
+    @classmethod
+    def from_dict(cls, data: Mapping) -> KVLayout:
+        """Inverse of :meth:`to_dict`; raises ValueError on anything malformed."""
+        dtype = getattr(torch, str(data["dtype"]), None)
+        if not isinstance(dtype, torch.dtype):
+            raise ValueError(f"unknown dtype {data['dtype']!r}")
+        dims = [data["num_layers"], data["num_kv_heads"], data["head_size"]]
+        if not all(isinstance(d, int) and d > 0 for d in dims):
+            raise ValueError(f"bad layout dimensions {dims}")
+        return cls(*dims, dtype)
+
+
+def check_ids(user_id: str, fact_ids: Iterable[str]) -> None:
+    """User and fact ids are short ASCII names (they become file and tensor names)."""
+    check_id(user_id, "user_id")
+    for fact_id in fact_ids:
+        check_id(fact_id, "fact_id")
+
+
+def check_layout(user_id: str, facts: Mapping[str, FactKV], expected: KVLayout | None) -> KVLayout | None:
+    """The layout ``facts`` share with ``expected`` (the user's stored facts).
+
+    Raises :class:`ModelMismatchError` naming the first fact that differs.
+    Returns ``expected`` unchanged when ``facts`` is empty.
+    """
+    for fact_id, kv in facts.items():
+        if not isinstance(kv, FactKV):
+            raise TypeError(f"fact {fact_id!r}: expected a FactKV, got {type(kv).__name__}")
+        got = KVLayout.of(kv)
+        if expected is None:
+            expected = got
+        elif got != expected:
+            raise ModelMismatchError(
+                f"user {user_id!r}: fact {fact_id!r} is {got.describe()} but the user's "
+                f"facts are {expected.describe()}"
+            )
+    return expected
+
+
+def require_facts(user_id: str, fact_ids: Sequence[str], known: Mapping[str, object]) -> None:
+    """Raise :class:`MissingFactError` listing every requested id not in ``known``."""
+    missing = {f for f in fact_ids if f not in known}
+    if missing:
+        raise MissingFactError(user_id, missing)
+
+
+def resolve_device(device: torch.device | str | None, default: torch.device) -> torch.device:
+    """``device`` (or ``default``) with a CUDA index filled in, so devices compare equal."""
+    out = default if device is None else torch.device(device)
+    if out.type == "cuda" and out.index is None and torch.cuda.is_available():
+        out = torch.device("cuda", torch.cuda.current_device())
+    return out
+
+
+def auto_device(name: str | None) -> torch.device:
+    """``name``, or the current CUDA device when there is one, else the CPU."""
+    if name is None:
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    return resolve_device(name, torch.device("cpu"))
+
+
+def runtime_device(runtime: Mapping[str, object]) -> str | None:
+    """The ``device`` a worker passed to :func:`inferscale.config.build`, as a string."""
+    device = runtime.get("device")
+    return None if device is None else str(device)
+
+
+def validate_device_name(name: str | None) -> None:
+    """Options hook: ValueError (→ ConfigError) for a string torch cannot parse."""
+    if name is None:
+        return
+    try:
+        torch.device(name)
+    except (RuntimeError, TypeError) as exc:
+        raise ValueError(f"bad device {name!r}: {exc}") from None
+
+
+def stack_block(kv: FactKV, device: torch.device) -> torch.Tensor:
+    """A fresh ``[2, L, T, H, D]`` block on ``device`` (never aliases the caller's tensors)."""
+    return torch.stack((kv.keys.detach(), kv.values.detach())).to(device)
+
+
+def gather_blocks(blocks: Sequence[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """Concatenate blocks along the token axis into a new tensor on ``device``.
+
+    Host blocks bound for a GPU are copied one by one with ``non_blocking=True``
+    (from pinned memory each copy is one DMA of a contiguous block, issued while
+    earlier ones run) and joined by one ``cat`` on the GPU: stream-ordered, valid
+    on the current CUDA stream. Anything else is joined where it lies and then
+    moved with a plain (synchronous) ``.to``.
+    """
+    if blocks[0].device.type == "cpu" and device.type == "cuda":
+        parts = [block.to(device, non_blocking=True) for block in blocks]
+        return parts[0] if len(parts) == 1 else torch.cat(parts, dim=2)
+    return torch.cat(list(blocks), dim=2).to(device)
+
+
+def batch_from_blocks(
+    fact_ids: Sequence[str], token_ids: Sequence[tuple[int, ...]], stacked: torch.Tensor
+) -> KVBatch:
+    """A KVBatch over ``stacked`` (``[2, L, T, H, D]``, contiguous)."""
+    return KVBatch(list(fact_ids), list(token_ids), stacked[0], stacked[1])
+
+
+def empty_batch(layout: KVLayout | None, device: torch.device) -> KVBatch:
+    """No facts: ``[L, 0, H, D]`` keys/values when the layout is known, else ``[0, 0, 0, 0]``."""
+    if layout is None:
+        shape, dtype = (0, 0, 0, 0), torch.float32
+    else:
+        shape, dtype = layout.block_shape(0)[1:], layout.dtype
+    keys = torch.empty(shape, dtype=dtype, device=device)
+    return KVBatch([], [], keys, torch.empty_like(keys))

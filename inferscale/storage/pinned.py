@@ -1,0 +1,84 @@
+"""PinnedHostStore: facts' K/V in (pinned) host memory, packed per user.
+
+Layout: each user's facts live in ONE host buffer, pinned when CUDA exists,
+holding every fact's block ``[2, L, T_f, H, D]`` back to back; a fact is a
+contiguous slice of it (a view). ``put``/``delete`` re-pack the user into a
+new buffer; a ``get`` in flight keeps reading the old one, which stays alive
+until its copies finish (torch's pinned allocator records them).
+
+``get`` onto a GPU issues one asynchronous DMA per requested fact, straight
+from the packed buffer into device memory (each a contiguous run of
+``T_f x 128 KiB`` for Llama-3-8B), then joins them with one ``cat`` on the
+device. Nothing is gathered on the CPU: measured on an H200 (k=50, 328 MB),
+gathering the requested tokens into a pinned staging buffer with one
+``index_select`` and copying once ran at 8.5x the raw PCIe copy time (the CPU
+gather alone ran at about 7.5 GB/s); per-fact DMAs ran at 1.1x, the Python
+loop that issues them overlapping the transfers.
+
+**Stream ordering:** the returned tensors are produced on the current CUDA
+stream; they are valid for work queued on that stream. Another stream must
+``wait_stream`` (or ``torch.cuda.current_stream().synchronize()``) first.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import torch
+
+from inferscale.storage.layout import KVLayout, auto_device, runtime_device, validate_device_name
+from inferscale.storage.memory import MemoryStore, Source
+
+
+class PinnedHostStore(MemoryStore):
+    """Host-memory K/V store; ``get`` moves the requested facts to the GPU asynchronously.
+
+    Without CUDA the buffers are ordinary memory and ``get`` returns CPU tensors.
+    """
+
+    name: ClassVar[str] = "pinned"
+
+    @dataclass(frozen=True)
+    class Options:
+        #: where ``get`` puts the batch by default; None: the current CUDA device, else the CPU
+        device: str | None = None
+
+        def __post_init__(self):
+            validate_device_name(self.device)
+
+    def __init__(self, options: Options | None = None, **runtime: Any):
+        """``runtime["device"]`` is used when the options name none; other runtime keys are ignored."""
+        options = options or self.Options()
+        super().__init__(auto_device(options.device or runtime_device(runtime)))
+        #: True when the host buffers are page-locked (CUDA is available)
+        self.pinned = torch.cuda.is_available()
+
+    def _place(self, layout: KVLayout, sources: Mapping[str, Source]) -> dict[str, torch.Tensor]:
+        """Pack every fact of ``sources`` into one new host buffer; return views into it."""
+        lengths = {fact_id: _num_tokens(src) for fact_id, src in sources.items()}
+        step = layout.token_numel()
+        total = sum(lengths.values()) * step
+        packed = torch.empty(total, dtype=layout.dtype, pin_memory=self.pinned and total > 0)
+        blocks, start = {}, 0
+        for fact_id, src in sources.items():
+            stop = start + lengths[fact_id] * step
+            block = packed[start:stop].view(layout.block_shape(lengths[fact_id]))
+            _fill(block, src)
+            blocks[fact_id] = block
+            start = stop
+        return blocks
+
+
+def _num_tokens(src: Source) -> int:
+    return src.shape[2] if isinstance(src, torch.Tensor) else src.num_tokens
+
+
+def _fill(block: torch.Tensor, src: Source) -> None:
+    """Copy a held block or a new fact (possibly on a GPU) into ``block``."""
+    if isinstance(src, torch.Tensor):
+        block.copy_(src)
+    else:
+        block[0].copy_(src.keys)
+        block[1].copy_(src.values)

@@ -1,0 +1,16 @@
+"""Registers the built-in KV stores: ``hbm``, ``pinned`` and ``disk``."""
+
+from __future__ import annotations
+
+from inferscale.hookspecs import hookimpl
+
+
+@hookimpl
+def register_kv_stores(register):
+    from inferscale.storage.disk import DiskStore
+    from inferscale.storage.hbm import HBMStore
+    from inferscale.storage.pinned import PinnedHostStore
+
+    register(HBMStore)
+    register(PinnedHostStore)
+    register(DiskStore)

@@ -1,0 +1,262 @@
+"""The connector on real vLLM (CPU): exactness, composition, controls, fallbacks, isolation.
+
+One in-process engine per (model, dtype) at a time (module-scoped, parametrized
+fixture). Memory is encoded with the core's FactEncoder (transformers, fp32)
+and stored with the disk store the connector reads.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import tiny_models
+import vllm_harness as vh
+import vllm_probe
+from inferscale.compose.prompt import PromptFormat, fact_ids
+from inferscale.compose.rope import RotaryEmbedding
+from inferscale.compose.segment import compose_segment
+from inferscale.config import DEFAULT_INSTRUCTION
+from inferscale.encode.encoder import FactEncoder
+from inferscale.storage.disk import DiskStore
+
+pytestmark = pytest.mark.slow
+
+FACTS = ["Alice has a cat named Miso.", "Alice works as a nurse in Lisbon."]
+QUERY = "What is the name of my cat?"
+#: max |Δlogprob| allowed between injected memory and plain prefill of the same prompt.
+#: The encoder (transformers) and vLLM use different kernels, so fp32 agrees to
+#: kernel rounding; bf16 K/V are rounded once more when cast into the cache.
+TOLERANCE = {"float32": 2e-3, "bfloat16": 0.15}
+MODELS = [("llama", "float32"), ("qwen2", "float32"), ("qwen3", "float32"),
+          ("llama", "bfloat16"), ("qwen3", "bfloat16"), ("qwen05", "float32")]
+
+
+@dataclass
+class Served:
+    name: str
+    dtype: str
+    llm: object
+    encoder: FactEncoder
+    tokenizer: object
+    disk: DiskStore
+    fmt: PromptFormat
+    prefix: list[int]
+    rope: RotaryEmbedding
+
+    def facts(self, texts=FACTS) -> list[list[int]]:
+        return [fact_ids(self.tokenizer, t) for t in texts]
+
+    def prompt(self, fact_tokens, query=QUERY) -> list[int]:
+        return self.fmt.prompt_ids(self.tokenizer, fact_tokens, query)
+
+    def store_joint(self, user: str, texts=FACTS) -> tuple[list[str], list[int]]:
+        """Facts encoded jointly behind the prefix (exact at their positions)."""
+        ids, context, kvs = [], list(self.prefix), {}
+        for i, tokens in enumerate(self.facts(texts)):
+            kvs[f"f{i}"] = self.encoder.encode_ids(tokens, context_ids=context)
+            ids.append(f"f{i}")
+            context += tokens
+        self.disk.put(user, kvs)
+        return ids, context
+
+
+def model_dir(name: str, dtype: str, request) -> Path:
+    if name == "qwen05":
+        return request.getfixturevalue("qwen05_dir")
+    return tiny_models.tiny_model_dir(name, dtype)
+
+
+def start(name, dtype, request, tmp_path_factory, **engine_kwargs) -> Served:
+    path = model_dir(name, dtype, request)
+    data = tmp_path_factory.mktemp(f"mem-{name}-{dtype}")
+    encoder = FactEncoder.from_spec(str(path), dtype="float32")
+    tokenizer = encoder.tokenizer
+    fmt = PromptFormat.from_tokenizer(tokenizer, DEFAULT_INSTRUCTION)
+    disk = DiskStore(DiskStore.Options(root=str(data / "kv")))
+    prefix = fmt.prefix_ids(tokenizer)
+    vh.write_prefix(disk, encoder, prefix)
+    llm = vh.make_engine(path, data, dtype, **engine_kwargs)
+    rope = RotaryEmbedding.from_hf_config(encoder.model.config)
+    return Served(name, dtype, llm, encoder, tokenizer, disk, fmt, prefix, rope)
+
+
+@pytest.fixture(scope="module", params=MODELS, ids=lambda p: f"{p[0]}-{p[1]}")
+def served(request, tmp_path_factory):
+    s = start(*request.param, request, tmp_path_factory)
+    s.llm.apply_model(vllm_probe.install)
+    yield s
+    vh.close_engine(s.llm)
+    s.encoder.close()
+
+
+def test_injection_matches_plain_prefill(served, error_log):
+    fact_ids_, segment = served.store_joint("u1")
+    prompt = served.prompt(served.facts())
+    plain_tokens, plain_lp, _ = vh.greedy(served.llm, prompt)
+    params, salt = vh.memory_request("u1", fact_ids_, segment)
+    tokens, lp, out = vh.greedy(served.llm, prompt, params, salt)
+    delta = max(abs(a - b) for a, b in zip(lp, plain_lp))
+    error_log[f"injection max|Δlogprob| {served.name} {served.dtype}"] = delta
+    assert vh.report(out) == {"segment_tokens": len(segment), "injected_tokens": len(segment),
+                              "fallback": None, "detail": ""}
+    assert out.num_cached_tokens == len(segment)
+    assert tokens[:4] == plain_tokens[:4]
+    assert delta <= TOLERANCE[served.dtype]
+
+
+def test_composed_facts_give_vllms_own_layer0_keys(served, error_log):
+    """Independently encoded facts, composed at new offsets, rotated by the core:
+    layer-0 keys equal the keys vLLM computes for those tokens at those positions."""
+    texts = ["Bob keeps bees on his roof.", "Bob's sister lives in Porto.", "Bob plays the cello."]
+    served.disk.put("u2", {f"g{i}": served.encoder.encode_ids(t) for i, t in enumerate(served.facts(texts))})
+    order = ["g2", "g0", "g1"]
+    segment = compose_segment(served.disk, served.rope, "u2", order)
+    tokens = served.facts([texts[2], texts[0], texts[1]])
+    prompt = served.prompt(tokens)
+    assert prompt[: len(segment.token_ids)] == segment.token_ids
+    vllm_probe.clear()
+    vh.greedy(served.llm, prompt, max_tokens=1, salt="layer0-probe")
+    vllm_keys, _ = vllm_probe.first_write(0)
+    m = len(segment.token_ids)
+    ours = segment.keys[0].to(vllm_keys.dtype).float()
+    err = (ours - vllm_keys[:m].float()).abs().max().item()
+    scale = vllm_keys[:m].float().abs().max().item()
+    error_log[f"layer-0 keys max abs err {served.name} {served.dtype}"] = err
+    assert err <= (1e-4 if served.dtype == "float32" else 2e-2 * scale)
+
+
+def test_corrupted_kv_changes_the_output(served):
+    """Control: the injected K/V is really used."""
+    fact_ids_, segment = served.store_joint("u3")
+    kvs = served.disk.load_user("u3")
+    served.disk.put("u3", {f: vh.noisy(kv) for f, kv in kvs.items()})
+    prompt = served.prompt(served.facts())
+    _, plain_lp, _ = vh.greedy(served.llm, prompt)
+    params, salt = vh.memory_request("u3", fact_ids_, segment)
+    _, lp, out = vh.greedy(served.llm, prompt, params, salt)
+    assert vh.report(out)["injected_tokens"] == len(segment)
+    assert max(abs(a - b) for a, b in zip(lp, plain_lp)) > 1e-2
+
+
+def test_prefix_cache_never_serves_injected_kv_to_plain_requests(served):
+    fact_ids_, segment = served.store_joint("u4")
+    served.disk.put("u4", {f: vh.noisy(kv, seed=1) for f, kv in served.disk.load_user("u4").items()})
+    prompt = served.prompt(served.facts(), query="Where does Alice work?")
+    plain = vh.greedy(served.llm, prompt)[:2]
+    params, salt = vh.memory_request("u4", fact_ids_, segment)
+    injected = vh.greedy(served.llm, prompt, params, salt)[:2]
+    again = vh.greedy(served.llm, prompt)
+    assert injected != plain
+    assert again[:2] == plain
+    reused = vh.greedy(served.llm, prompt, params, salt)  # same memory again: prefix-cache hit
+    block = served_block(served)
+    assert reused[:2] == injected and reused[2].num_cached_tokens >= len(segment) // block * block
+
+
+def served_block(served) -> int:
+    return served.llm.llm_engine.vllm_config.cache_config.block_size
+
+
+def _fallback_cases(served):
+    fact_ids_, segment = served.store_joint("u5")
+    served.disk.put("u6", {"other": served.encoder.encode_ids(served.facts()[0])})
+    good = served.prompt(served.facts())
+    params, salt = vh.memory_request("u5", fact_ids_, segment)
+    wrong = served.prompt(served.facts(["Alice has a dog named Rex.", FACTS[1]]))
+    return {
+        "unknown_user": (good, vh.memory_request("nobody", fact_ids_, segment)[0], salt),
+        "unknown_fact": (good, vh.memory_request("u5", ["f0", "f9"], segment)[0], salt),
+        "foreign_fact": (good, vh.memory_request("u5", ["f0", "other"], segment)[0], salt),
+        "token_mismatch": (wrong, params, salt),
+        "missing_cache_salt": (good, params, None),
+        "invalid_params": (good, {"inferscale": {"user_id": 5, "fact_ids": "f0"}}, salt),
+        "prompt_too_short": (segment, params, salt),
+    }
+
+
+EXPECTED = {"unknown_user": "unknown_user", "unknown_fact": "unknown_fact", "foreign_fact": "unknown_fact",
+            "token_mismatch": "token_mismatch", "missing_cache_salt": "missing_cache_salt",
+            "invalid_params": "invalid_params", "prompt_too_short": "prompt_too_short"}
+
+
+def test_every_failure_falls_back_to_plain_prefill(served):
+    for case, (prompt, params, salt) in _fallback_cases(served).items():
+        plain = vh.greedy(served.llm, prompt, max_tokens=4)[0]
+        tokens, _, out = vh.greedy(served.llm, prompt, params, salt, max_tokens=4)
+        assert vh.report(out)["fallback"] == EXPECTED[case], case
+        assert vh.report(out)["injected_tokens"] == 0, case
+        assert tokens == plain, case
+
+
+def test_corrupt_file_is_detected_on_load_and_recomputed(served):
+    fact_ids_, segment = served.store_joint("u7")
+    path = served.disk.path("u7")
+    data = bytearray(path.read_bytes())
+    data[-100] ^= 0xFF  # flip a byte of the tensor payload; the header (token ids) still reads
+    path.write_bytes(bytes(data))
+    prompt = served.prompt(served.facts())
+    plain = vh.greedy(served.llm, prompt, max_tokens=4)[0]
+    params, salt = vh.memory_request("u7", fact_ids_, segment)
+    tokens, _, out = vh.greedy(served.llm, prompt, params, salt, max_tokens=4)
+    assert vh.report(out)["fallback"] in ("load_error", "corrupt")
+    assert tokens == plain
+
+
+@pytest.mark.parametrize("k", [0])
+def test_fuzzed_params_never_crash_the_engine(served, k):
+    if served.name != "llama" or served.dtype != "float32":
+        pytest.skip("fuzzed on one engine")
+    prompt = served.prompt(served.facts())
+    plain = vh.greedy(served.llm, prompt, max_tokens=2)[0]
+    int64 = st.integers(-(2**63), 2**63 - 1)  # vLLM rejects wider ints before the engine
+    ids = st.from_regex(r"[A-Za-z0-9_.:-]{0,12}", fullmatch=True) | int64 | st.none()
+    values = st.one_of(
+        st.none(), int64, st.text(max_size=10), st.lists(ids, max_size=5),
+        st.dictionaries(st.sampled_from(["user_id", "fact_ids", "x"]),
+                        st.one_of(ids, st.lists(ids, max_size=300)), max_size=3),
+    )
+
+    # vLLM itself types kv_transfer_params as a dict (its front end rejects anything else
+    # before the engine sees it), so the fuzzing varies everything inside the dict
+    top = st.dictionaries(st.sampled_from(["inferscale", "other", "do_remote_prefill"]), values, max_size=2)
+
+    @given(params=top | st.builds(lambda v: {"inferscale": v}, values), salt=st.none() | st.text(max_size=8))
+    @settings(max_examples=40, deadline=None, suppress_health_check=list(HealthCheck))
+    def run(params, salt):
+        tokens, _, out = vh.greedy(served.llm, prompt, params, salt, max_tokens=2)
+        assert tokens == plain
+        assert vh.report(out).get("injected_tokens", 0) == 0
+
+    run()
+
+
+# ------------------------------------------------------------------ strict control
+
+
+@pytest.fixture(scope="module", params=[("llama", "float32"), ("llama", "bfloat16"), ("qwen3", "bfloat16")],
+                ids=lambda p: f"{p[0]}-{p[1]}")
+def replay(request, tmp_path_factory):
+    s = start(*request.param, request, tmp_path_factory, connector=("ReplayConnector", "plugins.replay_connector"))
+    s.llm.apply_model(vllm_probe.install)
+    yield s
+    vh.close_engine(s.llm)
+    s.encoder.close()
+
+
+def test_reinjecting_vllms_own_kv_is_bit_exact(replay, error_log):
+    fact_ids_, segment = replay.store_joint("u1")
+    prompt = replay.prompt(replay.facts())
+    vllm_probe.clear()
+    plain_tokens, plain_lp, _ = vh.greedy(replay.llm, prompt, salt="plain")
+    params, salt = vh.memory_request("u1", fact_ids_, segment)
+    tokens, lp, out = vh.greedy(replay.llm, prompt, params, salt)
+    delta = max(abs(a - b) for a, b in zip(lp, plain_lp))
+    error_log[f"replay of vLLM's own KV max|Δlogprob| {replay.name} {replay.dtype}"] = delta
+    assert out.num_cached_tokens == len(segment)
+    assert tokens == plain_tokens and delta == 0.0

@@ -1,0 +1,108 @@
+"""Helpers for tests that run real vLLM engines with the InferScale connector.
+
+Engines run in-process (fast start) unless a test asks for the multiprocess
+engine. vLLM keeps one KV-connector agent per process, so only one in-process
+engine may live at a time: :func:`close_engine` tears it down completely.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from inferscale.compose.segment import PREFIX_FACT, SYSTEM_USER
+from inferscale.config import BackendSpec, Config, ModelSpec
+from inferscale.connector.params import make_params, segment_salt
+from inferscale.engine import kv_transfer_config
+from inferscale.storage.disk import DiskStore
+
+GREEDY_TOKENS = 8
+
+
+def engine_config(model_dir: Path, data_dir: Path, dtype: str) -> Config:
+    return Config(model=ModelSpec(path=str(model_dir), dtype=dtype), data_dir=str(data_dir),
+                  kv_store=BackendSpec("pinned"))
+
+
+@contextlib.contextmanager
+def env(**values: str):
+    old = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def make_engine(model_dir: Path, data_dir: Path, dtype: str, *, multiprocess: bool = False,
+                prefix_caching: bool = True, connector: tuple[str, str] | None = None, **kwargs: Any):
+    from vllm import LLM
+    from vllm.config import KVTransferConfig
+
+    ktc = kv_transfer_config(engine_config(model_dir, data_dir, dtype))
+    if connector:
+        ktc["kv_connector"], ktc["kv_connector_module_path"] = connector
+    with env(VLLM_ENABLE_V1_MULTIPROCESSING="1" if multiprocess else "0"):
+        return LLM(model=str(model_dir), dtype=dtype, max_model_len=1024, enforce_eager=True,
+                   enable_prefix_caching=prefix_caching, kv_transfer_config=KVTransferConfig(**ktc),
+                   kv_cache_memory_bytes=128 << 20, seed=0, disable_log_stats=False, **kwargs)
+
+
+def close_engine(llm) -> None:
+    from vllm.distributed.kv_transfer.kv_transfer_state import ensure_kv_transfer_shutdown
+    from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
+
+    with contextlib.suppress(Exception):
+        llm.llm_engine.engine_core.shutdown()
+    del llm
+    ensure_kv_transfer_shutdown()
+    cleanup_dist_env_and_memory()
+    gc.collect()
+
+
+def greedy(llm, prompt_ids: list[int], params: dict | None = None, salt: str | None = None,
+           max_tokens: int = GREEDY_TOKENS):
+    """Greedy tokens, their logprobs, and the RequestOutput."""
+    from vllm import SamplingParams
+
+    prompt: dict[str, Any] = {"prompt_token_ids": list(prompt_ids)}
+    if salt is not None:
+        prompt["cache_salt"] = salt
+    extra = {"kv_transfer_params": params} if params is not None else None
+    sampling = SamplingParams(max_tokens=max_tokens, temperature=0.0, logprobs=0, extra_args=extra,
+                              ignore_eos=True)
+    (out,) = llm.generate([prompt], sampling, use_tqdm=False)
+    completion = out.outputs[0]
+    logprobs = [step[token].logprob for step, token in zip(completion.logprobs, completion.token_ids)]
+    return list(completion.token_ids), logprobs, out
+
+
+def report(out) -> dict:
+    return (out.kv_transfer_params or {}).get("inferscale") or {}
+
+
+def memory_request(user_id: str, fact_ids: list[str], segment_ids: list[int]) -> tuple[dict, str]:
+    """kv_transfer_params and the cache salt a request for this memory carries."""
+    return make_params(user_id, fact_ids), segment_salt(user_id, segment_ids)
+
+
+def write_prefix(disk: DiskStore, encoder, prefix_ids: list[int]) -> None:
+    disk.put(SYSTEM_USER, {PREFIX_FACT: encoder.encode_ids(prefix_ids)})
+
+
+def noisy(kv, scale: float = 3.0, seed: int = 0):
+    """The same tokens with K/V perturbed: valid-looking but wrong memory."""
+    gen = torch.Generator().manual_seed(seed)
+    kv = type(kv)(kv.token_ids, kv.keys.clone(), kv.values.clone())
+    kv.keys += scale * torch.randn(kv.keys.shape, generator=gen).to(kv.keys.dtype)
+    kv.values += scale * torch.randn(kv.values.shape, generator=gen).to(kv.values.dtype)
+    return kv
