@@ -33,6 +33,7 @@ QUERY = "What is the name of my cat?"
 #: The encoder (transformers) and vLLM use different kernels, so fp32 agrees to
 #: kernel rounding; bf16 K/V are rounded once more when cast into the cache.
 TOLERANCE = {"float32": 2e-3, "bfloat16": 0.15}
+ENCODE_DTYPE: dict[str, str] = {}  # the product encodes in fp32 and casts into the cache
 MODELS = [("llama", "float32"), ("qwen2", "float32"), ("qwen3", "float32"),
           ("llama", "bfloat16"), ("qwen3", "bfloat16"), ("qwen05", "float32")]
 
@@ -75,7 +76,7 @@ def model_dir(name: str, dtype: str, request) -> Path:
 def start(name, dtype, request, tmp_path_factory, **engine_kwargs) -> Served:
     path = model_dir(name, dtype, request)
     data = tmp_path_factory.mktemp(f"mem-{name}-{dtype}")
-    encoder = FactEncoder.from_spec(str(path), dtype="float32")
+    encoder = FactEncoder.from_spec(str(path), dtype=ENCODE_DTYPE.get(dtype, "float32"))
     tokenizer = encoder.tokenizer
     fmt = PromptFormat.from_tokenizer(tokenizer, DEFAULT_INSTRUCTION)
     disk = DiskStore(DiskStore.Options(root=str(data / "kv")))
@@ -98,16 +99,17 @@ def served(request, tmp_path_factory):
 def test_injection_matches_plain_prefill(served, error_log):
     fact_ids_, segment = served.store_joint("u1")
     prompt = served.prompt(served.facts())
-    plain_tokens, plain_lp, _ = vh.greedy(served.llm, prompt)
+    plain_tokens, _, plain = vh.greedy(served.llm, prompt)
     params, salt = vh.memory_request("u1", fact_ids_, segment)
-    tokens, lp, out = vh.greedy(served.llm, prompt, params, salt)
-    delta = max(abs(a - b) for a, b in zip(lp, plain_lp))
+    tokens, _, out = vh.greedy(served.llm, prompt, params, salt)
+    delta, agree = vh.logprob_gap(out, plain)
     error_log[f"injection max|Δlogprob| {served.name} {served.dtype}"] = delta
     assert vh.report(out) == {"segment_tokens": len(segment), "injected_tokens": len(segment),
                               "fallback": None, "detail": ""}
     assert out.num_cached_tokens == len(segment)
-    assert tokens[:4] == plain_tokens[:4]
     assert delta <= TOLERANCE[served.dtype]
+    if served.dtype == "float32":
+        assert tokens == plain_tokens
 
 
 def test_composed_facts_give_vllms_own_layer0_keys(served, error_log):

@@ -22,6 +22,7 @@ from inferscale.engine import kv_transfer_config
 from inferscale.storage.disk import DiskStore
 
 GREEDY_TOKENS = 8
+TOP_LOGPROBS = 5
 
 
 def engine_config(model_dir: Path, data_dir: Path, dtype: str) -> Config:
@@ -78,12 +79,33 @@ def greedy(llm, prompt_ids: list[int], params: dict | None = None, salt: str | N
     if salt is not None:
         prompt["cache_salt"] = salt
     extra = {"kv_transfer_params": params} if params is not None else None
-    sampling = SamplingParams(max_tokens=max_tokens, temperature=0.0, logprobs=0, extra_args=extra,
-                              ignore_eos=True)
+    sampling = SamplingParams(max_tokens=max_tokens, temperature=0.0, logprobs=TOP_LOGPROBS,
+                              extra_args=extra, ignore_eos=True)
     (out,) = llm.generate([prompt], sampling, use_tqdm=False)
     completion = out.outputs[0]
     logprobs = [step[token].logprob for step, token in zip(completion.logprobs, completion.token_ids)]
     return list(completion.token_ids), logprobs, out
+
+
+def logprob_gap(a, b) -> tuple[float, int]:
+    """Compare two greedy runs (RequestOutputs) step by step while they agree.
+
+    Returns (max |Δlogprob| over every token both steps rank in their top-k, the
+    number of leading steps whose greedy tokens agree). Where the runs first
+    pick different tokens, that step's shared candidates are still compared:
+    a flip between near-tied tokens shows up as a small gap, a wrong K/V as a
+    large one.
+    """
+    steps_a, steps_b = a.outputs[0].logprobs, b.outputs[0].logprobs
+    tokens_a, tokens_b = a.outputs[0].token_ids, b.outputs[0].token_ids
+    gap, agree = 0.0, 0
+    for step_a, step_b, ta, tb in zip(steps_a, steps_b, tokens_a, tokens_b):
+        shared = set(step_a) & set(step_b)
+        gap = max([gap, *(abs(step_a[t].logprob - step_b[t].logprob) for t in shared)])
+        if ta != tb:
+            break
+        agree += 1
+    return gap, agree
 
 
 def report(out) -> dict:

@@ -1,0 +1,238 @@
+"""The Python API: one facade over memory building and serving.
+
+    >>> mem = InferScale.from_config({"model": "qwen2.5-coder-0.5b-instruct", "data_dir": "/tmp/m"})
+    >>> mem.add_conversation("alice", turns, facts=[("Alice owns a cat named Miso.", "D1:3")])
+    >>> answer = mem.generate("alice", "What is my cat called?", k=10)
+    >>> answer.text, answer.timings
+
+``generate`` modes: ``"kv"`` injects the facts' stored K/V (vLLM prefills only
+the question), ``"prompt"`` puts the same facts in the prompt as text (the
+Mem0-style baseline, same token ids), ``"none"`` answers without memory.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+import uuid
+from collections import defaultdict
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from functools import cached_property
+from pathlib import Path
+from typing import Any, Literal
+
+from inferscale.compose.prompt import PromptFormat, fact_ids
+from inferscale.compose.segment import PREFIX_FACT, SYSTEM_USER
+from inferscale.config import Config, build
+from inferscale.connector.params import make_params, segment_salt
+from inferscale.encode.window import Turn
+from inferscale.errors import UnknownUserError
+from inferscale.facts import Fact, make_fact_id
+from inferscale.memory import FactCatalog
+from inferscale.retrieval.base import Hit
+from inferscale.storage.disk import DiskStore
+
+MAX_FACTS_PER_TURN = 5
+Mode = Literal["kv", "prompt", "none"]
+
+
+@dataclass
+class Answer:
+    text: str
+    mode: str
+    fact_ids: list[str]
+    prompt_tokens: int
+    memory_tokens: int
+    injected_tokens: int
+    fallback: str | None
+    timings: dict[str, float] = field(default_factory=dict)  # milliseconds
+
+
+class InferScale:
+    def __init__(self, config: Config, **engine_kwargs: Any):
+        self.config = config
+        self.engine_kwargs = engine_kwargs
+        self._llm = None
+
+    @classmethod
+    def from_config(cls, config: Config | Mapping | str | os.PathLike | None = None, **engine_kwargs: Any) -> InferScale:
+        """From a :class:`Config`, a dict, a TOML path, or (None) the environment."""
+        if config is None:
+            config = Config.from_env()
+        elif isinstance(config, Mapping):
+            config = Config.from_dict(config)
+        elif not isinstance(config, Config):
+            config = Config.from_toml(config)
+        return cls(config, **engine_kwargs)
+
+    # ------------------------------------------------------------ components
+
+    @cached_property
+    def model_dir(self) -> Path:
+        from inferscale.models import resolve_model, model_dir
+
+        kind, path, _ = resolve_model(self.config.model)
+        if kind == "name":
+            return model_dir(str(path), self.config.model.dtype)
+        if kind == "gguf":
+            raise ValueError(f"vLLM serves Hugging Face directories: convert {path} first (inferscale convert)")
+        return path
+
+    @cached_property
+    def tokenizer(self):
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(self.model_dir, local_files_only=True)
+
+    @cached_property
+    def prompt_format(self) -> PromptFormat:
+        return PromptFormat.from_tokenizer(self.tokenizer, self.config.instruction)
+
+    @cached_property
+    def disk(self) -> DiskStore:
+        return DiskStore(DiskStore.Options(root=str(self.config.data_path / "kv")))
+
+    @cached_property
+    def catalog(self) -> FactCatalog:
+        return FactCatalog(self.config.data_path / "facts")
+
+    @cached_property
+    def embedder(self):
+        return build("embedder", self.config.embedder)
+
+    @cached_property
+    def composer(self):
+        return build("composer", self.config.composer)
+
+    @cached_property
+    def retriever(self):
+        """The index, rebuilt from the catalog for every stored user."""
+        retriever = build("retriever", self.config.retriever)
+        for user_id in self.catalog.users():
+            ids, vectors = self.catalog.embeddings(user_id)
+            if ids:
+                retriever.add(user_id, ids, vectors)
+        return retriever
+
+    @cached_property
+    def _facts(self) -> dict[str, dict[str, Fact]]:
+        return defaultdict(dict)
+
+    @property
+    def llm(self):
+        if self._llm is None:
+            from inferscale.engine import make_llm
+
+            self._llm = make_llm(str(self.model_dir), self.config, **self.engine_kwargs)
+        return self._llm
+
+    # ------------------------------------------------------------ offline
+
+    def add_conversation(self, user_id: str, turns: Sequence[Turn],
+                         facts: Sequence[str | tuple[str, str | None]], progress: bool = True) -> list[Fact]:
+        """Encode a user's facts behind their conversation, store the K/V, index the text.
+
+        ``facts`` are extracted statements, each optionally with the turn_id it
+        came from; at most :data:`MAX_FACTS_PER_TURN` are kept per turn.
+        """
+        records = self._make_facts(user_id, facts)
+        from inferscale.encode.encoder import FactEncoder
+
+        window = build("encoder", self.config.encoder)
+        with FactEncoder.from_spec(str(self.model_dir), window, dtype="float32") as encoder:
+            self._ensure_prefix(encoder)
+            kvs = encoder.encode(records, turns, progress=progress)
+        self.disk.put(user_id, kvs)
+        vectors = self.embedder.embed([f.text for f in records])
+        self.catalog.put(user_id, records, vectors)
+        self.retriever.add(user_id, [f.fact_id for f in records], vectors)
+        self._facts.pop(user_id, None)
+        return records
+
+    def _make_facts(self, user_id: str, facts) -> list[Fact]:
+        per_turn: dict[str | None, int] = defaultdict(int)
+        records: dict[str, Fact] = {}
+        for item in facts:
+            text, source = (item, None) if isinstance(item, str) else item
+            per_turn[source] += 1
+            if source is not None and per_turn[source] > MAX_FACTS_PER_TURN:
+                continue
+            fid = make_fact_id(user_id, text, source)
+            records[fid] = Fact(fid, user_id, text, source, tuple(fact_ids(self.tokenizer, text)))
+        return list(records.values())
+
+    def _ensure_prefix(self, encoder) -> None:
+        """Encode the instruction prefix once (position 0) and store it like a fact."""
+        ids = self.prompt_format.prefix_ids(self.tokenizer)
+        if PREFIX_FACT in self.disk.list(SYSTEM_USER):
+            (stored,) = self.disk.token_ids(SYSTEM_USER, [PREFIX_FACT])
+            if list(stored) == ids:
+                return
+        self.disk.put(SYSTEM_USER, {PREFIX_FACT: encoder.encode_ids(ids)})
+
+    # ------------------------------------------------------------ serving
+
+    def retrieve(self, user_id: str, query: str, k: int | None = None) -> list[Hit]:
+        if self.retriever.count(user_id) == 0:
+            raise UnknownUserError(user_id)
+        vector = self.embedder.embed([query])
+        return self.retriever.search(user_id, vector, k or self.config.top_k)[0]
+
+    def prompt(self, user_id: str, query: str, fact_order: Sequence[str], mode: Mode = "kv",
+               fresh_cache: bool = False) -> tuple[dict, dict | None, int]:
+        """``(prompt dict, kv_transfer_params or None, memory tokens)`` for vLLM."""
+        tok, fmt = self.tokenizer, self.prompt_format
+        if mode == "none":
+            ids = fmt.prompt_ids(tok, [], query)
+            return {"prompt_token_ids": ids}, None, 0
+        facts = self._user_facts(user_id)
+        fact_tokens = [facts[f].token_ids for f in fact_order]
+        ids = fmt.prompt_ids(tok, fact_tokens, query)
+        memory = len(fmt.prefix_ids(tok)) + sum(map(len, fact_tokens))
+        nonce = f":{uuid.uuid4().hex}" if fresh_cache else ""
+        if mode == "prompt":
+            return {"prompt_token_ids": ids, "cache_salt": f"text{nonce}"}, None, memory
+        salt = segment_salt(user_id, ids[:memory]) + nonce
+        return {"prompt_token_ids": ids, "cache_salt": salt}, make_params(user_id, fact_order), memory
+
+    def _user_facts(self, user_id: str) -> dict[str, Fact]:
+        if user_id not in self._facts:
+            self._facts[user_id] = self.catalog.facts(user_id)
+        return self._facts[user_id]
+
+    def generate(self, user_id: str, query: str, k: int | None = None, mode: Mode = "kv",
+                 max_tokens: int = 64, fresh_cache: bool = False) -> Answer:
+        """Answer ``query`` for ``user_id`` with the top-k facts (greedy decoding)."""
+        from vllm import SamplingParams
+
+        start = time.perf_counter()
+        hits = self.retrieve(user_id, query, k) if mode != "none" else []
+        retrieved = time.perf_counter()
+        order = self.composer.order(hits)
+        prompt, params, memory = self.prompt(user_id, query, order, mode, fresh_cache)
+        extra = {"kv_transfer_params": params} if params else None
+        sampling = SamplingParams(max_tokens=max_tokens, temperature=0.0, extra_args=extra)
+        composed = time.perf_counter()
+        (out,) = self.llm.generate([prompt], sampling, use_tqdm=False)
+        done = time.perf_counter()
+        report = ((out.kv_transfer_params or {}).get("inferscale") or {}) if params else {}
+        ttft = getattr(out.metrics, "first_token_latency", None)
+        timings = {
+            "retrieval": (retrieved - start) * 1e3,
+            "compose": (composed - retrieved) * 1e3,
+            "engine_ttft": ttft * 1e3 if ttft else float("nan"),
+            "total": (done - start) * 1e3,
+        }
+        timings["query_to_first_token"] = timings["retrieval"] + timings["compose"] + timings["engine_ttft"]
+        return Answer(out.outputs[0].text, mode, list(order), len(prompt["prompt_token_ids"]), memory,
+                      report.get("injected_tokens", 0), report.get("fallback"), timings)
+
+    def close(self) -> None:
+        """Shut the engine down (frees its memory and worker processes)."""
+        if self._llm is not None:
+            engine = getattr(self._llm, "llm_engine", None)
+            shutdown = getattr(engine, "shutdown", None) or getattr(getattr(engine, "engine_core", None), "shutdown", None)
+            if shutdown:
+                shutdown()
+            self._llm = None

