@@ -1,0 +1,55 @@
+"""The connector under other engine set-ups: vLLM's default multiprocess engine
+(what `vllm serve` uses) and prefix caching off."""
+
+from __future__ import annotations
+
+import pytest
+
+import tiny_models
+import vllm_harness as vh
+from inferscale.compose.prompt import PromptFormat, fact_ids
+from inferscale.config import DEFAULT_INSTRUCTION
+from inferscale.encode.encoder import FactEncoder
+from inferscale.storage.disk import DiskStore
+
+pytestmark = pytest.mark.slow
+
+FACTS = ["Alice has a cat named Miso.", "Alice works as a nurse in Lisbon."]
+
+
+def _memory(tmp_path, arch: str):
+    path = tiny_models.tiny_model_dir(arch, "float32")
+    with FactEncoder.from_spec(str(path), dtype="float32") as encoder:
+        tok = encoder.tokenizer
+        fmt = PromptFormat.from_tokenizer(tok, DEFAULT_INSTRUCTION)
+        disk = DiskStore(DiskStore.Options(root=str(tmp_path / "kv")))
+        prefix = fmt.prefix_ids(tok)
+        vh.write_prefix(disk, encoder, prefix)
+        context, kvs = list(prefix), {}
+        for i, text in enumerate(FACTS):
+            ids = fact_ids(tok, text)
+            kvs[f"f{i}"] = encoder.encode_ids(ids, context_ids=context)
+            context += ids
+        disk.put("alice", kvs)
+        prompt = fmt.prompt_ids(tok, [fact_ids(tok, t) for t in FACTS], "What is my cat called?")
+    return path, prompt, context
+
+
+@pytest.mark.parametrize("multiprocess, prefix_caching", [(True, True), (False, False)],
+                         ids=["multiprocess", "no-prefix-caching"])
+def test_injection_in_engine_setups(tmp_path, multiprocess, prefix_caching):
+    path, prompt, segment = _memory(tmp_path, "qwen2")
+    llm = vh.make_engine(path, tmp_path, "float32", multiprocess=multiprocess, prefix_caching=prefix_caching)
+    try:
+        plain_tokens, _, plain = vh.greedy(llm, prompt)
+        params, salt = vh.memory_request("alice", ["f0", "f1"], segment)
+        tokens, _, out = vh.greedy(llm, prompt, params, salt)
+        assert vh.report(out)["injected_tokens"] == len(segment)
+        assert out.num_cached_tokens == len(segment)
+        assert tokens == plain_tokens
+        assert vh.logprob_gap(out, plain)[0] < 1e-3
+        # a failure in this set-up still falls back cleanly
+        tokens, _, out = vh.greedy(llm, prompt, vh.memory_request("bob", ["f0"], segment)[0], salt)
+        assert vh.report(out)["fallback"] == "unknown_user" and tokens == plain_tokens
+    finally:
+        vh.close_engine(llm)
