@@ -7,6 +7,7 @@ and stored with the disk store the connector reads.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -34,8 +35,16 @@ QUERY = "What is the name of my cat?"
 #: kernel rounding; bf16 K/V are rounded once more when cast into the cache.
 TOLERANCE = {"float32": 2e-3, "bfloat16": 0.15}
 ENCODE_DTYPE: dict[str, str] = {}  # the product encodes in fp32 and casts into the cache
-MODELS = [("llama", "float32"), ("qwen2", "float32"), ("qwen3", "float32"),
-          ("llama", "bfloat16"), ("qwen3", "bfloat16"), ("qwen05", "float32")]
+
+
+def _models(env: str, default: str) -> list[tuple[str, str]]:
+    """``name:dtype`` pairs; the GPU run sets INFERSCALE_TEST_MODELS (FlashAttention has no fp32)."""
+    return [tuple(item.split(":")) for item in os.environ.get(env, default).split(",")]
+
+
+MODELS = _models("INFERSCALE_TEST_MODELS", "llama:float32,qwen2:float32,qwen3:float32,"
+                 "llama:bfloat16,qwen3:bfloat16,qwen05:float32")
+REPLAY_MODELS = _models("INFERSCALE_REPLAY_MODELS", "llama:float32,llama:bfloat16,qwen3:bfloat16")
 
 
 @dataclass
@@ -70,6 +79,10 @@ class Served:
 def model_dir(name: str, dtype: str, request) -> Path:
     if name == "qwen05":
         return request.getfixturevalue("qwen05_dir")
+    if name == "smollm2":  # real SmolLM2-135M-Instruct (small enough for the GPU machine)
+        from inferscale.models import model_dir as converted
+
+        return converted("smollm2-135m-instruct", dtype)
     return tiny_models.tiny_model_dir(name, dtype)
 
 
@@ -212,7 +225,7 @@ def test_corrupt_file_is_detected_on_load_and_recomputed(served):
 
 @pytest.mark.parametrize("k", [0])
 def test_fuzzed_params_never_crash_the_engine(served, k):
-    if served.name != "llama" or served.dtype != "float32":
+    if (served.name, served.dtype) != MODELS[0]:
         pytest.skip("fuzzed on one engine")
     prompt = served.prompt(served.facts())
     plain = vh.greedy(served.llm, prompt, max_tokens=2)[0]
@@ -241,8 +254,7 @@ def test_fuzzed_params_never_crash_the_engine(served, k):
 # ------------------------------------------------------------------ strict control
 
 
-@pytest.fixture(scope="module", params=[("llama", "float32"), ("llama", "bfloat16"), ("qwen3", "bfloat16")],
-                ids=lambda p: f"{p[0]}-{p[1]}")
+@pytest.fixture(scope="module", params=REPLAY_MODELS, ids=lambda p: f"{p[0]}-{p[1]}")
 def replay(request, tmp_path_factory):
     s = start(*request.param, request, tmp_path_factory, connector=("ReplayConnector", "plugins.replay_connector"))
     s.llm.apply_model(vllm_probe.install)

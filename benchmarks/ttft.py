@@ -1,0 +1,191 @@
+"""Engine TTFT with memory: no memory vs KV injection vs prompt injection, over k.
+
+Runs a Llama-3.1-8B-shaped model with random weights (``load_format="dummy"``:
+true timings, meaningless text) under vLLM with the InferScale connector.
+Facts are random pre-RoPE K/V of ``--fact-tokens`` tokens each (k = 50 × 20
+tokens ≈ 1,000 tokens ≈ 128 MiB of bf16 K/V for this shape).
+
+For every k it measures the wall time of ``LLM.generate`` with one output
+token (median of ``--reps``), each request with a fresh cache salt so vLLM's
+prefix cache never helps:
+
+* ``none``   — the question alone (the floor: no memory at all);
+* ``kv``     — ``[prefix | k facts | question]`` with the facts injected;
+* ``prompt`` — the same token ids prefilled as text (prompt injection).
+
+It also times the store's ``get`` of the k facts onto the GPU against one
+pinned host→device copy of the same bytes (the PCIe floor).
+
+    python benchmarks/ttft.py --out benchmarks/results/ttft_h200.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import tempfile
+import time
+import uuid
+from pathlib import Path
+
+LLAMA_31_8B = {
+    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 4096,
+    "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32,
+    "num_key_value_heads": 8, "head_dim": 128, "vocab_size": 128256, "max_position_embeddings": 131072,
+    "rms_norm_eps": 1e-5, "hidden_act": "silu", "attention_bias": False, "mlp_bias": False,
+    "tie_word_embeddings": False, "bos_token_id": 128000, "eos_token_id": 128001, "torch_dtype": "bfloat16",
+    "rope_theta": 500000.0,
+    "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                     "original_max_position_embeddings": 8192},
+}
+
+#: the same architecture, tiny, to check the script on a CPU machine
+SMOKE = {**LLAMA_31_8B, "hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 2,
+         "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64, "vocab_size": 128256}
+SHAPES = {"llama-3.1-8b": LLAMA_31_8B, "smoke": SMOKE}
+
+
+def write_memory(data: Path, cfg: dict, ks: list[int], fact_tokens: int, prefix_tokens: int, seed: int = 0):
+    import torch
+
+    from inferscale.compose.segment import PREFIX_FACT, SYSTEM_USER
+    from inferscale.kv import FactKV
+    from inferscale.storage.disk import DiskStore
+
+    shape = (cfg["num_hidden_layers"], cfg["num_key_value_heads"], cfg["head_dim"])
+    gen = torch.Generator().manual_seed(seed)
+
+    def fact(n: int) -> FactKV:
+        ids = torch.randint(1000, 100000, (n,), generator=gen).tolist()
+        kv = torch.randn((2, shape[0], n, *shape[1:]), generator=gen).to(torch.bfloat16)
+        return FactKV(ids, kv[0], kv[1])
+
+    disk = DiskStore(DiskStore.Options(root=str(data / "kv")))
+    prefix = fact(prefix_tokens)
+    disk.put(SYSTEM_USER, {PREFIX_FACT: prefix})
+    facts = {f"f{i}": fact(fact_tokens) for i in range(max(ks))}
+    disk.put("bench", facts)
+    return disk, list(prefix.token_ids), facts
+
+
+def time_generate(llm, prompt: dict, params: dict | None, reps: int) -> tuple[float, int]:
+    from vllm import SamplingParams
+
+    times, cached = [], 0
+    for _ in range(reps + 1):  # the first run warms this shape up
+        p = dict(prompt, cache_salt=(prompt.get("cache_salt", "plain") + ":" + uuid.uuid4().hex))
+        sp = SamplingParams(max_tokens=1, temperature=0.0,
+                            extra_args={"kv_transfer_params": params} if params else None)
+        start = time.perf_counter()
+        (out,) = llm.generate([p], sp, use_tqdm=False)
+        times.append((time.perf_counter() - start) * 1e3)
+        cached = out.num_cached_tokens
+    return statistics.median(times[1:]), cached
+
+
+def store_get_times(disk, facts, ks, reps: int) -> dict:
+    """ms of pinned/hbm ``get`` of k facts onto the GPU vs one raw pinned copy of the same bytes."""
+    import torch
+
+    from inferscale.storage.hbm import HBMStore
+    from inferscale.storage.pinned import PinnedHostStore
+
+    if not torch.cuda.is_available():
+        return {}
+    out = {}
+    stores = {"pinned": PinnedHostStore(PinnedHostStore.Options()), "hbm": HBMStore(HBMStore.Options())}
+    for store in stores.values():
+        store.put("bench", facts)
+
+    def cuda_ms(fn) -> float:
+        samples = []
+        for _ in range(reps + 2):
+            torch.cuda.synchronize()
+            start = time.perf_counter()
+            fn()
+            torch.cuda.synchronize()
+            samples.append((time.perf_counter() - start) * 1e3)
+        return statistics.median(samples[2:])
+
+    for k in ks:
+        ids = [f"f{i}" for i in range(k)]
+        nbytes = sum(facts[i].nbytes for i in ids)
+        host = torch.empty(nbytes, dtype=torch.uint8).pin_memory()
+        floor = cuda_ms(lambda: host.to("cuda", non_blocking=True))
+        row = {"bytes": nbytes, "pcie_floor_ms": floor}
+        for name, store in stores.items():
+            row[f"{name}_get_ms"] = cuda_ms(lambda s=store: s.get("bench", ids, "cuda"))
+        row["pinned_vs_floor"] = row["pinned_get_ms"] / floor
+        out[k] = row
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--ks", default="1,10,25,50")
+    parser.add_argument("--fact-tokens", type=int, default=20)
+    parser.add_argument("--prefix-tokens", type=int, default=32)
+    parser.add_argument("--question-tokens", type=int, default=16)
+    parser.add_argument("--reps", type=int, default=7)
+    parser.add_argument("--kv-store", default="pinned", choices=("pinned", "hbm"))
+    parser.add_argument("--shape", default="llama-3.1-8b", choices=sorted(SHAPES))
+    parser.add_argument("--out", default="benchmarks/results/ttft.json")
+    args = parser.parse_args()
+    ks = [int(k) for k in args.ks.split(",")]
+
+    import torch
+    from vllm import LLM
+    from vllm.config import KVTransferConfig
+
+    from inferscale.config import BackendSpec, Config
+    from inferscale.connector.params import make_params, segment_salt
+    from inferscale.engine import kv_transfer_config
+
+    work = Path(tempfile.mkdtemp(prefix="inferscale-ttft-"))
+    cfg = SHAPES[args.shape]
+    model = work / f"{args.shape}-shape"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps(cfg))
+    disk, prefix, facts = write_memory(work, cfg, ks, args.fact_tokens, args.prefix_tokens)
+    config = Config(model=str(model), data_dir=str(work), kv_store=BackendSpec(args.kv_store))
+    memory = {"gpu_memory_utilization": 0.5} if torch.cuda.is_available() else {"kv_cache_memory_bytes": 256 << 20}
+    llm = LLM(model=str(model), load_format="dummy", skip_tokenizer_init=True, dtype="bfloat16",
+              max_model_len=8192, enforce_eager=True, enable_prefix_caching=True,
+              kv_transfer_config=KVTransferConfig(**kv_transfer_config(config)), **memory)
+    question = torch.randint(1000, 100000, (args.question_tokens,)).tolist()
+    rows = []
+    none_ms, _ = time_generate(llm, {"prompt_token_ids": question}, None, args.reps)
+    for k in ks:
+        ids = [f"f{i}" for i in range(k)]
+        segment = prefix + [t for i in ids for t in facts[i].token_ids]
+        prompt = {"prompt_token_ids": segment + question, "cache_salt": segment_salt("bench", segment)}
+        kv_ms, cached = time_generate(llm, prompt, make_params("bench", ids), args.reps)
+        text_ms, _ = time_generate(llm, {"prompt_token_ids": segment + question, "cache_salt": "text"},
+                                   None, args.reps)
+        rows.append({"k": k, "memory_tokens": len(segment), "injected_tokens": cached, "none_ms": none_ms,
+                     "kv_ms": kv_ms, "prompt_ms": text_ms, "kv_vs_none": kv_ms / none_ms,
+                     "prompt_vs_none": text_ms / none_ms})
+    gets = store_get_times(disk, facts, ks, args.reps)
+    device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+    result = {"device": device, "model": f"{args.shape} shape, random weights, bf16, eager",
+              "kv_store": args.kv_store, "fact_tokens": args.fact_tokens, "rows": rows, "store_get": gets}
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(result, indent=2))
+    print(f"\n{device} — engine TTFT (wall of generate, 1 token), median of {args.reps}")
+    print("| k | memory tokens | injected | no memory ms | KV injection ms | prompt injection ms | KV/none | prompt/none |")
+    print("|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['k']} | {r['memory_tokens']} | {r['injected_tokens']} | {r['none_ms']:.2f} | {r['kv_ms']:.2f} | "
+              f"{r['prompt_ms']:.2f} | {r['kv_vs_none']:.2f} | {r['prompt_vs_none']:.2f} |")
+    if gets:
+        print("\n| k | MiB | PCIe floor ms | pinned get ms | × floor | hbm get ms |\n|---|---|---|---|---|---|")
+        for k, g in gets.items():
+            print(f"| {k} | {g['bytes'] / 2**20:.1f} | {g['pcie_floor_ms']:.2f} | {g['pinned_get_ms']:.2f} | "
+                  f"{g['pinned_vs_floor']:.2f} | {g['hbm_get_ms']:.2f} |")
+    os._exit(0)  # vLLM's engine threads can keep the interpreter alive
+
+
+if __name__ == "__main__":
+    main()
