@@ -1,0 +1,99 @@
+"""The built-in window policies: "turns", "tokens" and "none".
+
+Each one picks the conversation a fact is encoded behind. The window always
+ends at the fact's source turn, **inclusive**: the turn the fact was extracted
+from is the most relevant context (it holds the words the fact paraphrases),
+and the fact is encoded right after it. A fact with no known source turn gets
+no context (w = 0), whatever the policy.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from inferscale.encode.window import Tokenize, Turn, WindowPolicy
+
+
+def _turn_ids(turns: Sequence[Turn], tokenize: Tokenize) -> list[int]:
+    return [t for turn in turns for t in tokenize(turn.render())]
+
+
+class TurnsWindow(WindowPolicy):
+    """The ``window`` turns ending at the source turn, inclusive.
+
+    ``window=1`` is the source turn alone; ``window=2`` adds the turn before
+    it (typically the other speaker's), and so on. ``window=0`` is no context.
+    """
+
+    name = "turns"
+
+    @dataclass(frozen=True)
+    class Options:
+        window: int = 2
+
+        def __post_init__(self):
+            if not isinstance(self.window, int) or self.window < 0:
+                raise ValueError(f"window must be an integer >= 0, got {self.window!r}")
+
+    def __init__(self, options: Options | None = None, **runtime):
+        self.options = options or self.Options()
+
+    def context_ids(self, turns: Sequence[Turn], source: int | None, tokenize: Tokenize) -> list[int]:
+        if source is None or self.options.window == 0:
+            return []
+        first = max(0, source - self.options.window + 1)
+        return _turn_ids(turns[first : source + 1], tokenize)
+
+
+class TokensWindow(WindowPolicy):
+    """As many tokens before the fact as fit in ``max_tokens``, cut on the left.
+
+    The conversation up to and including the source turn is tokenized turn by
+    turn (each turn rendered as in :meth:`Turn.render`); the last
+    ``max_tokens`` ids are kept, so the first kept turn may be cut mid-way.
+    """
+
+    name = "tokens"
+
+    @dataclass(frozen=True)
+    class Options:
+        max_tokens: int
+
+        def __post_init__(self):
+            if not isinstance(self.max_tokens, int) or self.max_tokens < 0:
+                raise ValueError(f"max_tokens must be an integer >= 0, got {self.max_tokens!r}")
+
+    def __init__(self, options: Options, **runtime):
+        if options is None:
+            raise ValueError("the 'tokens' window needs options: max_tokens")
+        self.options = options
+
+    def context_ids(self, turns: Sequence[Turn], source: int | None, tokenize: Tokenize) -> list[int]:
+        budget = self.options.max_tokens
+        if source is None or budget == 0:
+            return []
+        chunks: list[list[int]] = []
+        have = 0
+        for turn in reversed(turns[: source + 1]):  # tokenize only what can fit
+            chunks.append(tokenize(turn.render()))
+            have += len(chunks[-1])
+            if have >= budget:
+                break
+        ids = [t for chunk in reversed(chunks) for t in chunk]
+        return ids[-budget:]
+
+
+class NoWindow(WindowPolicy):
+    """No context: every fact is encoded on its own, from position 0 (w = 0)."""
+
+    name = "none"
+
+    def __init__(self, options: None = None, **runtime):
+        self.options = options
+
+    def context_ids(self, turns: Sequence[Turn], source: int | None, tokenize: Tokenize) -> list[int]:
+        return []
+
+
+BUILTIN_POLICIES = (TurnsWindow, TokensWindow, NoWindow)

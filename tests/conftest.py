@@ -1,0 +1,56 @@
+"""Shared fixtures: tiny random-weight models and the real Qwen2.5-Coder-0.5B-Instruct.
+
+All model fixtures are session-scoped: the tiny directories are built once
+(and cached, see :mod:`tiny_models`), the real model is converted once into
+``$INFERSCALE_CACHE/models`` (~45-70 s the first time, then reused).
+
+Tests may record numbers (e.g. max abs errors) in the ``error_log`` fixture;
+they are printed in the terminal summary.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+import tiny_models
+
+_ERRORS = pytest.StashKey[dict]()
+QWEN05 = "qwen2.5-coder-0.5b-instruct"
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dirs() -> dict[str, Path]:
+    """arch ("llama", "qwen2", "qwen3") → a float32 tiny model directory."""
+    return {arch: tiny_models.tiny_model_dir(arch, "float32") for arch in tiny_models.ARCHS}
+
+
+@pytest.fixture(scope="session")
+def qwen05_dir() -> Path:
+    """The real Qwen2.5-Coder-0.5B-Instruct as a float32 HF directory (skips if not installed)."""
+    from inferscale.models import MissingWeightsError, model_dir
+
+    for module, pip_name in (("gguf", "gguf"), ("accelerate", "accelerate")):
+        if importlib.util.find_spec(module) is None:
+            pytest.skip(f"converting the GGUF weights needs {pip_name}: pip install {pip_name}")
+    try:
+        return model_dir(QWEN05, "float32")
+    except MissingWeightsError as exc:
+        pytest.skip(str(exc))
+
+
+@pytest.fixture(scope="session")
+def error_log(request) -> dict[str, tuple[float, ...]]:
+    """name → numbers, shown in the terminal summary."""
+    return request.config.stash.setdefault(_ERRORS, {})
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    errors = config.stash.get(_ERRORS, None)
+    if errors:
+        terminalreporter.section("max abs errors")
+        for name, values in sorted(errors.items()):
+            values = values if isinstance(values, (tuple, list)) else (values,)
+            shown = " / ".join(f"{v:.2e}" for v in values)
+            terminalreporter.write_line(f"{name:72s} {shown}")
