@@ -141,8 +141,8 @@ class InferScale:
 
         window = build("encoder", self.config.encoder)
         with FactEncoder.from_spec(str(self.model_dir), window, dtype="float32") as encoder:
-            self._ensure_prefix(encoder)
-            kvs = encoder.encode(records, turns, progress=progress)
+            prefix = self._ensure_prefix(encoder)
+            kvs = encoder.encode(records, turns, progress=progress, prefix_ids=prefix)
         self.disk.put(user_id, kvs)
         vectors = self.embedder.embed([f.text for f in records])
         self.catalog.put(user_id, records, vectors)
@@ -162,14 +162,15 @@ class InferScale:
             records[fid] = Fact(fid, user_id, text, source, tuple(fact_ids(self.tokenizer, text)))
         return list(records.values())
 
-    def _ensure_prefix(self, encoder) -> None:
+    def _ensure_prefix(self, encoder) -> list[int]:
         """Encode the instruction prefix once (position 0) and store it like a fact."""
         ids = self.prompt_format.prefix_ids(self.tokenizer)
         if PREFIX_FACT in self.disk.list(SYSTEM_USER):
             (stored,) = self.disk.token_ids(SYSTEM_USER, [PREFIX_FACT])
             if list(stored) == ids:
-                return
+                return ids
         self.disk.put(SYSTEM_USER, {PREFIX_FACT: encoder.encode_ids(ids)})
+        return ids
 
     # ------------------------------------------------------------ serving
 

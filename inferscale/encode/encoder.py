@@ -202,12 +202,18 @@ class FactEncoder:
             )
         return ids
 
-    def encode(self, facts: Sequence[Fact], turns: Sequence[Turn] = (), progress: bool = True) -> dict[str, FactKV]:
-        """K/V of each fact, encoded behind its window of ``turns``, by fact_id."""
+    def encode(self, facts: Sequence[Fact], turns: Sequence[Turn] = (), progress: bool = True,
+               prefix_ids: Sequence[int] = ()) -> dict[str, FactKV]:
+        """K/V of each fact, encoded behind ``prefix_ids`` and its window of ``turns``, by fact_id.
+
+        ``prefix_ids`` (e.g. the instruction prefix the segment starts with) come
+        first in every row, so a fact is encoded as it will be read: after the
+        system prompt, not as the start of a sequence.
+        """
         self._live_model()
         unique = _unique_facts(facts)
         sources = _source_index(turns)
-        rows = [self._fact_row(fact, turns, sources) for fact in unique]
+        rows = [self._fact_row(fact, turns, sources, tuple(prefix_ids)) for fact in unique]
         with tqdm(total=len(rows), desc="encoding facts", unit="fact", disable=not progress) as bar:
             kvs = self._encode_rows(rows, bar)
         return {fact.fact_id: kv for fact, kv in zip(unique, kvs)}
@@ -238,7 +244,7 @@ class FactEncoder:
             raise RuntimeError("this FactEncoder is closed")
         return self.model
 
-    def _fact_row(self, fact: Fact, turns: Sequence[Turn], sources: dict[str, int]) -> _Row:
+    def _fact_row(self, fact: Fact, turns: Sequence[Turn], sources: dict[str, int], prefix: tuple[int, ...] = ()) -> _Row:
         source = None
         if fact.source_turn is not None and turns:
             if fact.source_turn not in sources:
@@ -247,7 +253,7 @@ class FactEncoder:
                 )
             source = sources[fact.source_turn]
         context = self.window.context_ids(turns, source, self.tokenize)
-        return _Row(tuple(context), tuple(self.fact_ids(fact)))
+        return _Row(prefix + tuple(context), tuple(self.fact_ids(fact)))
 
     def _encode_rows(self, rows: Sequence[_Row], bar=None) -> list[FactKV]:
         """Encode rows in batches of similar length; results in the input order."""
