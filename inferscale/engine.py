@@ -36,10 +36,20 @@ def make_llm(model_dir: str, config: Config, **engine_kwargs: Any):
     kwargs: dict[str, Any] = dict(
         model=str(model_dir),
         dtype=config.model.dtype,
-        max_model_len=4096,
+        max_model_len=min(4096, _max_positions(model_dir)),
         enable_prefix_caching=True,
         disable_log_stats=False,
         kv_transfer_config=KVTransferConfig(**kv_transfer_config(config)),
     )
     kwargs.update(engine_kwargs)
     return LLM(**kwargs)
+
+
+def _max_positions(model_dir: str) -> int:
+    """The model's own context limit (from config.json; 4096 when it does not say)."""
+    import json
+    from pathlib import Path
+
+    config = json.loads((Path(model_dir) / "config.json").read_text())
+    config = config.get("text_config", config)
+    return int(config.get("max_position_embeddings") or 4096)

@@ -59,12 +59,17 @@ def make_engine(model_dir: Path, data_dir: Path, dtype: str, *, multiprocess: bo
 
 
 def close_engine(llm) -> None:
-    from vllm.distributed.kv_transfer.kv_transfer_state import ensure_kv_transfer_shutdown
-    from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
-
     with contextlib.suppress(Exception):
         llm.llm_engine.engine_core.shutdown()
     del llm
+    close_engine_state()
+
+
+def close_engine_state() -> None:
+    """Drop vLLM's per-process state (KV-connector agent, distributed groups)."""
+    from vllm.distributed.kv_transfer.kv_transfer_state import ensure_kv_transfer_shutdown
+    from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
+
     ensure_kv_transfer_shutdown()
     cleanup_dist_env_and_memory()
     gc.collect()

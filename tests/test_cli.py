@@ -1,0 +1,43 @@
+"""The command line: the demo end to end on a tiny model, and serve-config."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+import tiny_models
+
+
+def run(*args, env=None, timeout=600):
+    return subprocess.run([sys.executable, "-m", "inferscale.cli", *args], capture_output=True, text=True,
+                          timeout=timeout, env={**os.environ, **(env or {})})
+
+
+def test_serve_config_is_a_kv_transfer_config(tmp_path):
+    (tmp_path / "c.toml").write_text('data_dir = "/srv/mem"\n[kv_store]\nname = "hbm"\n')
+    out = run("serve-config", "--config", str(tmp_path / "c.toml"))
+    assert out.returncode == 0, out.stderr
+    config = json.loads(out.stdout)
+    assert config["kv_connector_module_path"] == "inferscale.connector.vllm_adapter"
+    assert config["kv_load_failure_policy"] == "recompute"
+    assert config["kv_connector_extra_config"]["config"]["kv_store"]["name"] == "hbm"
+
+
+def test_bad_config_is_a_clear_error(tmp_path):
+    (tmp_path / "c.toml").write_text('[retriever]\nname = "jaspr"\n')
+    out = run("serve-config", "--config", str(tmp_path / "c.toml"))
+    assert out.returncode == 0  # names are checked when a backend is built
+    (tmp_path / "d.toml").write_text("top_k = 0\n")
+    out = run("serve-config", "--config", str(tmp_path / "d.toml"))
+    assert out.returncode == 2 and "top_k must be a positive integer" in out.stderr
+
+
+@pytest.mark.slow
+def test_demo_runs_on_a_tiny_model(tmp_path):
+    model = tiny_models.tiny_model_dir("llama", "float32")
+    out = run("demo", "--model", str(model), "--data-dir", str(tmp_path), "--max-tokens", "3", "-k", "4")
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.count("KV injection") >= 4 and out.stdout.count("prompt injection") >= 4
+    assert "median engine TTFT" in out.stdout and "fallback" not in out.stdout
