@@ -51,10 +51,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def _jasper() -> Retriever:
-    from inferscale.retrieval.jasper import JasperRetriever
+def _jasper(beam_width: int) -> Callable[[], Retriever]:
+    def make() -> Retriever:
+        from inferscale.retrieval.jasper import JasperRetriever
 
-    return JasperRetriever(JasperRetriever.Options(min_graph_size=1))
+        return JasperRetriever(JasperRetriever.Options(min_graph_size=1, beam_width=beam_width))
+
+    return make
 
 
 #: name → factory; approximate kinds are used from the first fact on (approx_min=1).
@@ -63,13 +66,14 @@ BACKENDS: dict[str, Callable[[], Retriever]] = {
     "faiss-flat": lambda: FaissRetriever(),
     "faiss-hnsw": lambda: FaissRetriever(FaissRetriever.Options(kind="hnsw", approx_min=1)),
     "faiss-ivf": lambda: FaissRetriever(FaissRetriever.Options(kind="ivf", approx_min=1)),
-    "jasper": _jasper,
+    "jasper": _jasper(256),
+    "jasper-wide": _jasper(1024),
 }
 
 
 def available(names: list[str]) -> list[str]:
     has_jasper = importlib.util.find_spec("jasper") is not None and torch.cuda.is_available()
-    return [n for n in names if n != "jasper" or has_jasper]
+    return [n for n in names if not n.startswith("jasper") or has_jasper]
 
 
 def device_slug() -> str:

@@ -1,0 +1,10 @@
+"""Fact retrieval: embedders (text → unit vectors) and per-user top-k retrievers.
+
+Backends (``exact``, ``faiss``, ``jasper``; ``minilm``, ``openai``) are selected
+by name through :func:`inferscale.config.build`; importing this package loads
+none of faiss, sentence-transformers, openai or jasper.
+"""
+
+from inferscale.retrieval.base import Embedder, Hit, Retriever
+
+__all__ = ["Embedder", "Hit", "Retriever"]

@@ -1,0 +1,76 @@
+"""Exact top-k: one matrix per user, a matmul and a top-k, on the GPU when there is one."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import torch
+
+from inferscale.retrieval.base import Hit, Retriever
+from inferscale.retrieval.ranking import top_hits
+from inferscale.retrieval.tensors import DimLock, check_device, check_fact_ids, check_k, last_wins, pick_device
+from inferscale.retrieval.user_matrix import UserMatrix
+
+
+class ExactRetriever(Retriever):
+    """Brute-force inner-product search; exact, and fast up to ~10⁵ facts per user.
+
+    Ties are broken by ``fact_id`` (see :mod:`inferscale.retrieval.ranking`).
+    """
+
+    name: ClassVar[str] = "exact"
+
+    @dataclass(frozen=True)
+    class Options:
+        #: ``None``: the runtime ``device`` if given, else CUDA when available, else CPU.
+        device: str | None = None
+        #: Expected embedding width; ``None``: fixed by the first ``add``.
+        dim: int | None = None
+
+        def __post_init__(self):
+            check_device(self.device)
+
+    def __init__(self, options: Options | None = None, *, device: str | torch.device | None = None, **runtime: Any):
+        """``runtime`` objects other than ``device`` are accepted and ignored (the index lives in memory)."""
+        self.options = options or self.Options()
+        self.device = pick_device(self.options.device or device)
+        self._dims = DimLock(self.options.dim)
+        self._users: dict[str, UserMatrix] = {}
+        self._lock = threading.RLock()
+
+    def add(self, user_id: str, fact_ids: Sequence[str], embeddings: torch.Tensor) -> None:
+        with self._lock:
+            x = self._dims.matrix(embeddings, "embeddings", fix=True)
+            ids, x = last_wins(check_fact_ids(fact_ids, x.shape[0]), x)
+            if ids:
+                self._user(user_id).upsert(ids, x)
+
+    def search(self, user_id: str, queries: torch.Tensor, k: int) -> list[list[Hit]]:
+        with self._lock:
+            q = self._dims.matrix(queries, "queries", fix=False)
+            check_k(k)
+            user = self._users.get(user_id)
+            if user is None or len(user) == 0:
+                return [[] for _ in range(q.shape[0])]
+            scores = q.to(self.device, torch.float32) @ user.vectors.T
+            return top_hits(scores, user.fact_ids, k)
+
+    def delete(self, user_id: str, fact_ids: Sequence[str] | None = None) -> None:
+        with self._lock:
+            if fact_ids is None:
+                self._users.pop(user_id, None)
+            elif user_id in self._users:
+                self._users[user_id].remove(check_fact_ids(fact_ids, len(fact_ids)))
+
+    def count(self, user_id: str) -> int:
+        with self._lock:
+            user = self._users.get(user_id)
+            return 0 if user is None else len(user)
+
+    def _user(self, user_id: str) -> UserMatrix:
+        if user_id not in self._users:
+            self._users[user_id] = UserMatrix(self._dims.dim, self.device)
+        return self._users[user_id]

@@ -1,0 +1,190 @@
+"""A Mem0 vector store backed by any InferScale :class:`Retriever` (exact, faiss, Jasper).
+
+Mem0 has no public registry for third-party stores, so attach one to a built
+``mem0.Memory``::
+
+    from inferscale.retrieval.exact import ExactRetriever
+    from inferscale.retrieval.mem0_store import attach
+
+    memory = mem0.Memory.from_config({...})         # its own store only holds mem0's defaults
+    store = attach(memory, ExactRetriever())        # memory.vector_store = the adapter
+
+Each memory is indexed under the retriever user of its payload's ``user_id``
+(``"_shared"`` when there is none), so a search filtered by ``user_id`` is one
+per-user top-k, and the isolation of users is the retriever's. Other filters
+(``agent_id``, ``run_id``, any metadata key) are applied to payloads, fetching
+more hits until ``top_k`` pass or the user is exhausted. Filter values are
+matched by equality, or membership for a list; operator filters (``{"gte": ..}``,
+``AND``/``OR``/``NOT``) raise ``ValueError``. Mem0 is never imported at module
+import time.
+
+Payloads and vectors are kept in memory (vectors so that ``update`` can move a
+memory to another user); nothing is persisted.
+"""
+
+from __future__ import annotations
+
+import threading
+import uuid
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from inferscale.retrieval.base import Hit, Retriever
+
+SHARED = "_shared"
+_LOGICAL = {"AND", "OR", "NOT", "$and", "$or", "$not"}
+
+
+@dataclass
+class MemoryRow:
+    """What Mem0 reads from a store's results: ``id``, ``score`` (higher is better), ``payload``."""
+
+    id: str
+    score: float | None
+    payload: dict
+
+
+def attach(memory: Any, retriever: Retriever, dim: int | None = None) -> RetrieverVectorStore:
+    """Make ``retriever`` the vector store of a built ``mem0.Memory``; returns the adapter."""
+    store = make_store(retriever, getattr(memory, "collection_name", "mem0"), dim)
+    memory.vector_store = store
+    return store
+
+
+def make_store(retriever: Retriever, collection_name: str = "mem0", dim: int | None = None) -> RetrieverVectorStore:
+    """An adapter instance (a subclass of Mem0's ``VectorStoreBase``, imported here)."""
+    return _store_class()(retriever, collection_name, dim)
+
+
+def _store_class() -> type:
+    try:
+        from mem0.vector_stores.base import VectorStoreBase
+    except ImportError as exc:
+        raise ImportError("the Mem0 adapter needs mem0: pip install mem0ai==2.2.1") from exc
+    return type("InferScaleVectorStore", (RetrieverVectorStore, VectorStoreBase), {})
+
+
+class RetrieverVectorStore:
+    """Mem0's 11 vector-store methods over a Retriever (see the module docstring)."""
+
+    def __init__(self, retriever: Retriever, collection_name: str = "mem0", dim: int | None = None):
+        self.retriever, self.collection_name, self.dim = retriever, collection_name, dim
+        self._payloads: dict[str, dict] = {}
+        self._vectors: dict[str, torch.Tensor] = {}
+        self._owner: dict[str, str] = {}  # memory id → retriever user
+        self._lock = threading.RLock()
+
+    # -- collections (one per adapter)
+    def create_col(self, name: str, vector_size: int | None = None, distance: str | None = None):
+        self.collection_name, self.dim = name, vector_size or self.dim
+        return self
+
+    def list_cols(self) -> list[str]:
+        return [self.collection_name]
+
+    def delete_col(self) -> None:
+        with self._lock:
+            for user in set(self._owner.values()):
+                self.retriever.delete(user)
+            self._payloads.clear()
+            self._vectors.clear()
+            self._owner.clear()
+
+    def reset(self) -> None:
+        self.delete_col()
+
+    def col_info(self) -> dict:
+        return {"name": self.collection_name, "count": len(self._payloads), "dimension": self.dim}
+
+    # -- rows
+    def insert(self, vectors: Sequence[Sequence[float]], payloads: Sequence[dict] | None = None,
+               ids: Sequence[str] | None = None) -> None:
+        with self._lock:
+            x = _matrix(vectors)
+            ids = [str(i) for i in ids] if ids is not None else [str(uuid.uuid4()) for _ in range(len(x))]
+            payloads = [dict(p or {}) for p in payloads] if payloads is not None else [{} for _ in ids]
+            if not len(x) == len(ids) == len(payloads):
+                raise ValueError(f"got {len(x)} vectors, {len(payloads)} payloads and {len(ids)} ids")
+            for i, (memory_id, payload) in enumerate(zip(ids, payloads)):
+                self._put(memory_id, x[i], payload)
+
+    def update(self, vector_id: str, vector: Sequence[float] | None = None, payload: dict | None = None) -> None:
+        with self._lock:
+            if vector_id not in self._payloads:
+                raise ValueError(f"memory {vector_id!r} not found")
+            new_vector = self._vectors[vector_id] if vector is None else _matrix([vector])[0]
+            self._put(vector_id, new_vector, dict(payload) if payload is not None else self._payloads[vector_id])
+
+    def delete(self, vector_id: str) -> None:
+        with self._lock:
+            user = self._owner.pop(vector_id, None)
+            if user is not None:
+                self.retriever.delete(user, [vector_id])
+                del self._payloads[vector_id], self._vectors[vector_id]
+
+    def get(self, vector_id: str) -> MemoryRow | None:
+        payload = self._payloads.get(vector_id)
+        return None if payload is None else MemoryRow(vector_id, None, dict(payload))
+
+    def list(self, filters: Mapping[str, Any] | None = None, top_k: int | None = 100) -> list[list[MemoryRow]]:
+        with self._lock:
+            rows = [MemoryRow(i, None, dict(p)) for i, p in self._payloads.items() if _matches(p, filters)]
+            return [rows if top_k is None else rows[:top_k]]
+
+    def search(self, query: Any, vectors: Sequence, top_k: int = 5, filters: Mapping[str, Any] | None = None
+               ) -> list[MemoryRow]:
+        """Top ``top_k`` memories for one query vector, higher score = more similar."""
+        with self._lock:
+            q = _matrix(vectors)[:1]
+            hits = [h for user in self._users(filters) for h in self._search_user(user, q, top_k, filters)]
+            hits.sort(key=lambda h: (-h.score, h.fact_id))
+            return [MemoryRow(h.fact_id, h.score, dict(self._payloads[h.fact_id])) for h in hits[:top_k]]
+
+    # -- helpers
+    def _put(self, memory_id: str, vector: torch.Tensor, payload: dict) -> None:
+        user = str(payload.get("user_id") or SHARED)
+        old = self._owner.get(memory_id)
+        if old is not None and old != user:
+            self.retriever.delete(old, [memory_id])
+        self.retriever.add(user, [memory_id], vector[None])
+        self._owner[memory_id], self._payloads[memory_id], self._vectors[memory_id] = user, payload, vector
+
+    def _users(self, filters: Mapping[str, Any] | None) -> list[str]:
+        wanted = (filters or {}).get("user_id")
+        known = sorted(set(self._owner.values()))
+        if wanted is None:
+            return known
+        wanted = [wanted] if isinstance(wanted, str) else list(wanted)
+        return [u for u in known if u in {str(w) for w in wanted}]
+
+    def _search_user(self, user: str, q: torch.Tensor, top_k: int, filters: Mapping[str, Any] | None) -> list[Hit]:
+        """Fetch ×4 more until ``top_k`` hits pass the payload filters or the user has no more."""
+        count, fetch = self.retriever.count(user), top_k
+        while True:
+            hits = [h for h in self.retriever.search(user, q, fetch)[0] if _matches(self._payloads[h.fact_id], filters)]
+            if len(hits) >= top_k or fetch >= count:
+                return hits[:top_k]
+            fetch = min(count, fetch * 4)
+
+
+def _matrix(vectors: Sequence) -> torch.Tensor:
+    x = torch.as_tensor(vectors, dtype=torch.float32)
+    return x[None] if x.ndim == 1 else x
+
+
+def _matches(payload: Mapping[str, Any], filters: Mapping[str, Any] | None) -> bool:
+    """Equality, or membership for list values; ``None`` values are ignored."""
+    for key, value in (filters or {}).items():
+        if key in _LOGICAL or isinstance(value, Mapping):
+            raise ValueError(f"the InferScale Mem0 store supports equality filters only, got {key!r}: {value!r}")
+        if value is None:
+            continue
+        if isinstance(value, (list, tuple, set)):
+            if payload.get(key) not in value:
+                return False
+        elif payload.get(key) != value:
+            return False
+    return True
