@@ -80,7 +80,7 @@ def _print_summary(rows) -> None:
 
 
 def cmd_add(args) -> int:
-    """Add a LoCoMo conversation's facts (its observations) to memory."""
+    """Encode a LoCoMo conversation's facts (its observations) into memory, one user per speaker."""
     from inferscale.locomo import load_conversation
 
     mem = _api(args)
@@ -141,7 +141,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--max-tokens", type=int, default=32)
     demo.set_defaults(func=cmd_demo)
 
-    add = common(sub.add_parser("add", help=cmd_add.__doc__))
+    add = common(sub.add_parser("encode", aliases=["add"], help=cmd_add.__doc__))
     add.add_argument("locomo", help="a LoCoMo conversation file")
     add.add_argument("--sessions", type=int, default=None)
     add.set_defaults(func=cmd_add)

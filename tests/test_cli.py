@@ -41,3 +41,22 @@ def test_demo_runs_on_a_tiny_model(tmp_path):
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.count("KV injection") >= 4 and out.stdout.count("prompt injection") >= 4
     assert "median engine TTFT" in out.stdout and "fallback" not in out.stdout
+
+
+LOCOMO = os.path.join(os.path.dirname(__file__), "..", "..", "shared", "data", "locomo", "conv-26.json")
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not os.path.exists(LOCOMO), reason="LoCoMo data not found beside the checkout (../shared)")
+def test_encode_then_ask(tmp_path):
+    model = str(tiny_models.tiny_model_dir("qwen3", "float32"))
+    out = run("encode", LOCOMO, "--sessions", "1", "--model", model, "--data-dir", str(tmp_path))
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "caroline:" in out.stdout and "melanie:" in out.stdout
+    out = run("ask", "caroline", "What did Caroline research?", "--model", model, "--data-dir", str(tmp_path),
+              "--max-tokens", "3", "-k", "3")
+    assert out.returncode == 0, out.stderr[-3000:]
+    report = json.loads(out.stderr.strip().splitlines()[-1])
+    assert report["facts"] == 3 and report["fallback"] is None
+    out = run("ask", "nobody", "Hi?", "--model", model, "--data-dir", str(tmp_path))
+    assert out.returncode == 2 and "no memory stored for user 'nobody'" in out.stderr
