@@ -53,3 +53,20 @@ def test_injection_in_engine_setups(tmp_path, multiprocess, prefix_caching):
         assert vh.report(out)["fallback"] == "unknown_user" and tokens == plain_tokens
     finally:
         vh.close_engine(llm)
+
+
+def test_injection_under_tensor_parallelism(tmp_path):
+    """TP=2 on the CPU backend: each rank writes only its own KV heads."""
+    path, prompt, segment = _memory(tmp_path, "qwen3")
+    with vh.env(VLLM_CPU_OMP_THREADS_BIND="0|1"):  # one core per rank (vLLM binds by NUMA node otherwise)
+        llm = vh.make_engine(path, tmp_path, "float32", multiprocess=True, tensor_parallel_size=2,
+                             distributed_executor_backend="mp")
+    try:
+        plain_tokens, _, plain = vh.greedy(llm, prompt)
+        params, salt = vh.memory_request("alice", ["f0", "f1"], segment)
+        tokens, _, out = vh.greedy(llm, prompt, params, salt)
+        assert vh.report(out)["injected_tokens"] == len(segment)
+        assert tokens == plain_tokens
+        assert vh.logprob_gap(out, plain)[0] < 1e-3
+    finally:
+        vh.close_engine(llm)
