@@ -130,12 +130,19 @@ class InferScale:
     # ------------------------------------------------------------ offline
 
     def add_conversation(self, user_id: str, turns: Sequence[Turn],
-                         facts: Sequence[str | tuple[str, str | None]], progress: bool = True) -> list[Fact]:
-        """Encode a user's facts behind their conversation, store the K/V, index the text.
+                         facts: Sequence[str | tuple[str, str | None]] | None = None, *,
+                         llm_base_url: str | None = None, progress: bool = True) -> list[Fact]:
+        """Extract → encode → index: the offline step for one user's conversation.
 
-        ``facts`` are extracted statements, each optionally with the turn_id it
-        came from; at most :data:`MAX_FACTS_PER_TURN` are kept per turn.
+        ``facts`` are already-extracted statements, each optionally with the
+        turn_id it came from. Without them, Mem0's extraction pipeline runs on
+        ``turns`` against the OpenAI-compatible LLM at ``llm_base_url``. At most
+        :data:`MAX_FACTS_PER_TURN` facts are kept per turn.
         """
+        if facts is None:
+            if llm_base_url is None:
+                raise ValueError("add_conversation needs either facts or llm_base_url (to extract them with Mem0)")
+            facts = self.extract_facts(user_id, turns, llm_base_url, progress=progress)
         records = self._make_facts(user_id, facts)
         from inferscale.encode.encoder import FactEncoder
 
@@ -149,6 +156,16 @@ class InferScale:
         self.retriever.add(user_id, [f.fact_id for f in records], vectors)
         self._facts.pop(user_id, None)
         return records
+
+    def extract_facts(self, user_id: str, turns: Sequence[Turn], llm_base_url: str, progress: bool = True,
+                      **options: Any) -> list[tuple[str, str]]:
+        """Mem0's extraction, turn by turn, as ``(fact, source turn_id)``."""
+        from inferscale.extract import Mem0Extractor
+
+        opts = Mem0Extractor.Options(llm_base_url=llm_base_url, store_dir=str(self.config.data_path / "mem0"),
+                                     max_facts_per_turn=MAX_FACTS_PER_TURN, **options)
+        with Mem0Extractor(opts) as extractor:
+            return extractor.extract(user_id, turns, progress=progress)
 
     def _make_facts(self, user_id: str, facts) -> list[Fact]:
         per_turn: dict[str | None, int] = defaultdict(int)

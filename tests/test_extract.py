@@ -1,0 +1,243 @@
+"""Fact extraction with Mem0's pipeline (inferscale.extract).
+
+The slow tests start a real ``vllm.entrypoints.openai.api_server`` serving the
+real Qwen2.5-Coder-0.5B-Instruct on 127.0.0.1 and run Mem0's real
+``Memory.add(infer=True)`` against it — no mocks. The fast tests cover the
+error paths and the pure helpers.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import http.server
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.request
+from collections import Counter
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from inferscale.demo_data import TURNS
+from inferscale.encode.window import Turn
+from inferscale.errors import ConfigError, InferScaleError
+from inferscale.extract import (
+    CappedLLM,
+    EndpointUnreachableError,
+    Mem0Extractor,
+    ServedModel,
+    check_context,
+    memory_schema,
+    pick_model,
+    turn_message,
+)
+
+REPO = Path(__file__).resolve().parents[1]
+CACHE = REPO / ".cache"
+#: Mem0's prompt is ≈8k tokens: 8192 leaves no room for the answer (see check_context)
+MAX_MODEL_LEN = 12288
+STARTUP_TIMEOUT_S = 180
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _say(config: pytest.Config, message: str) -> None:
+    """Print past pytest's output capture (timings are part of what this test reports)."""
+    capture = config.pluginmanager.getplugin("capturemanager")
+    with capture.global_and_fixture_disabled() if capture else contextlib.nullcontext():
+        print(f"\n[test_extract] {message}", flush=True)
+
+
+# ---------------------------------------------------------------- fast tests
+
+
+def test_unreachable_endpoint_fails_fast_and_names_the_url(tmp_path):
+    url = f"http://127.0.0.1:{_free_port()}/v1"
+    extractor = Mem0Extractor(Mem0Extractor.Options(llm_base_url=url, store_dir=str(tmp_path / "mem0")))
+    with pytest.raises(EndpointUnreachableError) as info:
+        extractor.extract("maya", TURNS[:2], progress=False)
+    assert isinstance(info.value, InferScaleError)
+    assert url in str(info.value)
+    assert extractor._memory is None  # failed before loading Mem0 or the embedder
+
+
+def test_options_are_validated(tmp_path):
+    with pytest.raises(ConfigError, match="llm_base_url"):
+        Mem0Extractor.Options(llm_base_url="localhost:8000", store_dir=str(tmp_path))
+    with pytest.raises(ConfigError, match="store_dir"):
+        Mem0Extractor.Options(llm_base_url="http://x/v1", store_dir="")
+    with pytest.raises(ConfigError, match="max_facts_per_turn"):
+        Mem0Extractor.Options(llm_base_url="http://x/v1", store_dir=str(tmp_path), max_facts_per_turn=0)
+    assert Mem0Extractor.Options(llm_base_url="http://x/v1", store_dir="s").output_tokens == 64 + 192 * 5
+
+
+class _ModelsHandler(http.server.BaseHTTPRequestHandler):
+    """A real HTTP endpoint answering GET /v1/models like vLLM with max-model-len 8192."""
+
+    def do_GET(self):
+        body = json.dumps({"object": "list", "data": [{"id": "tiny", "max_model_len": 8192}]}).encode()
+        self.send_response(200 if self.path == "/v1/models" else 404)
+        self.send_header("Content-Type", "application/json")
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args):
+        pass
+
+
+@contextlib.contextmanager
+def _models_server() -> Iterator[str]:
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _ModelsHandler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}/v1"
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def test_too_short_context_is_a_clear_config_error(tmp_path):
+    with _models_server() as url:
+        extractor = Mem0Extractor(Mem0Extractor.Options(llm_base_url=url, store_dir=str(tmp_path)))
+        with pytest.raises(ConfigError, match="--max-model-len"):
+            extractor.extract("maya", TURNS[:1], progress=False)
+        wrong = Mem0Extractor(Mem0Extractor.Options(llm_base_url=url, store_dir=str(tmp_path), llm_model="other"))
+        with pytest.raises(ConfigError, match="serves: tiny"):
+            wrong.check_endpoint()
+
+
+def test_helpers():
+    assert turn_message(Turn("D1:1", "Maya", "Hi"), "Maya") == {"role": "user", "content": "Maya: Hi"}
+    bob = turn_message(Turn("D1:2", "Bob", "Yo"), "Maya", name_speakers=False)
+    assert bob == {"role": "assistant", "content": "Yo"}
+    assert memory_schema(3)["json_schema"]["schema"]["properties"]["memory"]["maxItems"] == 3
+    assert pick_model([{"id": "a"}, {"id": "b", "max_model_len": 9}], "b", "u") == ServedModel("b", 9)
+    check_context(ServedModel("m", None), 10**6, "u")  # unknown length: not checked
+    check_context(ServedModel("m", 12288), 1024, "u")
+
+
+def test_capped_llm_swaps_only_json_object():
+    calls = []
+
+    class Recorder:
+        config = "kept"
+
+        def generate_response(self, messages, response_format=None, **kwargs):
+            calls.append(response_format)
+            return "{}"
+
+    llm = CappedLLM(Recorder(), 2)
+    llm.generate_response([], response_format={"type": "json_object"})
+    llm.generate_response([], response_format=None)
+    assert calls == [memory_schema(2), None]
+    assert llm.config == "kept"
+
+
+# ---------------------------------------------------------------- the real thing
+
+
+@pytest.fixture(scope="module")
+def llm_server(qwen05_dir, pytestconfig) -> Iterator[str]:
+    """A real vLLM OpenAI-compatible server for Qwen2.5-Coder-0.5B-Instruct; its /v1 base URL."""
+    port = _free_port()
+    (CACHE / "tmp").mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix="extract-vllm-", dir=CACHE / "tmp"))
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CACHE_ROOT": str(CACHE / "vllm"),
+           "TMPDIR": str(tmp), "VLLM_RPC_BASE_PATH": str(tmp)}
+    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(qwen05_dir),
+           "--dtype", "float32", "--max-model-len", str(MAX_MODEL_LEN), "--enable-prefix-caching",
+           # vllm-cpu 0.32.0 fails to reload its AOT compile cache and recompiles on every start (~35-45 s)
+           "--enforce-eager", "--host", "127.0.0.1", "--port", str(port)]
+    log = open(tmp / "server.log", "wb")
+    start = time.perf_counter()
+    proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        url = f"http://127.0.0.1:{port}/v1"
+        _wait_ready(proc, url, tmp / "server.log")
+        _say(pytestconfig, f"vLLM server ready in {time.perf_counter() - start:.0f} s")
+        yield url
+    finally:
+        _stop(proc)
+        log.close()
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _wait_ready(proc: subprocess.Popen, url: str, log: Path) -> None:
+    deadline = time.monotonic() + STARTUP_TIMEOUT_S
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            pytest.fail(f"vLLM server exited with {proc.returncode}:\n{log.read_text(errors='replace')[-3000:]}")
+        with contextlib.suppress(OSError):
+            with urllib.request.urlopen(f"{url}/models", timeout=2) as response:
+                if response.status == 200:
+                    return
+        time.sleep(1)
+    pytest.fail(f"vLLM server not ready after {STARTUP_TIMEOUT_S} s:\n{log.read_text(errors='replace')[-3000:]}")
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    """SIGTERM the server's process group (API server, engine core, worker), then SIGKILL."""
+    if proc.poll() is not None:
+        return
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGTERM)
+    try:
+        proc.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=10)
+
+
+def _extract(url: str, store: Path, turns: list[Turn], **options) -> tuple[list[tuple[str, str]], float]:
+    start = time.perf_counter()
+    with Mem0Extractor(Mem0Extractor.Options(llm_base_url=url, store_dir=str(store), **options)) as extractor:
+        facts = extractor.extract("maya", turns)
+    return facts, time.perf_counter() - start
+
+
+def _check_facts(facts: list[tuple[str, str]], turns: list[Turn], cap: int) -> None:
+    assert facts, "Mem0 extracted no fact"
+    ids = {t.turn_id for t in turns}
+    for text, source in facts:
+        assert isinstance(text, str) and text.strip()
+        assert source in ids
+    assert max(Counter(source for _, source in facts).values()) <= cap
+
+
+@pytest.mark.slow
+def test_mem0_extracts_facts_per_turn(llm_server, tmp_path, pytestconfig):
+    turns = TURNS[:2]
+    facts, seconds = _extract(llm_server, tmp_path / "mem0", turns)
+    _say(pytestconfig, f"{len(turns)} turns, max 5 facts/turn: {len(facts)} facts in {seconds:.0f} s: {facts}")
+    _check_facts(facts, turns, 5)
+
+
+@pytest.mark.slow
+def test_mem0_cap_of_one_fact_per_turn(llm_server, tmp_path, pytestconfig):
+    turns = TURNS[2:4]
+    facts, seconds = _extract(llm_server, tmp_path / "mem0", turns, max_facts_per_turn=1)
+    _say(pytestconfig, f"{len(turns)} turns, max 1 fact/turn: {len(facts)} facts in {seconds:.0f} s: {facts}")
+    _check_facts(facts, turns, 1)
+
+
+def test_add_conversation_needs_facts_or_an_llm(tmp_path):
+    from inferscale.api import InferScale
+
+    mem = InferScale.from_config({"data_dir": str(tmp_path)})
+    with pytest.raises(ValueError, match="facts or llm_base_url"):
+        mem.add_conversation("maya", TURNS)
