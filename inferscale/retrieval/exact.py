@@ -2,20 +2,20 @@
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import torch
 
-from inferscale.retrieval.base import Hit, Retriever
+from inferscale.retrieval.base import Hit
+from inferscale.retrieval.per_user import PerUserRetriever
 from inferscale.retrieval.ranking import top_hits
-from inferscale.retrieval.tensors import DimLock, check_device, check_fact_ids, check_k, last_wins, pick_device
+from inferscale.retrieval.tensors import check_device, check_fact_ids, check_k, last_wins, pick_device
 from inferscale.retrieval.user_matrix import UserMatrix
 
 
-class ExactRetriever(Retriever):
+class ExactRetriever(PerUserRetriever):
     """Brute-force inner-product search; exact, and fast up to ~10⁵ facts per user.
 
     Ties are broken by ``fact_id`` (see :mod:`inferscale.retrieval.ranking`).
@@ -37,9 +37,7 @@ class ExactRetriever(Retriever):
         """``runtime`` objects other than ``device`` are accepted and ignored (the index lives in memory)."""
         self.options = options or self.Options()
         self.device = pick_device(self.options.device or device)
-        self._dims = DimLock(self.options.dim)
-        self._users: dict[str, UserMatrix] = {}
-        self._lock = threading.RLock()
+        super().__init__(self.options.dim)
 
     def add(self, user_id: str, fact_ids: Sequence[str], embeddings: torch.Tensor) -> None:
         with self._lock:
@@ -58,17 +56,6 @@ class ExactRetriever(Retriever):
             scores = q.to(self.device, torch.float32) @ user.vectors.T
             return top_hits(scores, user.fact_ids, k)
 
-    def delete(self, user_id: str, fact_ids: Sequence[str] | None = None) -> None:
-        with self._lock:
-            if fact_ids is None:
-                self._users.pop(user_id, None)
-            elif user_id in self._users:
-                self._users[user_id].remove(check_fact_ids(fact_ids, len(fact_ids)))
-
-    def count(self, user_id: str) -> int:
-        with self._lock:
-            user = self._users.get(user_id)
-            return 0 if user is None else len(user)
 
     def _user(self, user_id: str) -> UserMatrix:
         if user_id not in self._users:

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import contextlib
 import math
-import threading
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -26,9 +25,10 @@ from typing import Any, ClassVar
 import numpy as np
 import torch
 
-from inferscale.retrieval.base import Hit, Retriever
+from inferscale.retrieval.base import Hit
+from inferscale.retrieval.per_user import PerUserRetriever
 from inferscale.retrieval.ranking import sort_hits
-from inferscale.retrieval.tensors import DimLock, check_fact_ids, check_k, check_positive, last_wins
+from inferscale.retrieval.tensors import check_fact_ids, check_k, check_positive, last_wins
 
 KINDS = ("flat", "hnsw", "ivf")
 _GPU_MAX_K = 2048  # faiss GPU indexes refuse larger k
@@ -45,7 +45,7 @@ def import_faiss():
     return faiss
 
 
-class FaissRetriever(Retriever):
+class FaissRetriever(PerUserRetriever):
     """Inner-product search with faiss, per user; scores are faiss's float32 inner products."""
 
     name: ClassVar[str] = "faiss"
@@ -82,9 +82,7 @@ class FaissRetriever(Retriever):
         self.options = options or self.Options()
         self._faiss = import_faiss()
         self._gpu = _gpu_resources(self._faiss, self.options.device)
-        self._dims = DimLock(self.options.dim)
-        self._users: dict[str, _UserIndex] = {}
-        self._lock = threading.RLock()
+        super().__init__(self.options.dim)
 
     @property
     def on_gpu(self) -> bool:
@@ -109,17 +107,6 @@ class FaissRetriever(Retriever):
                 return [[] for _ in range(q.shape[0])]
             return user.search(_numpy(q), k)
 
-    def delete(self, user_id: str, fact_ids: Sequence[str] | None = None) -> None:
-        with self._lock:
-            if fact_ids is None:
-                self._users.pop(user_id, None)
-            elif user_id in self._users:
-                self._users[user_id].remove(check_fact_ids(fact_ids, len(fact_ids)))
-
-    def count(self, user_id: str) -> int:
-        with self._lock:
-            user = self._users.get(user_id)
-            return 0 if user is None else len(user)
 
     def index_kind(self, user_id: str) -> str | None:
         """Which index a user is on now ("flat", "hnsw", "ivf"), ``None`` if unknown."""

@@ -34,16 +34,16 @@
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import torch
 
-from inferscale.retrieval.base import Hit, Retriever
+from inferscale.retrieval.base import Hit
+from inferscale.retrieval.per_user import PerUserRetriever
 from inferscale.retrieval.ranking import sort_hits, top_hits
-from inferscale.retrieval.tensors import DimLock, check_device, check_fact_ids, check_k, check_positive, last_wins
+from inferscale.retrieval.tensors import check_device, check_fact_ids, check_k, check_positive, last_wins
 from inferscale.retrieval.user_matrix import UserMatrix
 
 DEGREES = (8, 16, 32, 64)  # the graph degrees (R) Jasper is compiled for
@@ -65,7 +65,7 @@ def import_jasper():
     return jasper
 
 
-class JasperRetriever(Retriever):
+class JasperRetriever(PerUserRetriever):
     """Graph ANN search on the GPU with Jasper; exact search for small users."""
 
     name: ClassVar[str] = "jasper"
@@ -100,10 +100,8 @@ class JasperRetriever(Retriever):
         self.options = options or self.Options()
         self._jasper = import_jasper()
         self.device = torch.device(self.options.device)
-        self._dims = DimLock(self.options.dim)
-        self._users: dict[str, UserMatrix] = {}
+        super().__init__(self.options.dim)
         self._graphs: dict[str, Any] = {}  # user_id → a graph of the user's current rows
-        self._lock = threading.RLock()
 
     def add(self, user_id: str, fact_ids: Sequence[str], embeddings: torch.Tensor) -> None:
         with self._lock:
@@ -117,15 +115,7 @@ class JasperRetriever(Retriever):
     def delete(self, user_id: str, fact_ids: Sequence[str] | None = None) -> None:
         with self._lock:
             self._graphs.pop(user_id, None)
-            if fact_ids is None:
-                self._users.pop(user_id, None)
-            elif user_id in self._users:
-                self._users[user_id].remove(check_fact_ids(fact_ids, len(fact_ids)))
-
-    def count(self, user_id: str) -> int:
-        with self._lock:
-            user = self._users.get(user_id)
-            return 0 if user is None else len(user)
+            super().delete(user_id, fact_ids)
 
     def search(self, user_id: str, queries: torch.Tensor, k: int) -> list[list[Hit]]:
         with self._lock:
