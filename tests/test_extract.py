@@ -11,16 +11,8 @@ from __future__ import annotations
 import contextlib
 import http.server
 import json
-import os
-import shutil
-import signal
-import socket
-import subprocess
-import sys
-import tempfile
 import threading
 import time
-import urllib.request
 from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
@@ -28,6 +20,7 @@ from pathlib import Path
 import pytest
 
 from inferscale.demo_data import TURNS
+from vllm_server import free_port, serve
 from inferscale.encode.window import Turn
 from inferscale.errors import ConfigError, InferScaleError
 from inferscale.extract import (
@@ -41,17 +34,9 @@ from inferscale.extract import (
     turn_message,
 )
 
-REPO = Path(__file__).resolve().parents[1]
-CACHE = REPO / ".cache"
 #: Mem0's prompt is ≈8k tokens: 8192 leaves no room for the answer (see check_context)
 MAX_MODEL_LEN = 12288
 STARTUP_TIMEOUT_S = 180
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _say(config: pytest.Config, message: str) -> None:
@@ -65,7 +50,7 @@ def _say(config: pytest.Config, message: str) -> None:
 
 
 def test_unreachable_endpoint_fails_fast_and_names_the_url(tmp_path):
-    url = f"http://127.0.0.1:{_free_port()}/v1"
+    url = f"http://127.0.0.1:{free_port()}/v1"
     extractor = Mem0Extractor(Mem0Extractor.Options(llm_base_url=url, store_dir=str(tmp_path / "mem0")))
     with pytest.raises(EndpointUnreachableError) as info:
         extractor.extract("maya", TURNS[:2], progress=False)
@@ -153,54 +138,11 @@ def test_capped_llm_swaps_only_json_object():
 @pytest.fixture(scope="module")
 def llm_server(qwen05_dir, pytestconfig) -> Iterator[str]:
     """A real vLLM OpenAI-compatible server for Qwen2.5-Coder-0.5B-Instruct; its /v1 base URL."""
-    port = _free_port()
-    (CACHE / "tmp").mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix="extract-vllm-", dir=CACHE / "tmp"))
-    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CACHE_ROOT": str(CACHE / "vllm"),
-           "TMPDIR": str(tmp), "VLLM_RPC_BASE_PATH": str(tmp)}
-    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(qwen05_dir),
-           "--dtype", "float32", "--max-model-len", str(MAX_MODEL_LEN), "--enable-prefix-caching",
-           # vllm-cpu 0.32.0 fails to reload its AOT compile cache and recompiles on every start (~35-45 s)
-           "--enforce-eager", "--host", "127.0.0.1", "--port", str(port)]
-    log = open(tmp / "server.log", "wb")
     start = time.perf_counter()
-    proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    try:
-        url = f"http://127.0.0.1:{port}/v1"
-        _wait_ready(proc, url, tmp / "server.log")
+    with serve(qwen05_dir, "--dtype", "float32", "--max-model-len", str(MAX_MODEL_LEN),
+               "--enable-prefix-caching") as url:
         _say(pytestconfig, f"vLLM server ready in {time.perf_counter() - start:.0f} s")
         yield url
-    finally:
-        _stop(proc)
-        log.close()
-        shutil.rmtree(tmp, ignore_errors=True)
-
-
-def _wait_ready(proc: subprocess.Popen, url: str, log: Path) -> None:
-    deadline = time.monotonic() + STARTUP_TIMEOUT_S
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            pytest.fail(f"vLLM server exited with {proc.returncode}:\n{log.read_text(errors='replace')[-3000:]}")
-        with contextlib.suppress(OSError):
-            with urllib.request.urlopen(f"{url}/models", timeout=2) as response:
-                if response.status == 200:
-                    return
-        time.sleep(1)
-    pytest.fail(f"vLLM server not ready after {STARTUP_TIMEOUT_S} s:\n{log.read_text(errors='replace')[-3000:]}")
-
-
-def _stop(proc: subprocess.Popen) -> None:
-    """SIGTERM the server's process group (API server, engine core, worker), then SIGKILL."""
-    if proc.poll() is not None:
-        return
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(proc.pid, signal.SIGTERM)
-    try:
-        proc.wait(timeout=30)
-    except subprocess.TimeoutExpired:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait(timeout=10)
 
 
 def _extract(url: str, store: Path, turns: list[Turn], **options) -> tuple[list[tuple[str, str]], float]:

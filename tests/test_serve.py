@@ -1,0 +1,63 @@
+"""Stock `vllm serve` (OpenAI-compatible API) with the connector, driven by the openai client."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+import tiny_models
+import vllm_harness as vh
+from inferscale.compose.prompt import PromptFormat, fact_ids
+from inferscale.config import DEFAULT_INSTRUCTION
+from inferscale.encode.encoder import FactEncoder
+from inferscale.engine import kv_transfer_config
+from inferscale.storage.disk import DiskStore
+from vllm_server import serve
+
+pytestmark = pytest.mark.slow
+FACTS = ["Alice has a cat named Miso.", "Alice works as a nurse in Lisbon."]
+
+
+def _memory(data, model):
+    with FactEncoder.from_spec(str(model), dtype="float32") as encoder:
+        tok = encoder.tokenizer
+        fmt = PromptFormat.from_tokenizer(tok, DEFAULT_INSTRUCTION)
+        disk = DiskStore(DiskStore.Options(root=str(data / "kv")))
+        segment = fmt.prefix_ids(tok)
+        vh.write_prefix(disk, encoder, segment)
+        kvs = {}
+        for i, text in enumerate(FACTS):
+            ids = fact_ids(tok, text)
+            kvs[f"f{i}"] = encoder.encode_ids(ids, context_ids=segment)
+            segment = segment + ids
+        disk.put("alice", kvs)
+        prompt = segment + fmt.query_ids(tok, "What is my cat called?")
+    return prompt, segment
+
+
+def test_vllm_serve_injects_memory_from_request_params(tmp_path):
+    from openai import OpenAI
+
+    model = tiny_models.tiny_model_dir("qwen2", "float32")
+    prompt, segment = _memory(tmp_path, model)
+    config = json.dumps(kv_transfer_config(vh.engine_config(model, tmp_path, "float32")))
+    with serve(model, "--dtype", "float32", "--max-model-len", "1024", "--enable-prefix-caching",
+               "--kv-transfer-config", config) as url:
+        client = OpenAI(base_url=url, api_key="EMPTY")
+
+        def complete(**extra):
+            return client.completions.create(model=str(model), prompt=prompt, max_tokens=8, temperature=0.0,
+                                             extra_body=extra)
+
+        plain = complete()
+        params, salt = vh.memory_request("alice", ["f0", "f1"], segment)
+        injected = complete(kv_transfer_params=params, cache_salt=salt)
+        foreign = complete(kv_transfer_params=vh.memory_request("bob", ["f0"], segment)[0], cache_salt=salt)
+    assert injected.choices[0].text == plain.choices[0].text
+    report = (injected.model_extra or {}).get("kv_transfer_params", {}).get("inferscale", {})
+    assert report.get("injected_tokens") == len(segment), injected.model_extra
+    assert injected.usage.prompt_tokens_details is None or injected.usage.prompt_tokens_details.cached_tokens in (
+        None, len(segment))
+    assert foreign.choices[0].text == plain.choices[0].text
+    assert (foreign.model_extra or {})["kv_transfer_params"]["inferscale"]["fallback"] == "unknown_user"

