@@ -7,10 +7,6 @@ import pytest
 
 import tiny_models
 import vllm_harness as vh
-from inferscale.compose.prompt import PromptFormat, fact_ids
-from inferscale.config import DEFAULT_INSTRUCTION
-from inferscale.encode.encoder import FactEncoder
-from inferscale.storage.disk import DiskStore
 
 pytestmark = pytest.mark.slow
 
@@ -19,20 +15,8 @@ FACTS = ["Alice has a cat named Miso.", "Alice works as a nurse in Lisbon."]
 
 def _memory(tmp_path, arch: str):
     path = tiny_models.tiny_model_dir(arch, "float32")
-    with FactEncoder.from_spec(str(path), dtype="float32") as encoder:
-        tok = encoder.tokenizer
-        fmt = PromptFormat.from_tokenizer(tok, DEFAULT_INSTRUCTION)
-        disk = DiskStore(DiskStore.Options(root=str(tmp_path / "kv")))
-        prefix = fmt.prefix_ids(tok)
-        vh.write_prefix(disk, encoder, prefix)
-        context, kvs = list(prefix), {}
-        for i, text in enumerate(FACTS):
-            ids = fact_ids(tok, text)
-            kvs[f"f{i}"] = encoder.encode_ids(ids, context_ids=context)
-            context += ids
-        disk.put("alice", kvs)
-        prompt = fmt.prompt_ids(tok, [fact_ids(tok, t) for t in FACTS], "What is my cat called?")
-    return path, prompt, context
+    prompt, segment = vh.joint_memory(path, tmp_path, "alice", FACTS, "What is my cat called?")
+    return path, prompt, segment
 
 
 @pytest.mark.parametrize("multiprocess, prefix_caching", [(True, True), (False, False)],

@@ -8,39 +8,18 @@ import pytest
 
 import tiny_models
 import vllm_harness as vh
-from inferscale.compose.prompt import PromptFormat, fact_ids
-from inferscale.config import DEFAULT_INSTRUCTION
-from inferscale.encode.encoder import FactEncoder
 from inferscale.engine import kv_transfer_config
-from inferscale.storage.disk import DiskStore
 from vllm_server import serve
 
 pytestmark = pytest.mark.slow
 FACTS = ["Alice has a cat named Miso.", "Alice works as a nurse in Lisbon."]
 
 
-def _memory(data, model):
-    with FactEncoder.from_spec(str(model), dtype="float32") as encoder:
-        tok = encoder.tokenizer
-        fmt = PromptFormat.from_tokenizer(tok, DEFAULT_INSTRUCTION)
-        disk = DiskStore(DiskStore.Options(root=str(data / "kv")))
-        segment = fmt.prefix_ids(tok)
-        vh.write_prefix(disk, encoder, segment)
-        kvs = {}
-        for i, text in enumerate(FACTS):
-            ids = fact_ids(tok, text)
-            kvs[f"f{i}"] = encoder.encode_ids(ids, context_ids=segment)
-            segment = segment + ids
-        disk.put("alice", kvs)
-        prompt = segment + fmt.query_ids(tok, "What is my cat called?")
-    return prompt, segment
-
-
 def test_vllm_serve_injects_memory_from_request_params(tmp_path):
     from openai import OpenAI
 
     model = tiny_models.tiny_model_dir("qwen2", "float32")
-    prompt, segment = _memory(tmp_path, model)
+    prompt, segment = vh.joint_memory(model, tmp_path, "alice", FACTS, "What is my cat called?")
     config = json.dumps(kv_transfer_config(vh.engine_config(model, tmp_path, "float32")))
     with serve(model, "--dtype", "float32", "--max-model-len", "1024", "--enable-prefix-caching",
                "--kv-transfer-config", config) as url:

@@ -133,3 +133,25 @@ def noisy(kv, scale: float = 3.0, seed: int = 0):
     kv.keys += scale * torch.randn(kv.keys.shape, generator=gen).to(kv.keys.dtype)
     kv.values += scale * torch.randn(kv.values.shape, generator=gen).to(kv.values.dtype)
     return kv
+
+
+def joint_memory(model_dir: Path, data_dir: Path, user: str, facts: list[str], query: str) -> tuple[list[int], list[int]]:
+    """Store ``facts`` for ``user``, each encoded behind the prefix and the facts before it
+    (so injection is exact), and return (prompt token ids, segment token ids)."""
+    from inferscale.compose.prompt import PromptFormat, fact_ids
+    from inferscale.config import DEFAULT_INSTRUCTION
+    from inferscale.encode.encoder import FactEncoder
+
+    with FactEncoder.from_spec(str(model_dir), dtype="float32") as encoder:
+        tok = encoder.tokenizer
+        fmt = PromptFormat.from_tokenizer(tok, DEFAULT_INSTRUCTION)
+        disk = DiskStore(DiskStore.Options(root=str(data_dir / "kv")))
+        segment = fmt.prefix_ids(tok)
+        write_prefix(disk, encoder, segment)
+        kvs = {}
+        for i, text in enumerate(facts):
+            ids = fact_ids(tok, text)
+            kvs[f"f{i}"] = encoder.encode_ids(ids, context_ids=segment)
+            segment = segment + ids
+        disk.put(user, kvs)
+        return segment + fmt.query_ids(tok, query), segment
