@@ -10,8 +10,9 @@ from typing import Any, ClassVar
 
 import torch
 
+from inferscale.devices import auto_device, check_device
 from inferscale.retrieval.base import Embedder
-from inferscale.retrieval.tensors import check_device, check_positive, check_texts, pick_device, unit_rows
+from inferscale.retrieval.tensors import check_positive, check_texts, unit_rows
 
 
 class SentenceTransformerEmbedder(Embedder):
@@ -98,7 +99,7 @@ def load_model(model_path: str | None, device: str | None):
         raise ImportError("the 'minilm' embedder needs sentence-transformers: pip install sentence-transformers") from exc
     path = model_path or default_model_path()
     try:
-        return SentenceTransformer(path, device=str(pick_device(device)), local_files_only=True)
+        return SentenceTransformer(path, device=str(auto_device(device)), local_files_only=True)
     except OSError as exc:
         raise OSError(f"cannot load a sentence-transformers model from {path!r} without network: {exc}") from exc
 

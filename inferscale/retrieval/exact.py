@@ -8,10 +8,11 @@ from typing import Any, ClassVar
 
 import torch
 
+from inferscale.devices import auto_device, check_device
 from inferscale.retrieval.base import Hit
 from inferscale.retrieval.per_user import PerUserRetriever
 from inferscale.retrieval.ranking import top_hits
-from inferscale.retrieval.tensors import check_device, check_fact_ids, check_k, last_wins, pick_device
+from inferscale.retrieval.tensors import check_fact_ids, check_k, last_wins
 from inferscale.retrieval.user_matrix import UserMatrix
 
 
@@ -36,7 +37,7 @@ class ExactRetriever(PerUserRetriever):
     def __init__(self, options: Options | None = None, *, device: str | torch.device | None = None, **runtime: Any):
         """``runtime`` objects other than ``device`` are accepted and ignored (the index lives in memory)."""
         self.options = options or self.Options()
-        self.device = pick_device(self.options.device or device)
+        self.device = auto_device(self.options.device or device)
         super().__init__(self.options.dim)
 
     def add(self, user_id: str, fact_ids: Sequence[str], embeddings: torch.Tensor) -> None:

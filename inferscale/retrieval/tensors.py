@@ -13,23 +13,6 @@ def unit_rows(x: torch.Tensor) -> torch.Tensor:
     return x / x.norm(dim=1, keepdim=True).clamp_min(1e-12)
 
 
-def pick_device(device: str | torch.device | None) -> torch.device:
-    """``None`` → the GPU when torch sees one, else the CPU."""
-    if device is None:
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(device)
-
-
-def check_device(device: str | None) -> None:
-    """ValueError unless ``device`` is ``None`` or a device string torch understands."""
-    if device is None:
-        return
-    try:
-        torch.device(device)
-    except (RuntimeError, TypeError) as exc:
-        raise ValueError(f"device must be e.g. 'cpu', 'cuda' or 'cuda:1', got {device!r}") from exc
-
-
 def check_positive(value: object, what: str) -> None:
     """ValueError unless ``value`` is an ``int`` ≥ 1."""
     if not isinstance(value, int) or isinstance(value, bool) or value < 1:

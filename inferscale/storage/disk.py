@@ -30,6 +30,7 @@ from typing import Any, ClassVar
 
 import torch
 
+from inferscale.devices import resolve_device
 from inferscale.errors import UnknownUserError
 from inferscale.kv import FactKV, KVBatch
 from inferscale.storage import kvfile
@@ -40,7 +41,6 @@ from inferscale.storage.layout import (
     check_layout,
     empty_batch,
     require_facts,
-    resolve_device,
 )
 
 SUFFIX = ".safetensors"

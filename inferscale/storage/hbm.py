@@ -8,13 +8,12 @@ from typing import Any, ClassVar
 
 import torch
 
+from inferscale.devices import auto_device, check_device
 from inferscale.errors import ConfigError
 from inferscale.storage.layout import (
     KVLayout,
-    auto_device,
     runtime_device,
     stack_block,
-    validate_device_name,
 )
 from inferscale.storage.memory import MemoryStore, Source
 
@@ -35,7 +34,7 @@ class HBMStore(MemoryStore):
         device: str | None = None
 
         def __post_init__(self):
-            validate_device_name(self.device)
+            check_device(self.device)
 
     def __init__(self, options: Options | None = None, **runtime: Any):
         """``runtime["device"]`` is used when the options name none; other runtime keys are ignored."""

@@ -108,35 +108,10 @@ def require_facts(user_id: str, fact_ids: Sequence[str], known: Mapping[str, obj
         raise MissingFactError(user_id, missing)
 
 
-def resolve_device(device: torch.device | str | None, default: torch.device) -> torch.device:
-    """``device`` (or ``default``) with a CUDA index filled in, so devices compare equal."""
-    out = default if device is None else torch.device(device)
-    if out.type == "cuda" and out.index is None and torch.cuda.is_available():
-        out = torch.device("cuda", torch.cuda.current_device())
-    return out
-
-
-def auto_device(name: str | None) -> torch.device:
-    """``name``, or the current CUDA device when there is one, else the CPU."""
-    if name is None:
-        name = "cuda" if torch.cuda.is_available() else "cpu"
-    return resolve_device(name, torch.device("cpu"))
-
-
 def runtime_device(runtime: Mapping[str, object]) -> str | None:
     """The ``device`` a worker passed to :func:`inferscale.config.build`, as a string."""
     device = runtime.get("device")
     return None if device is None else str(device)
-
-
-def validate_device_name(name: str | None) -> None:
-    """Options hook: ValueError (→ ConfigError) for a string torch cannot parse."""
-    if name is None:
-        return
-    try:
-        torch.device(name)
-    except (RuntimeError, TypeError) as exc:
-        raise ValueError(f"bad device {name!r}: {exc}") from None
 
 
 def stack_block(kv: FactKV, device: torch.device) -> torch.Tensor:

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
+from inferscale.devices import resolve_device
 from inferscale.errors import UnknownUserError
 from inferscale.kv import FactKV, KVBatch
 from inferscale.storage.base import KVStore
@@ -27,7 +28,6 @@ from inferscale.storage.layout import (
     empty_batch,
     gather_blocks,
     require_facts,
-    resolve_device,
 )
 
 #: what :meth:`MemoryStore._place` receives per fact: a block it already holds, or a new fact

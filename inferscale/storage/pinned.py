@@ -28,7 +28,8 @@ from typing import Any, ClassVar
 
 import torch
 
-from inferscale.storage.layout import KVLayout, auto_device, runtime_device, validate_device_name
+from inferscale.devices import auto_device, check_device
+from inferscale.storage.layout import KVLayout, runtime_device
 from inferscale.storage.memory import MemoryStore, Source
 
 
@@ -46,7 +47,7 @@ class PinnedHostStore(MemoryStore):
         device: str | None = None
 
         def __post_init__(self):
-            validate_device_name(self.device)
+            check_device(self.device)
 
     def __init__(self, options: Options | None = None, **runtime: Any):
         """``runtime["device"]`` is used when the options name none; other runtime keys are ignored."""

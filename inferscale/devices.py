@@ -1,0 +1,30 @@
+"""Device names → torch devices, one way for every backend."""
+
+from __future__ import annotations
+
+import torch
+
+
+def check_device(name: str | None) -> None:
+    """Options hook: ValueError (→ ConfigError) unless ``name`` is None or a device torch parses."""
+    if name is None:
+        return
+    try:
+        torch.device(name)
+    except (RuntimeError, TypeError) as exc:
+        raise ValueError(f"device must be e.g. 'cpu', 'cuda' or 'cuda:1', got {name!r}") from exc
+
+
+def resolve_device(device: torch.device | str | None, default: torch.device) -> torch.device:
+    """``device`` (or ``default``) with a CUDA index filled in, so devices compare equal."""
+    out = default if device is None else torch.device(device)
+    if out.type == "cuda" and out.index is None and torch.cuda.is_available():
+        out = torch.device("cuda", torch.cuda.current_device())
+    return out
+
+
+def auto_device(name: torch.device | str | None) -> torch.device:
+    """``name``, or the current CUDA device when there is one, else the CPU."""
+    if name is None:
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    return resolve_device(name, torch.device("cpu"))
