@@ -3,18 +3,12 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import torch
 
-from inferscale.devices import auto_device, check_device
 from inferscale.errors import ConfigError
-from inferscale.storage.layout import (
-    KVLayout,
-    runtime_device,
-    stack_block,
-)
+from inferscale.storage.layout import KVLayout, stack_block
 from inferscale.storage.memory import MemoryStore, Source
 
 
@@ -28,21 +22,10 @@ class HBMStore(MemoryStore):
 
     name: ClassVar[str] = "hbm"
 
-    @dataclass(frozen=True)
-    class Options:
-        #: where K/V live; None: the current CUDA device if there is one, else the CPU
-        device: str | None = None
-
-        def __post_init__(self):
-            check_device(self.device)
-
-    def __init__(self, options: Options | None = None, **runtime: Any):
-        """``runtime["device"]`` is used when the options name none; other runtime keys are ignored."""
-        options = options or self.Options()
-        device = auto_device(options.device or runtime_device(runtime))
-        if device.type == "cuda" and not torch.cuda.is_available():
-            raise ConfigError(f"kv_store 'hbm': device {device} asked for but CUDA is not available")
-        super().__init__(device)
+    def __init__(self, options: MemoryStore.Options | None = None, **runtime: Any):
+        super().__init__(options, **runtime)
+        if self.device.type == "cuda" and not torch.cuda.is_available():
+            raise ConfigError(f"kv_store 'hbm': device {self.device} asked for but CUDA is not available")
 
     def _place(self, layout: KVLayout, sources: Mapping[str, Source]) -> dict[str, torch.Tensor]:
         """Keep blocks already held; stack new facts onto the device."""

@@ -13,10 +13,11 @@ import threading
 from abc import abstractmethod
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
-from inferscale.devices import resolve_device
+from inferscale.devices import auto_device, check_device, resolve_device
 from inferscale.errors import UnknownUserError
 from inferscale.kv import FactKV, KVBatch
 from inferscale.storage.base import KVStore
@@ -28,6 +29,7 @@ from inferscale.storage.layout import (
     empty_batch,
     gather_blocks,
     require_facts,
+    runtime_device,
 )
 
 #: what :meth:`MemoryStore._place` receives per fact: a block it already holds, or a new fact
@@ -52,9 +54,20 @@ class MemoryStore(KVStore):
 
     volatile = True
 
-    def __init__(self, device: torch.device):
+    @dataclass(frozen=True)
+    class Options:
+        #: the device ``get`` delivers to by default (for hbm, also where K/V live);
+        #: None: the current CUDA device if there is one, else the CPU
+        device: str | None = None
+
+        def __post_init__(self):
+            check_device(self.device)
+
+    def __init__(self, options: Options | None = None, **runtime: Any):
+        """``runtime["device"]`` is used when the options name none; other runtime keys are ignored."""
+        options = options or self.Options()
         #: where ``get`` puts the batch when the caller names no device
-        self.device = device
+        self.device = auto_device(options.device or runtime_device(runtime))
         self._users: dict[str, UserKV] = {}
         self._write_lock = threading.Lock()
 

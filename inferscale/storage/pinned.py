@@ -23,13 +23,11 @@ stream; they are valid for work queued on that stream. Another stream must
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import torch
 
-from inferscale.devices import auto_device, check_device
-from inferscale.storage.layout import KVLayout, runtime_device
+from inferscale.storage.layout import KVLayout
 from inferscale.storage.memory import MemoryStore, Source
 
 
@@ -41,18 +39,8 @@ class PinnedHostStore(MemoryStore):
 
     name: ClassVar[str] = "pinned"
 
-    @dataclass(frozen=True)
-    class Options:
-        #: where ``get`` puts the batch by default; None: the current CUDA device, else the CPU
-        device: str | None = None
-
-        def __post_init__(self):
-            check_device(self.device)
-
-    def __init__(self, options: Options | None = None, **runtime: Any):
-        """``runtime["device"]`` is used when the options name none; other runtime keys are ignored."""
-        options = options or self.Options()
-        super().__init__(auto_device(options.device or runtime_device(runtime)))
+    def __init__(self, options: MemoryStore.Options | None = None, **runtime: Any):
+        super().__init__(options, **runtime)
         #: True when the host buffers are page-locked (CUDA is available)
         self.pinned = torch.cuda.is_available()
 
