@@ -90,6 +90,11 @@ class InferScale:
         return PromptFormat.from_tokenizer(self.tokenizer, self.config.instruction)
 
     @cached_property
+    def prefix_ids(self) -> list[int]:
+        """The instruction prefix's token ids (the segment's first tokens)."""
+        return self.prompt_format.prefix_ids(self.tokenizer)
+
+    @cached_property
     def disk(self) -> DiskStore:
         return DiskStore(DiskStore.Options(root=str(self.config.data_path / "kv")))
 
@@ -181,7 +186,7 @@ class InferScale:
 
     def _ensure_prefix(self, encoder) -> list[int]:
         """Encode the instruction prefix once (position 0) and store it like a fact."""
-        ids = self.prompt_format.prefix_ids(self.tokenizer)
+        ids = self.prefix_ids
         if PREFIX_FACT in self.disk.list(SYSTEM_USER):
             (stored,) = self.disk.token_ids(SYSTEM_USER, [PREFIX_FACT])
             if list(stored) == ids:
@@ -200,14 +205,14 @@ class InferScale:
     def prompt(self, user_id: str, query: str, fact_order: Sequence[str], mode: Mode = "kv",
                fresh_cache: bool = False) -> tuple[dict, dict | None, int]:
         """``(prompt dict, kv_transfer_params or None, memory tokens)`` for vLLM."""
-        tok, fmt = self.tokenizer, self.prompt_format
+        question = self.prompt_format.query_ids(self.tokenizer, query)
         if mode == "none":
-            ids = fmt.prompt_ids(tok, [], query)
-            return {"prompt_token_ids": ids}, None, 0
+            return {"prompt_token_ids": self.prefix_ids + question}, None, 0
         facts = self._user_facts(user_id)
-        fact_tokens = [facts[f].token_ids for f in fact_order]
-        ids = fmt.prompt_ids(tok, fact_tokens, query)
-        memory = len(fmt.prefix_ids(tok)) + sum(map(len, fact_tokens))
+        segment = list(self.prefix_ids)
+        for fact_id in fact_order:
+            segment.extend(facts[fact_id].token_ids)
+        ids, memory = segment + question, len(segment)
         nonce = f":{uuid.uuid4().hex}" if fresh_cache else ""
         if mode == "prompt":
             return {"prompt_token_ids": ids, "cache_salt": f"text{nonce}"}, None, memory

@@ -63,6 +63,7 @@ class RotaryEmbedding:
         self.style: Style = style
         self.attention_scaling = float(attention_scaling)
         self.inv_freq = inv_freq.detach().to(device="cpu", dtype=torch.float32)
+        self._inv_freq_on: dict[torch.device, torch.Tensor] = {}  # per-device copies (serving hot path)
 
     def __repr__(self) -> str:
         return (
@@ -148,8 +149,14 @@ class RotaryEmbedding:
 
     def _unit_cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Unscaled cos/sin, computed exactly as transformers and vLLM do (float32 product)."""
-        angles = positions.to(torch.float32)[:, None] * self.inv_freq.to(positions.device)[None, :]
+        angles = positions.to(torch.float32)[:, None] * self._inv_freq(positions.device)[None, :]
         return angles.cos(), angles.sin()
+
+    def _inv_freq(self, device: torch.device) -> torch.Tensor:
+        """``inv_freq`` on ``device``, copied there once."""
+        if device not in self._inv_freq_on:
+            self._inv_freq_on[device] = self.inv_freq.to(device)
+        return self._inv_freq_on[device]
 
     def _apply(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """Rotate each pair of the rotary dims by (cos, sin) ``[T, rotary_dim // 2]``."""
