@@ -1,27 +1,58 @@
-"""LoCoMo answer accuracy: KV injection vs prompt injection at several k (same facts, same prompt tokens).
+"""LoCoMo answer accuracy: KV injection (several ways) vs prompt injection, on the same retrieved facts.
 
-One memory per conversation holds both speakers' facts (LoCoMo's observations, dated by session),
-encoded by the serving model behind their source turns. For each question (categories 1–4) the top-k
-facts are retrieved once and answered twice: with the facts' K/V injected, and with the same facts as
-text. The score is LoCoMo's token-level F1 against the gold answer (normalised as in the LoCoMo/Mem0
-evaluations: lower-case, no punctuation or articles).
+Every conversation in ``--data`` loads (all sessions; facts are LoCoMo's observations, dated by
+session, encoded behind their source turn) and every category-1–4 question is asked, or a
+stratified, seeded subsample with ``--sample N`` (for CPU smoke runs only). For each question the
+top-k facts are retrieved once (the configured embedder and the exact retriever); every method
+answers from exactly those facts, so methods differ only in how the facts reach the KV cache:
 
-    python benchmarks/locomo_accuracy.py --conversation ../shared/data/locomo/conv-26.json \
-        --sessions 4 --questions 40 --ks 5,20 --out benchmarks/results/locomo_accuracy_cpu.json
+* ``prompt*`` — the facts prefilled as text (prompt injection, the Mem0-style baseline);
+* ``kv*``     — the facts' stored K/V injected by the connector, with a recompute budget
+  (the tail facts that fit are prefilled), a key scale, a fact style (bullet / line), a
+  closing line after the facts (prefilled) and an encoding window (turns before each fact).
+
+All prompts of one (method, k) go to vLLM in one ``generate`` call. Scores: LoCoMo's token F1
+and containment (the normalised gold answer appears in the answer), per category and overall;
+retrieval recall@k of the questions' evidence turns (a fact covers the turns it cites).
+
+    python benchmarks/locomo_accuracy.py --data ../shared/data/locomo --methods grid \\
+        --ks 5,10,20,50 --out benchmarks/results/locomo_qwen05_h200.json
+    python benchmarks/locomo_accuracy.py --sample 60 --ks 5,10 --methods smoke   # CPU smoke run
+
+Writes ``--out`` (config, summary, recall) with the per-question answers beside it
+(``*_answers.json.gz``) and a markdown table (``*.md``).
 """
 
 from __future__ import annotations
 
 import argparse
+import gzip
 import json
+import os
 import re
 import string
+import sys
 import tempfile
 import time
+import uuid
 from collections import Counter, defaultdict
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
-from inferscale.locomo import CATEGORIES, load_conversation
+from inferscale.locomo import CATEGORIES, Conversation, load_all, stratified_sample
+
+INSTRUCTION = (
+    "You answer questions about a conversation between two people, using the facts below that were "
+    "remembered from it. Answer in a few words, with a date when asked when.\nFacts:\n"
+)
+#: text after the facts, before the question (always prefilled)
+CLOSINGS = {
+    "none": "",
+    "answer": "Answer the question with the fact that answers it, in a few words.\n",
+}
+
+
+# ---------------------------------------------------------------- scoring
 
 
 def normalize(text: str) -> list[str]:
@@ -32,6 +63,7 @@ def normalize(text: str) -> list[str]:
 
 
 def f1(prediction: str, gold: str) -> float:
+    """LoCoMo's token F1 (normalised as in the LoCoMo and Mem0 evaluations)."""
     pred, ref = normalize(prediction), normalize(gold)
     common = sum((Counter(pred) & Counter(ref)).values())
     if not pred or not ref or common == 0:
@@ -40,79 +72,407 @@ def f1(prediction: str, gold: str) -> float:
     return 2 * precision * recall / (precision + recall)
 
 
-INSTRUCTION = (
-    "You answer questions about a conversation between two people, using the facts below that were "
-    "remembered from it. Answer in a few words, with a date when asked when.\nFacts:\n"
-)
+def contains(prediction: str, gold: str) -> float:
+    """1.0 when the normalised gold answer appears, as a phrase, in the normalised prediction."""
+    ref = " ".join(normalize(gold))
+    return float(bool(ref) and f" {ref} " in f" {' '.join(normalize(prediction))} ")
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--conversation", required=True)
-    parser.add_argument("--sessions", type=int, default=4)
-    parser.add_argument("--questions", type=int, default=40)
-    parser.add_argument("--ks", default="5,20")
-    parser.add_argument("--model", default="qwen2.5-coder-0.5b-instruct")
-    parser.add_argument("--window", type=int, default=2)
-    parser.add_argument("--max-tokens", type=int, default=24)
-    parser.add_argument("--out", default="benchmarks/results/locomo_accuracy.json")
-    args = parser.parse_args()
-
-    from inferscale.api import InferScale
-
-    conv = load_conversation(args.conversation, max_sessions=args.sessions)
-    user = conv.sample_id.replace("/", "-")
-    facts = [f for speaker in conv.speakers for f in conv.facts.get(speaker, [])]
-    questions = conv.questions[: args.questions]
-    mem = InferScale.from_config({
-        "model": args.model, "data_dir": tempfile.mkdtemp(prefix="locomo-"), "instruction": INSTRUCTION,
-        "encoder": {"name": "turns", "options": {"window": args.window}},
-    }, enforce_eager=True)
-    start = time.perf_counter()
-    mem.add_conversation(user, conv.turns, facts)
-    build_s = time.perf_counter() - start
-    rows = []
-    for k in (int(x) for x in args.ks.split(",")):
-        for q in questions:
-            for mode in ("kv", "prompt"):
-                a = mem.generate(user, q.question, k=k, mode=mode, max_tokens=args.max_tokens)
-                rows.append({"k": k, "mode": mode, "category": q.category, "question": q.question,
-                             "gold": q.answer, "answer": a.text.strip(), "f1": f1(a.text, q.answer),
-                             "ttft_ms": a.timings["engine_ttft"], "fallback": a.fallback})
-    mem.close()
-    summary = summarize(rows)
-    out = {"conversation": conv.sample_id, "sessions": args.sessions, "facts": len(facts), "model": args.model,
-           "window": args.window, "build_s": build_s, "summary": summary, "rows": rows}
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(out, indent=2))
-    print_table(summary, len(facts), len(questions))
+def recall(evidence: tuple[str, ...], covered: set[str]) -> float | None:
+    """Share of a question's evidence turns cited by the retrieved facts (None: no evidence)."""
+    return sum(e in covered for e in evidence) / len(evidence) if evidence else None
 
 
-def summarize(rows: list[dict]) -> dict:
-    groups: dict[tuple, list[float]] = defaultdict(list)
-    ttft: dict[tuple, list[float]] = defaultdict(list)
-    for r in rows:
-        for cat in (r["category"], "all"):
-            groups[(r["k"], r["mode"], cat)].append(r["f1"])
-        ttft[(r["k"], r["mode"])].append(r["ttft_ms"])
+# ---------------------------------------------------------------- methods
+
+
+@dataclass(frozen=True)
+class Method:
+    name: str
+    mode: str = "kv"  # kv | prompt
+    window: int = 2
+    style: str = "bullet"
+    closing: str = "none"
+    recompute_tokens: int = 0
+    key_scale: float = 1.0
+
+    @property
+    def encoding(self) -> tuple[int, str]:
+        return self.window, self.style
+
+
+def _kv(**kw) -> Method:
+    parts = [f"{k}={v}" for k, v in kw.items()]
+    return Method("kv" + ("[" + ",".join(parts) + "]" if parts else ""), **kw)
+
+
+def _prompt(**kw) -> Method:
+    parts = [f"{k}={v}" for k, v in kw.items()]
+    return Method("prompt" + ("[" + ",".join(parts) + "]" if parts else ""), mode="prompt", **kw)
+
+
+def method_sets() -> dict[str, list[Method]]:
+    """Named sets; the grid varies one thing at a time from ``kv`` (w = 2, bullets, no closing,
+    B = 0, c = 1), alone and with B = 256, most telling first (a cut run keeps those)."""
+    budgets = [_kv(recompute_tokens=b) for b in (32, 64, 128, 512)]
+    one_at_a_time = [_kv(closing="answer"), _kv(style="line"), _kv(key_scale=1.1), _kv(key_scale=1.25),
+                     _kv(window=0), _kv(window=5), _kv(window=20)]
+    with_budget = [replace(m, name=m.name[:-1] + ",recompute_tokens=256]", recompute_tokens=256)
+                   for m in one_at_a_time if m.key_scale != 1.25]
+    first = [_prompt(), _kv(), _kv(recompute_tokens=256), _prompt(closing="answer"), with_budget[0]]
+    prompts = [_prompt(style="line"), _prompt(style="line", closing="answer")]
+    return {
+        "grid": first + one_at_a_time + budgets + with_budget[1:] + prompts,
+        "smoke": [_prompt(), _kv(), _kv(recompute_tokens=32), _kv(closing="answer")],
+        "default": [_prompt(), _kv()],
+    }
+
+
+def select_methods(spec: str) -> list[Method]:
+    sets = method_sets()
+    if spec in sets:
+        return sets[spec]
+    every = {m.name: m for ms in sets.values() for m in ms}
+    unknown = [n for n in spec.split(";") if n not in every]
+    if unknown:
+        raise SystemExit(f"unknown method(s) {unknown}; sets: {sorted(sets)}; methods: {sorted(every)}")
+    return [every[n] for n in spec.split(";")]
+
+
+# ---------------------------------------------------------------- data and retrieval
+
+
+@dataclass
+class Item:
+    """One question of one conversation, with the facts retrieved for it."""
+
+    conv: str
+    index: int
+    question: str
+    answer: str
+    category: int
+    evidence: tuple[str, ...]
+    retrieved: list[int]  # indices into the conversation's facts, best first
+
+
+def load_items(args) -> tuple[dict[str, Conversation], list[tuple[str, int]]]:
+    convs = {c.sample_id: c for c in load_all(args.data)}
+    keys = [(cid, i) for cid, c in convs.items() for i in range(len(c.questions))]
+    if args.sample:
+        keys = stratified_sample(keys, args.sample, key=lambda k: convs[k[0]].questions[k[1]].category, seed=args.seed)
+    return convs, keys
+
+
+def retrieve(convs: dict[str, Conversation], keys, top: int, cache: Path | None, embedder_name: str) -> dict:
+    """(conv, question index) → retrieved fact indices; read from / written to ``cache``."""
+    if cache and cache.exists():
+        saved = json.loads(cache.read_text())
+        if saved["top"] >= top:
+            return {(c, int(i)): v[:top] for c, rows in saved["retrieved"].items() for i, v in rows.items()}
+    from inferscale.config import BackendSpec, build
+
+    embedder = build("embedder", BackendSpec(embedder_name))
     out: dict = {}
-    for (k, mode, cat), values in groups.items():
-        out.setdefault(str(k), {}).setdefault(mode, {})[str(cat)] = sum(values) / len(values)
-    for (k, mode), values in ttft.items():
-        out[str(k)][mode]["median_ttft_ms"] = sorted(values)[len(values) // 2]
+    for cid, conv in convs.items():
+        facts = [text for text, _ in conv.all_facts()]
+        fact_vecs = embedder.embed(facts)
+        questions = [q.question for q in conv.questions]
+        scores = embedder.embed(questions) @ fact_vecs.T
+        best = scores.topk(min(top, len(facts)), dim=1).indices.tolist()
+        for i in range(len(questions)):
+            out[(cid, i)] = best[i]
+    if cache:
+        rows: dict = defaultdict(dict)
+        for (c, i), v in out.items():
+            rows[c][str(i)] = v
+        cache.parent.mkdir(parents=True, exist_ok=True)
+        cache.write_text(json.dumps({"top": top, "embedder": embedder_name, "retrieved": rows}))
     return out
 
 
-def print_table(summary: dict, num_facts: int, num_questions: int) -> None:
+def make_items(convs, keys, retrieved, top: int) -> list[Item]:
+    return [Item(cid, i, q.question, q.answer, q.category, q.evidence, retrieved[(cid, i)][:top])
+            for cid, i in keys for q in [convs[cid].questions[i]]]
+
+
+def recall_at(items: list[Item], convs, ks) -> dict:
+    """Mean recall@k of the evidence turns, overall and per category, and the ceiling (all facts)."""
+    out: dict = {}
+    for k in [*ks, "all"]:
+        per: dict = defaultdict(list)
+        for it in items:
+            facts = convs[it.conv].all_facts()
+            chosen = range(len(facts)) if k == "all" else it.retrieved[:k]
+            covered = {t for j in chosen for t in convs[it.conv].cited[facts[j][0]]}
+            r = recall(it.evidence, covered)
+            if r is not None:
+                per[str(it.category)].append(r)
+                per["all"].append(r)
+        out[str(k)] = {c: sum(v) / len(v) for c, v in per.items()}
+    return out
+
+
+# ---------------------------------------------------------------- encoding
+
+
+def user_of(conv: str, encoding: tuple[int, str]) -> str:
+    window, style = encoding
+    return f"{conv}.w{window}.{style}"
+
+
+def needed_facts(items: list[Item], k: int) -> dict[str, list[int]]:
+    """The facts any question retrieves in its top k, per conversation."""
+    out: dict = defaultdict(set)
+    for it in items:
+        out[it.conv].update(it.retrieved[:k])
+    return {c: sorted(v) for c, v in out.items()}
+
+
+def encode_all(args, convs, needed, encodings, model_dir: str, data_dir: Path, prefix_ids, kv_dtype) -> dict:
+    """Encode the needed facts once per (window, style): (conv, encoding) → {fact index: fact_id}."""
+    import torch
+
+    from inferscale.compose.segment import PREFIX_FACT, SYSTEM_USER
+    from inferscale.config import BackendSpec, build
+    from inferscale.encode.encoder import FactEncoder
+    from inferscale.facts import Fact, make_fact_id
+    from inferscale.kv import FactKV
+    from inferscale.storage.disk import DiskStore
+
+    disk = DiskStore(DiskStore.Options(root=str(data_dir / "kv")))
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    ids: dict = {}
+    with FactEncoder.from_spec(model_dir, dtype="float32", batch_size=args.encode_batch) as encoder:
+        encoder.model.to(device)
+
+        def cast(kv: FactKV) -> FactKV:
+            return FactKV(kv.token_ids, kv.keys.to(kv_dtype), kv.values.to(kv_dtype))
+
+        disk.put(SYSTEM_USER, {PREFIX_FACT: cast(encoder.encode_ids(prefix_ids))})
+        for window, style in encodings:
+            encoder.window = build("encoder", BackendSpec("turns", {"window": window}))
+            encoder.fact_style = style
+            start = time.perf_counter()
+            for cid, indices in needed.items():
+                user, conv = user_of(cid, (window, style)), convs[cid]
+                every = conv.all_facts()
+                facts = {j: Fact(make_fact_id(user, every[j][0], every[j][1]), user, *every[j]) for j in indices}
+                kvs = encoder.encode(list(facts.values()), conv.turns, progress=False, prefix_ids=prefix_ids)
+                disk.put(user, {fid: cast(kv) for fid, kv in kvs.items()})
+                ids[(cid, (window, style))] = {j: f.fact_id for j, f in facts.items()}
+            print(f"encoded w={window} {style}: {sum(map(len, needed.values()))} facts "
+                  f"in {time.perf_counter() - start:.1f} s", flush=True)
+    return ids
+
+
+# ---------------------------------------------------------------- serving
+
+
+def build_engine(args, model_dir: str, data_dir: Path):
+    import torch
+    from vllm import LLM
+    from vllm.config import KVTransferConfig
+
+    from inferscale.config import Config
+    from inferscale.engine import kv_transfer_config
+
+    gpu = torch.cuda.is_available()
+    config = Config.from_dict({"model": model_dir, "data_dir": str(data_dir), "instruction": INSTRUCTION,
+                               "kv_store": "hbm" if gpu else "pinned", "recompute_tokens": 0})
+    memory = {"gpu_memory_utilization": 0.6} if gpu else {"kv_cache_memory_bytes": 2 << 30}
+    return LLM(model=model_dir, dtype=args.dtype, max_model_len=4096, enforce_eager=not args.cuda_graphs,
+               enable_prefix_caching=True, kv_transfer_config=KVTransferConfig(**kv_transfer_config(config)),
+               **memory)
+
+
+class Prompts:
+    """Token ids of prompts, per fact style and closing (the same ids in every mode)."""
+
+    def __init__(self, tokenizer, convs):
+        from inferscale.compose.prompt import PromptFormat, fact_ids
+
+        self.tokenizer, self.convs = tokenizer, convs
+        self.formats = {c: PromptFormat.from_tokenizer(tokenizer, INSTRUCTION, text) for c, text in CLOSINGS.items()}
+        self.prefix = self.formats["none"].prefix_ids(tokenizer)
+        self._facts: dict = {}
+        self._fact_ids = fact_ids
+
+    def fact(self, conv: str, index: int, style: str) -> list[int]:
+        key = (conv, index, style)
+        if key not in self._facts:
+            self._facts[key] = self._fact_ids(self.tokenizer, self.convs[conv].all_facts()[index][0], style)
+        return self._facts[key]
+
+    def query(self, closing: str, question: str) -> list[int]:
+        return self.formats[closing].query_ids(self.tokenizer, question)
+
+
+def request(method: Method, item: Item, k: int, prompts: Prompts, fact_ids: dict, nonce: str):
+    """(prompt dict, kv_transfer_params or None) for one question."""
+    from inferscale.connector.params import make_params, segment_salt
+
+    order = item.retrieved[:k][::-1]  # the most relevant fact last, as the relevance composer does
+    segment = list(prompts.prefix)
+    for j in order:
+        segment += prompts.fact(item.conv, j, method.style)
+    ids = segment + prompts.query(method.closing, item.question)
+    if method.mode == "prompt":
+        return {"prompt_token_ids": ids, "cache_salt": f"text:{nonce}"}, None
+    user = user_of(item.conv, method.encoding)
+    facts = [fact_ids[(item.conv, method.encoding)][j] for j in order]
+    salt = segment_salt(user, segment, method.recompute_tokens, method.key_scale)
+    params = make_params(user, facts, method.recompute_tokens, method.key_scale)
+    return {"prompt_token_ids": ids, "cache_salt": f"{salt}:{nonce}"}, params
+
+
+def run_method(llm, method: Method, k: int, items, prompts, fact_ids, max_tokens: int) -> list[dict]:
+    from vllm import SamplingParams
+
+    nonce = uuid.uuid4().hex
+    batch, sampling = [], []
+    for item in items:
+        prompt, params = request(method, item, k, prompts, fact_ids, nonce)
+        batch.append(prompt)
+        sampling.append(SamplingParams(max_tokens=max_tokens, temperature=0.0,
+                                       extra_args={"kv_transfer_params": params} if params else None))
+    outputs = llm.generate(batch, sampling, use_tqdm=False)
+    rows = []
+    for item, prompt, out in zip(items, batch, outputs):
+        report = ((out.kv_transfer_params or {}).get("inferscale") or {}) if method.mode == "kv" else {}
+        text = out.outputs[0].text.strip()
+        rows.append({"conv": item.conv, "q": item.index, "k": k, "method": method.name, "answer": text,
+                     "f1": f1(text, item.answer), "contains": contains(text, item.answer),
+                     "prompt_tokens": len(prompt["prompt_token_ids"]),
+                     "injected": report.get("injected_tokens", 0), "recomputed": report.get("recomputed_tokens", 0),
+                     "fallback": report.get("fallback")})
+    return rows
+
+
+# ---------------------------------------------------------------- summary
+
+
+def summarize(rows: list[dict], items: list[Item]) -> dict:
+    category = {(it.conv, it.index): str(it.category) for it in items}
+    groups: dict = defaultdict(lambda: defaultdict(list))
+    for r in rows:
+        key = (r["method"], r["k"])
+        for cat in (category[(r["conv"], r["q"])], "all"):
+            groups[key][f"f1.{cat}"].append(r["f1"])
+            groups[key][f"contains.{cat}"].append(r["contains"])
+        for field in ("injected", "recomputed", "prompt_tokens"):
+            groups[key][field].append(r[field])
+        groups[key]["fallbacks"].append(r["fallback"] is not None)
+    out: dict = defaultdict(dict)
+    for (method, k), values in groups.items():
+        out[method][str(k)] = {name: sum(v) / len(v) if not name == "fallbacks" else sum(v)
+                               for name, v in values.items()}
+    return out
+
+
+def markdown(summary: dict, recall_k: dict, methods: list[Method], ks, n: int, model: str) -> str:
     cats = ["1", "2", "3", "4", "all"]
-    print(f"\nLoCoMo F1 ({num_questions} questions, {num_facts} facts)")
-    print("| k | mode | " + " | ".join(CATEGORIES.get(int(c), c) if c != "all" else "all" for c in cats)
-          + " | median TTFT ms |")
-    print("|---|---|" + "---|" * len(cats) + "---|")
-    for k, modes in summary.items():
-        for mode, scores in modes.items():
-            cells = " | ".join(f"{scores[c]:.3f}" if c in scores else "—" for c in cats)
-            print(f"| {k} | {mode} | {cells} | {scores['median_ttft_ms']:.0f} |")
+    names = [CATEGORIES[int(c)] if c != "all" else "all" for c in cats]
+    lines = [f"LoCoMo, {n} questions (categories 1–4), {model}: token F1 (containment for all)", "",
+             "| method | k | " + " | ".join(names) + " | contains | recomputed tok | injected tok | fallbacks |",
+             "|---|---|" + "---|" * (len(cats) + 4)]
+    for m in methods:
+        for k in ks:
+            s = summary.get(m.name, {}).get(str(k))
+            if not s:
+                continue
+            cells = " | ".join(f"{s.get(f'f1.{c}', float('nan')):.3f}" for c in cats)
+            lines.append(f"| {m.name} | {k} | {cells} | {s['contains.all']:.3f} | {s['recomputed']:.0f} | "
+                         f"{s['injected']:.0f} | {s['fallbacks']} |")
+    lines += ["", "Retrieval recall@k of the evidence turns (\"all\": every fact of the conversation):", "",
+              "| k | " + " | ".join(names) + " |", "|---|" + "---|" * len(cats)]
+    for k, per in recall_k.items():
+        lines.append(f"| {k} | " + " | ".join(f"{per.get(c, float('nan')):.3f}" for c in cats) + " |")
+    return "\n".join(lines) + "\n"
+
+
+# ---------------------------------------------------------------- main
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--data", default="../shared/data/locomo", help="folder of LoCoMo conversation files")
+    parser.add_argument("--sample", type=int, default=0, help="stratified subsample of N questions (CPU smoke runs)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--ks", default="5,10,20,50")
+    parser.add_argument("--methods", default="grid", help="a set (grid, smoke, default) or names joined by ';'")
+    parser.add_argument("--model", default="qwen2.5-coder-0.5b-instruct", help="HF directory or known model name")
+    parser.add_argument("--dtype", default=None, help="serving dtype (default: bfloat16 on GPU, float32 on CPU)")
+    parser.add_argument("--embedder", default="minilm")
+    parser.add_argument("--retrieval", default=None, help="retrieval cache (JSON): read if present, else written")
+    parser.add_argument("--max-tokens", type=int, default=32)
+    parser.add_argument("--encode-batch", type=int, default=16)
+    parser.add_argument("--cuda-graphs", action="store_true")
+    parser.add_argument("--out", default="benchmarks/results/locomo_accuracy.json")
+    return parser.parse_args(argv)
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    import torch
+
+    from inferscale.models import model_dir as known_model_dir
+
+    gpu = torch.cuda.is_available()
+    args.dtype = args.dtype or ("bfloat16" if gpu else "float32")
+    ks = [int(k) for k in args.ks.split(",")]
+    methods = select_methods(args.methods)
+    model = args.model if os.path.isdir(args.model) else str(known_model_dir(args.model, args.dtype))
+    convs, keys = load_items(args)
+    retrieved = retrieve(convs, keys, max(50, *ks), Path(args.retrieval) if args.retrieval else None, args.embedder)
+    items = make_items(convs, keys, retrieved, max(ks))
+    recall_k = recall_at(items, convs, ks)
+    print(f"{len(items)} questions from {len(convs)} conversations; recall@k: "
+          + ", ".join(f"{k}: {v['all']:.3f}" for k, v in recall_k.items()), flush=True)
+
+    from transformers import AutoTokenizer
+
+    prompts = Prompts(AutoTokenizer.from_pretrained(model), convs)
+    data_dir = Path(tempfile.mkdtemp(prefix="locomo-"))
+    start = time.perf_counter()
+    encodings = sorted({m.encoding for m in methods if m.mode == "kv"})
+    needed = needed_facts(items, max(ks))
+    fact_ids = encode_all(args, convs, needed, encodings, model, data_dir, prompts.prefix, getattr(torch, args.dtype))
+    encode_s = time.perf_counter() - start
+    if gpu:
+        torch.cuda.empty_cache()
+    llm = build_engine(args, model, data_dir)
+    rows, timing = [], {}
+    device = torch.cuda.get_device_name() if gpu else "cpu"
+    meta = {"command": " ".join(["python", *sys.argv]), "device": device, "model": Path(model).name,
+            "dtype": args.dtype, "instruction": INSTRUCTION, "closings": CLOSINGS, "ks": ks,
+            "questions": len(items), "facts": sum(len(c.all_facts()) for c in convs.values()),
+            "conversations": sorted(convs), "sample": args.sample, "seed": args.seed,
+            "methods": [asdict(m) for m in methods], "encode_s": encode_s, "recall": recall_k}
+    for method in methods:
+        for k in ks:
+            start = time.perf_counter()
+            rows += run_method(llm, method, k, items, prompts, fact_ids, args.max_tokens)
+            timing[f"{method.name}@{k}"] = time.perf_counter() - start
+            s = summarize([r for r in rows if r["method"] == method.name and r["k"] == k], items)[method.name][str(k)]
+            print(f"{method.name:44s} k={k:2d}  F1 {s['f1.all']:.3f}  contains {s['contains.all']:.3f}  "
+                  f"recomputed {s['recomputed']:.0f}  fallbacks {s['fallbacks']}  ({timing[f'{method.name}@{k}']:.1f} s)",
+                  flush=True)
+        table = write_results(Path(args.out), meta, timing, rows, items, methods, ks)
+    print("\n" + table, flush=True)
+    os._exit(0)  # vLLM's engine threads can keep the interpreter alive
+
+
+def write_results(out: Path, meta: dict, timing: dict, rows: list[dict], items: list[Item], methods, ks) -> str:
+    """The JSON summary, the markdown table and the answers; rewritten after every method."""
+    summary = summarize(rows, items)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    table = markdown(summary, meta["recall"], methods, ks, len(items), f"{meta['model']} ({meta['dtype']}, "
+                     f"{meta['device']})")
+    out.write_text(json.dumps({**meta, "run_s": timing, "summary": summary}, indent=1))
+    out.with_suffix(".md").write_text(table)
+    with gzip.open(out.with_name(out.stem + "_answers.json.gz"), "wt") as fh:
+        json.dump({"questions": [asdict(it) for it in items], "rows": rows}, fh)
+    return table
 
 
 if __name__ == "__main__":

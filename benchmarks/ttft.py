@@ -10,13 +10,17 @@ token (median of ``--reps``), each request with a fresh cache salt so vLLM's
 prefix cache never helps:
 
 * ``none``   — the question alone (the floor: no memory at all);
-* ``kv``     — ``[prefix | k facts | question]`` with the facts injected;
+* ``kv``     — ``[prefix | k facts | question]`` with the facts injected, once per recompute
+  budget B in ``--recompute`` (the tail facts that fit in B tokens are prefilled with the question);
+* ``cached`` — the same split served from vLLM's own prefix cache instead of the connector (the
+  head warmed by an untimed request with the same salt): what a budget costs once injection
+  itself is free;
 * ``prompt`` — the same token ids prefilled as text (prompt injection).
 
 It also times the store's ``get`` of the k facts onto the GPU against one
 pinned host→device copy of the same bytes (the PCIe floor).
 
-    python benchmarks/ttft.py --out benchmarks/results/ttft_h200.json
+    python benchmarks/ttft.py --cuda-graphs --recompute 0,128,256,512 --out benchmarks/results/ttft_h200.json
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ import argparse
 import json
 import os
 import statistics
+import sys
 import tempfile
 import time
 import uuid
@@ -70,18 +75,24 @@ def write_memory(data: Path, cfg: dict, ks: list[int], fact_tokens: int, prefix_
     return disk, list(prefix.token_ids), facts
 
 
-def time_generate(llm, prompt: dict, params: dict | None, reps: int) -> tuple[float, int]:
+def time_generate(llm, prompt: dict, params: dict | None, reps: int, warm_tokens: int = 0) -> tuple[float, int]:
+    """Median ms of one-token ``generate``; with ``warm_tokens``, an untimed request for the
+    prompt's first tokens (same salt) fills vLLM's prefix cache first."""
     from vllm import SamplingParams
+
+    def one(p: dict, extra: dict | None):
+        sp = SamplingParams(max_tokens=1, temperature=0.0, extra_args={"kv_transfer_params": extra} if extra else None)
+        start = time.perf_counter()
+        (out,) = llm.generate([p], sp, use_tqdm=False)
+        return (time.perf_counter() - start) * 1e3, out.num_cached_tokens
 
     times, cached = [], 0
     for _ in range(reps + 1):  # the first run warms this shape up
         p = dict(prompt, cache_salt=(prompt.get("cache_salt", "plain") + ":" + uuid.uuid4().hex))
-        sp = SamplingParams(max_tokens=1, temperature=0.0,
-                            extra_args={"kv_transfer_params": params} if params else None)
-        start = time.perf_counter()
-        (out,) = llm.generate([p], sp, use_tqdm=False)
-        times.append((time.perf_counter() - start) * 1e3)
-        cached = out.num_cached_tokens
+        if warm_tokens:
+            one(dict(p, prompt_token_ids=p["prompt_token_ids"][:warm_tokens + 1]), None)
+        ms, cached = one(p, params)
+        times.append(ms)
     return statistics.median(times[1:]), cached
 
 
@@ -130,15 +141,19 @@ def main() -> None:
     parser.add_argument("--question-tokens", type=int, default=16)
     parser.add_argument("--reps", type=int, default=7)
     parser.add_argument("--kv-store", default="pinned", choices=("pinned", "hbm"))
+    parser.add_argument("--recompute", default="0", help="recompute budgets (tokens) to time KV injection with")
+    parser.add_argument("--cuda-graphs", action="store_true", help="capture CUDA graphs (default: eager)")
     parser.add_argument("--shape", default="llama-3.1-8b", choices=sorted(SHAPES))
     parser.add_argument("--out", default="benchmarks/results/ttft.json")
     args = parser.parse_args()
     ks = [int(k) for k in args.ks.split(",")]
+    budgets = [int(b) for b in args.recompute.split(",")]
 
     import torch
     from vllm import LLM
     from vllm.config import KVTransferConfig
 
+    from inferscale.compose.blend import injected_length
     from inferscale.config import BackendSpec, Config
     from inferscale.connector.params import make_params, segment_salt
     from inferscale.engine import kv_transfer_config
@@ -149,10 +164,10 @@ def main() -> None:
     model.mkdir()
     (model / "config.json").write_text(json.dumps(cfg))
     disk, prefix, facts = write_memory(work, cfg, ks, args.fact_tokens, args.prefix_tokens)
-    config = Config(model=str(model), data_dir=str(work), kv_store=BackendSpec(args.kv_store))
+    config = Config(model=str(model), data_dir=str(work), kv_store=BackendSpec(args.kv_store), recompute_tokens=0)
     memory = {"gpu_memory_utilization": 0.5} if torch.cuda.is_available() else {"kv_cache_memory_bytes": 256 << 20}
     llm = LLM(model=str(model), load_format="dummy", skip_tokenizer_init=True, dtype="bfloat16",
-              max_model_len=8192, enforce_eager=True, enable_prefix_caching=True,
+              max_model_len=8192, enforce_eager=not args.cuda_graphs, enable_prefix_caching=True,
               kv_transfer_config=KVTransferConfig(**kv_transfer_config(config)), **memory)
     question = torch.randint(1000, 100000, (args.question_tokens,)).tolist()
     rows = []
@@ -160,25 +175,37 @@ def main() -> None:
     for k in ks:
         ids = [f"f{i}" for i in range(k)]
         segment = prefix + [t for i in ids for t in facts[i].token_ids]
-        prompt = {"prompt_token_ids": segment + question, "cache_salt": segment_salt("bench", segment)}
-        kv_ms, cached = time_generate(llm, prompt, make_params("bench", ids), args.reps)
+        lengths = [len(prefix)] + [len(facts[i].token_ids) for i in ids]
         text_ms, _ = time_generate(llm, {"prompt_token_ids": segment + question, "cache_salt": "text"},
                                    None, args.reps)
-        rows.append({"k": k, "memory_tokens": len(segment), "injected_tokens": cached, "none_ms": none_ms,
-                     "kv_ms": kv_ms, "prompt_ms": text_ms, "kv_vs_none": kv_ms / none_ms,
-                     "prompt_vs_none": text_ms / none_ms})
+        for budget in budgets:
+            prompt = {"prompt_token_ids": segment + question, "cache_salt": segment_salt("bench", segment, budget)}
+            kv_ms, injected = time_generate(llm, prompt, make_params("bench", ids, budget), args.reps)
+            claim = injected_length(lengths, budget)
+            cached_ms, hit = time_generate(llm, {"prompt_token_ids": segment + question, "cache_salt": "warm"},
+                                           None, args.reps, warm_tokens=claim)
+            rows.append({"k": k, "recompute_tokens": budget, "memory_tokens": len(segment),
+                         "recomputed_tokens": len(segment) - claim, "injected_tokens": injected,
+                         "none_ms": none_ms, "kv_ms": kv_ms, "cached_ms": cached_ms, "cached_tokens": hit,
+                         "prompt_ms": text_ms, "kv_vs_none": kv_ms / none_ms, "cached_vs_none": cached_ms / none_ms,
+                         "prompt_vs_none": text_ms / none_ms})
     gets = store_get_times(disk, facts, ks, args.reps)
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
-    result = {"device": device, "model": f"{args.shape} shape, random weights, bf16, eager",
+    mode = "CUDA graphs" if args.cuda_graphs else "eager"
+    result = {"device": device, "model": f"{args.shape} shape, random weights, bf16, {mode}",
+              "command": " ".join(["python", *sys.argv]), "engine": "in-process"
+              if os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0" else "multiprocess",
               "kv_store": args.kv_store, "fact_tokens": args.fact_tokens, "rows": rows, "store_get": gets}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=2))
-    print(f"\n{device} — engine TTFT (wall of generate, 1 token), median of {args.reps}")
-    print("| k | memory tokens | injected | no memory ms | KV injection ms | prompt injection ms | KV/none | prompt/none |")
-    print("|---|---|---|---|---|---|---|---|")
+    print(f"\n{device} — engine TTFT (wall of generate, 1 token, {mode}), median of {args.reps}")
+    print("| k | memory tokens | budget B | recomputed | injected | no memory ms | KV injection ms | head in prefix "
+          "cache ms | prompt injection ms | KV/none | cached/none | prompt/none |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['k']} | {r['memory_tokens']} | {r['injected_tokens']} | {r['none_ms']:.2f} | {r['kv_ms']:.2f} | "
-              f"{r['prompt_ms']:.2f} | {r['kv_vs_none']:.2f} | {r['prompt_vs_none']:.2f} |")
+        print(f"| {r['k']} | {r['memory_tokens']} | {r['recompute_tokens']} | {r['recomputed_tokens']} | "
+              f"{r['injected_tokens']} | {r['none_ms']:.2f} | {r['kv_ms']:.2f} | {r['cached_ms']:.2f} | "
+              f"{r['prompt_ms']:.2f} | {r['kv_vs_none']:.2f} | {r['cached_vs_none']:.2f} | {r['prompt_vs_none']:.2f} |")
     if gets:
         print("\n| k | MiB | PCIe floor ms | pinned get ms | × floor | hbm get ms |\n|---|---|---|---|---|---|")
         for k, g in gets.items():

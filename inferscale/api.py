@@ -46,6 +46,7 @@ class Answer:
     memory_tokens: int
     injected_tokens: int
     fallback: str | None
+    recomputed_tokens: int = 0  # memory tokens prefilled with the question (kv mode)
     timings: dict[str, float] = field(default_factory=dict)  # milliseconds
 
 
@@ -87,7 +88,7 @@ class InferScale:
 
     @cached_property
     def prompt_format(self) -> PromptFormat:
-        return PromptFormat.from_tokenizer(self.tokenizer, self.config.instruction)
+        return PromptFormat.from_tokenizer(self.tokenizer, self.config.instruction, self.config.closing)
 
     @cached_property
     def prefix_ids(self) -> list[int]:
@@ -152,7 +153,8 @@ class InferScale:
         from inferscale.encode.encoder import FactEncoder
 
         window = build("encoder", self.config.encoder)
-        with FactEncoder.from_spec(str(self.model_dir), window, dtype="float32") as encoder:
+        with FactEncoder.from_spec(str(self.model_dir), window, dtype="float32",
+                                   fact_style=self.config.fact_style) as encoder:
             prefix = self._ensure_prefix(encoder)
             kvs = encoder.encode(records, turns, progress=progress, prefix_ids=prefix)
         self.disk.put(user_id, kvs)
@@ -181,7 +183,7 @@ class InferScale:
             if source is not None and per_turn[source] > MAX_FACTS_PER_TURN:
                 continue
             fid = make_fact_id(user_id, text, source)
-            records[fid] = Fact(fid, user_id, text, source, tuple(fact_ids(self.tokenizer, text)))
+            records[fid] = Fact(fid, user_id, text, source, tuple(fact_ids(self.tokenizer, text, self.config.fact_style)))
         return list(records.values())
 
     def _ensure_prefix(self, encoder) -> list[int]:
@@ -203,8 +205,13 @@ class InferScale:
         return self.retriever.search(user_id, vector, k or self.config.top_k)[0]
 
     def prompt(self, user_id: str, query: str, fact_order: Sequence[str], mode: Mode = "kv",
-               fresh_cache: bool = False) -> tuple[dict, dict | None, int]:
-        """``(prompt dict, kv_transfer_params or None, memory tokens)`` for vLLM."""
+               fresh_cache: bool = False, recompute_tokens: int | None = None,
+               key_scale: float | None = None) -> tuple[dict, dict | None, int]:
+        """``(prompt dict, kv_transfer_params or None, memory tokens)`` for vLLM.
+
+        ``recompute_tokens`` and ``key_scale`` override the connector's
+        configured blend for this request (None: the configured one).
+        """
         question = self.prompt_format.query_ids(self.tokenizer, query)
         if mode == "none":
             return {"prompt_token_ids": self.prefix_ids + question}, None, 0
@@ -216,8 +223,9 @@ class InferScale:
         nonce = f":{uuid.uuid4().hex}" if fresh_cache else ""
         if mode == "prompt":
             return {"prompt_token_ids": ids, "cache_salt": f"text{nonce}"}, None, memory
-        salt = segment_salt(user_id, ids[:memory]) + nonce
-        return {"prompt_token_ids": ids, "cache_salt": salt}, make_params(user_id, fact_order), memory
+        salt = segment_salt(user_id, ids[:memory], recompute_tokens, key_scale) + nonce
+        params = make_params(user_id, fact_order, recompute_tokens, key_scale)
+        return {"prompt_token_ids": ids, "cache_salt": salt}, params, memory
 
     def _user_facts(self, user_id: str) -> dict[str, Fact]:
         if user_id not in self._facts:
@@ -225,15 +233,21 @@ class InferScale:
         return self._facts[user_id]
 
     def generate(self, user_id: str, query: str, k: int | None = None, mode: Mode = "kv",
-                 max_tokens: int = 64, fresh_cache: bool = False) -> Answer:
-        """Answer ``query`` for ``user_id`` with the top-k facts (greedy decoding)."""
+                 max_tokens: int = 64, fresh_cache: bool = False, recompute_tokens: int | None = None,
+                 key_scale: float | None = None) -> Answer:
+        """Answer ``query`` for ``user_id`` with the top-k facts (greedy decoding).
+
+        In ``"kv"`` mode the facts at the segment's tail that fit in
+        ``recompute_tokens`` are prefilled, the rest injected (default: the
+        config's ``recompute_tokens``; see :mod:`inferscale.compose.blend`).
+        """
         from vllm import SamplingParams
 
         start = time.perf_counter()
         hits = self.retrieve(user_id, query, k) if mode != "none" else []
         retrieved = time.perf_counter()
         order = self.composer.order(hits)
-        prompt, params, memory = self.prompt(user_id, query, order, mode, fresh_cache)
+        prompt, params, memory = self.prompt(user_id, query, order, mode, fresh_cache, recompute_tokens, key_scale)
         extra = {"kv_transfer_params": params} if params else None
         sampling = SamplingParams(max_tokens=max_tokens, temperature=0.0, extra_args=extra)
         composed = time.perf_counter()
@@ -249,7 +263,8 @@ class InferScale:
         }
         timings["query_to_first_token"] = timings["retrieval"] + timings["compose"] + timings["engine_ttft"]
         return Answer(out.outputs[0].text, mode, list(order), len(prompt["prompt_token_ids"]), memory,
-                      report.get("injected_tokens", 0), report.get("fallback"), timings)
+                      report.get("injected_tokens", 0), report.get("fallback"),
+                      report.get("recomputed_tokens", 0), timings)
 
     def close(self) -> None:
         """Shut the engine down (frees its memory and worker processes)."""

@@ -29,6 +29,11 @@ DEFAULT_INSTRUCTION = (
 )
 
 
+#: closes the facts (after them, before the question): vLLM always computes it fresh
+DEFAULT_CLOSING = ""
+FACT_STYLES = ("bullet", "line")
+
+
 @dataclass(frozen=True)
 class BackendSpec:
     """A backend selected by registered name, with its options."""
@@ -94,12 +99,33 @@ class Config:
     data_dir: str = "~/.local/share/inferscale"
     instruction: str = DEFAULT_INSTRUCTION
     top_k: int = 10
+    #: how a fact reads in the segment: "bullet" ("- fact\n") or "line" ("fact\n")
+    fact_style: str = "bullet"
+    #: text right after the facts (prefilled with the question, never injected)
+    closing: str = DEFAULT_CLOSING
+    #: memory tokens at the segment's tail vLLM recomputes: an integer or "auto" (by device)
+    recompute_tokens: int | str = "auto"
+    #: the injected facts' keys are multiplied by this (attention temperature 1/key_scale)
+    key_scale: float = 1.0
 
     def __post_init__(self):
         if not isinstance(self.top_k, int) or self.top_k < 1:
             raise ConfigError(f"top_k must be a positive integer, got {self.top_k!r}")
-        if not isinstance(self.instruction, str):
-            raise ConfigError("instruction must be a string")
+        for name in ("instruction", "closing"):
+            if not isinstance(getattr(self, name), str):
+                raise ConfigError(f"{name} must be a string")
+        if self.fact_style not in FACT_STYLES:
+            raise ConfigError(f"fact_style must be one of {', '.join(FACT_STYLES)}, got {self.fact_style!r}")
+        try:
+            self.blend("cpu")
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
+
+    def blend(self, device_type: str):
+        """The recompute budget and key scale for an engine on ``device_type``."""
+        from inferscale.compose.blend import Blend, resolve_recompute_tokens
+
+        return Blend(resolve_recompute_tokens(self.recompute_tokens, device_type), self.key_scale)
 
     @property
     def data_path(self) -> Path:

@@ -41,10 +41,16 @@ def check_id(value: object, what: str) -> str:
     return value
 
 
-def render_fact(text: str) -> str:
-    """How a fact reads inside the memory segment (one bullet line).
+def render_fact(text: str, style: str = "bullet") -> str:
+    """How a fact reads inside the memory segment: one line, as a bullet
+    (``style="bullet"``) or as a plain sentence (``style="line"``).
 
     Encoder, composer and the prompt-injection baseline all use this, so KV
     injection and text injection put exactly the same tokens before the query.
     """
-    return f"- {' '.join(text.split())}\n"
+    line = " ".join(text.split())
+    if style == "bullet":
+        return f"- {line}\n"
+    if style == "line":
+        return f"{line}\n"
+    raise ValueError(f"unknown fact style {style!r} (bullet, line)")

@@ -118,7 +118,7 @@ def test_injection_matches_plain_prefill(served, error_log):
     delta, agree = vh.logprob_gap(out, plain)
     error_log[f"injection max|Δlogprob| {served.name} {served.dtype}"] = delta
     assert vh.report(out) == {"segment_tokens": len(segment), "injected_tokens": len(segment),
-                              "fallback": None, "detail": ""}
+                              "recomputed_tokens": 0, "fallback": None, "detail": ""}
     assert out.num_cached_tokens == len(segment)
     assert delta <= TOLERANCE[served.dtype]
     if served.dtype == "float32":
@@ -158,6 +158,38 @@ def test_corrupted_kv_changes_the_output(served):
     _, lp, out = vh.greedy(served.llm, prompt, params, salt)
     assert vh.report(out)["injected_tokens"] == len(segment)
     assert max(abs(a - b) for a, b in zip(lp, plain_lp)) > 1e-2
+
+
+def test_tail_recompute_prefills_the_facts_that_fit_the_budget(served, error_log):
+    """Every fact's stored K/V is corrupt: facts inside the budget are prefilled from their
+    tokens (the store is never read for them), the ones before them are injected."""
+    fact_ids_, segment = served.store_joint("u6")
+    served.disk.put("u6", {f: vh.noisy(kv, seed=2) for f, kv in served.disk.load_user("u6").items()})
+    tokens = served.facts()
+    prompt = served.prompt(tokens)
+    plain = vh.greedy(served.llm, prompt)
+    prefix, facts = len(served.prefix), sum(map(len, tokens))
+    for budget, recomputed in ((facts, facts), (len(tokens[-1]), len(tokens[-1])), (len(tokens[-1]) - 1, 0)):
+        params, salt = vh.memory_request("u6", fact_ids_, segment, recompute_tokens=budget)
+        out = vh.greedy(served.llm, prompt, params, salt)
+        report = vh.report(out[2])
+        assert (report["fallback"], report["recomputed_tokens"]) == (None, recomputed), budget
+        assert report["injected_tokens"] == out[2].num_cached_tokens == len(segment) - recomputed, budget
+        if recomputed == facts:  # only the exact prefix injected: plain prefill's output
+            delta, _ = vh.logprob_gap(out[2], plain[2])
+            error_log[f"tail recompute of every fact max|Δlogprob| {served.name} {served.dtype}"] = delta
+            assert delta <= TOLERANCE[served.dtype]
+        else:  # corrupt facts injected: the output moves
+            assert out[1] != plain[1]
+    assert len(segment) == prefix + facts
+
+
+def test_key_scale_reaches_the_attention(served):
+    fact_ids_, segment = served.store_joint("u7")
+    prompt = served.prompt(served.facts())
+    runs = [vh.greedy(served.llm, prompt, *vh.memory_request("u7", fact_ids_, segment, key_scale=c)) for c in (1.0, 2.0)]
+    assert all(vh.report(r[2])["injected_tokens"] == len(segment) for r in runs)
+    assert max(abs(a - b) for a, b in zip(runs[0][1], runs[1][1])) > 1e-3
 
 
 def test_prefix_cache_never_serves_injected_kv_to_plain_requests(served):

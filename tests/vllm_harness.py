@@ -25,9 +25,11 @@ GREEDY_TOKENS = 8
 TOP_LOGPROBS = 5
 
 
-def engine_config(model_dir: Path, data_dir: Path, dtype: str) -> Config:
+def engine_config(model_dir: Path, data_dir: Path, dtype: str, recompute_tokens: int = 0) -> Config:
+    """The connector's config; by default every memory token is injected (no tail recompute),
+    so a test compares injected K/V with plain prefill token for token."""
     return Config(model=ModelSpec(path=str(model_dir), dtype=dtype), data_dir=str(data_dir),
-                  kv_store=BackendSpec("pinned"))
+                  kv_store=BackendSpec("pinned"), recompute_tokens=recompute_tokens)
 
 
 @contextlib.contextmanager
@@ -117,9 +119,11 @@ def report(out) -> dict:
     return (out.kv_transfer_params or {}).get("inferscale") or {}
 
 
-def memory_request(user_id: str, fact_ids: list[str], segment_ids: list[int]) -> tuple[dict, str]:
+def memory_request(user_id: str, fact_ids: list[str], segment_ids: list[int], recompute_tokens: int | None = None,
+                   key_scale: float | None = None) -> tuple[dict, str]:
     """kv_transfer_params and the cache salt a request for this memory carries."""
-    return make_params(user_id, fact_ids), segment_salt(user_id, segment_ids)
+    return (make_params(user_id, fact_ids, recompute_tokens, key_scale),
+            segment_salt(user_id, segment_ids, recompute_tokens, key_scale))
 
 
 def write_prefix(disk: DiskStore, encoder, prefix_ids: list[int]) -> None:

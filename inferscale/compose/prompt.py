@@ -1,9 +1,9 @@
 """Prompt layout around the memory segment, from the model's own chat template.
 
 A prompt is ``[prefix | facts | query part]``: the prefix opens the system
-message and holds the instruction, the facts follow as bullet lines, and the
-query part closes the system message, adds the user's question and opens the
-assistant's turn. KV injection and prompt injection use the very same token
+message and holds the instruction, the facts follow one per line, and the
+query part starts with the closing text (which ends the list of facts), closes
+the system message, adds the user's question and opens the assistant's turn. KV injection and prompt injection use the very same token
 ids; only how the segment gets into the KV cache differs.
 """
 
@@ -25,14 +25,14 @@ class PromptFormat:
     suffix_text: str  # after the question
 
     @classmethod
-    def from_tokenizer(cls, tokenizer, instruction: str) -> PromptFormat:
+    def from_tokenizer(cls, tokenizer, instruction: str, closing: str = "") -> PromptFormat:
         """Split the chat template around the facts and the question."""
         if getattr(tokenizer, "chat_template", None):
-            messages = [{"role": "system", "content": instruction + _FACTS},
+            messages = [{"role": "system", "content": instruction + _FACTS + closing},
                         {"role": "user", "content": _QUERY}]
             text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
         else:
-            text = f"{instruction}{_FACTS}\nQuestion: {_QUERY}\nAnswer:"
+            text = f"{instruction}{_FACTS}{closing}\nQuestion: {_QUERY}\nAnswer:"
         prefix, rest = text.split(_FACTS)
         middle, suffix = rest.split(_QUERY)
         return cls(prefix, middle, suffix)
@@ -50,9 +50,9 @@ class PromptFormat:
         return ids + self.query_ids(tokenizer, query)
 
 
-def fact_ids(tokenizer, text: str) -> list[int]:
+def fact_ids(tokenizer, text: str, style: str = "bullet") -> list[int]:
     """A fact's token ids inside the segment."""
-    return _encode(tokenizer, render_fact(text))
+    return _encode(tokenizer, render_fact(text, style))
 
 
 def _encode(tokenizer, text: str) -> list[int]:

@@ -32,13 +32,16 @@ class Segment:
     values: torch.Tensor
 
 
+def segment_parts(store: KVStore, user_id: str, fact_ids: Sequence[str]) -> list[tuple[int, ...]]:
+    """The token ids of the segment's parts (the prefix, then each fact), read
+    without moving any K/V."""
+    (prefix,) = store.token_ids(SYSTEM_USER, [PREFIX_FACT])
+    return [tuple(prefix), *store.token_ids(user_id, list(fact_ids))]
+
+
 def segment_token_ids(store: KVStore, user_id: str, fact_ids: Sequence[str]) -> list[int]:
     """The segment's token ids, read without moving any K/V."""
-    (prefix,) = store.token_ids(SYSTEM_USER, [PREFIX_FACT])
-    ids = list(prefix)
-    for fact in store.token_ids(user_id, list(fact_ids)):
-        ids.extend(fact)
-    return ids
+    return [t for part in segment_parts(store, user_id, fact_ids) for t in part]
 
 
 def gather_segment(store: KVStore, user_id: str, fact_ids: Sequence[str], device=None) -> KVBatch:

@@ -51,6 +51,11 @@ def write_kv(layer: torch.nn.Module, key: torch.Tensor, value: torch.Tensor,
     impl.do_kv_cache_update(layer, key, value, kv_cache, slot_mapping)
 
 
+def device_type(vllm_config) -> str:
+    """The engine's device type ("cuda", "cpu", ...)."""
+    return str(getattr(vllm_config.device_config, "device_type", "cuda") or "cuda")
+
+
 def tensor_parallel() -> tuple[int, int]:
     """(rank, world size) of tensor parallelism in this worker."""
     from vllm.distributed.parallel_state import (

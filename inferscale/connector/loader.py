@@ -13,7 +13,7 @@ import torch
 
 from inferscale.compose.rope import RotaryEmbedding
 from inferscale.compose.segment import SYSTEM_USER, Segment, gather_segment, rotate_segment
-from inferscale.connector.params import segment_salt
+from inferscale.connector.params import MemoryRequest
 from inferscale.errors import MissingFactError, ModelMismatchError
 from inferscale.kv import KVBatch
 from inferscale.storage.base import KVStore
@@ -24,18 +24,25 @@ from inferscale.storage.tiered import ensure_user
 class LoadSpec:
     """One request's load, as the scheduler sends it (picklable, no tensors).
 
-    Tokens ``start..end-1`` of the segment go to ``slots`` (one slot per token);
-    ``salt`` is the segment's cache salt: the worker re-derives it from the
-    token ids it gathered, so K/V is never written under other tokens.
+    Tokens ``start..end-1`` of the ``segment_len``-token segment go to
+    ``slots`` (one slot per token); ``salt`` is the segment's cache salt: the
+    worker re-derives it from the token ids it gathered, so K/V is never
+    written under other tokens. The facts' keys are multiplied by
+    ``key_scale`` (:mod:`inferscale.compose.blend`).
     """
 
     req_id: str
-    user_id: str
-    fact_ids: tuple[str, ...]
+    memory: MemoryRequest
     start: int
     end: int
+    segment_len: int
     slots: tuple[int, ...]
     salt: str
+    key_scale: float = 1.0
+
+    @property
+    def user_id(self) -> str:
+        return self.memory.user_id
 
 
 def kv_head_range(num_kv_heads: int, tp_size: int, tp_rank: int) -> slice:
@@ -63,11 +70,15 @@ class SegmentLoader:
             batch = self._gather(spec)
         if batch is None:
             raise ValueError("stored facts changed since the request was scheduled (token ids differ)")
-        if batch.num_tokens != spec.end or len(spec.slots) != spec.end - spec.start:
-            raise ValueError(f"segment has {batch.num_tokens} tokens, request expects {spec.end}")
+        if batch.num_tokens != spec.segment_len or not 0 <= spec.start <= spec.end <= spec.segment_len \
+                or len(spec.slots) != spec.end - spec.start:
+            raise ValueError(f"segment has {batch.num_tokens} tokens, request expects {spec.segment_len}")
         _check_shape(batch.keys, num_layers, head_size)
         segment = rotate_segment(batch, self.rope, spec.start, spec.end)
-        segment.keys = segment.keys[:, :, self.heads].to(self.dtype).contiguous()
+        keys = segment.keys[:, :, self.heads]
+        if spec.key_scale != 1.0:
+            keys = _scale_facts(keys, spec.key_scale, batch.offsets[1] - spec.start)
+        segment.keys = keys.to(self.dtype).contiguous()
         segment.values = segment.values[:, :, self.heads].to(self.dtype).contiguous()
         return segment
 
@@ -77,15 +88,23 @@ class SegmentLoader:
         for user in (SYSTEM_USER, spec.user_id):
             ensure_user(self.store, self.disk, user)
         try:
-            batch = gather_segment(self.store, spec.user_id, spec.fact_ids, self.device)
+            batch = gather_segment(self.store, spec.user_id, spec.memory.fact_ids, self.device)
         except MissingFactError:
             return None
-        return batch if segment_salt(spec.user_id, batch.flat_token_ids()) == spec.salt else None
+        return batch if spec.memory.salt(batch.flat_token_ids()) == spec.salt else None
 
     def _refresh(self, user_id: str) -> None:
         for user in (SYSTEM_USER, user_id):
             self.store.delete(user)
             ensure_user(self.store, self.disk, user)
+
+
+def _scale_facts(keys: torch.Tensor, scale: float, first_fact: int) -> torch.Tensor:
+    """Keys ``[layers, tokens, heads, head_size]`` with tokens from ``first_fact``
+    on (the facts, not the instruction prefix) multiplied by ``scale``."""
+    keys = keys.clone()
+    keys[:, max(0, first_fact):] *= scale
+    return keys
 
 
 def _check_shape(keys: torch.Tensor, num_layers: int, head_size: int) -> None:

@@ -2,11 +2,15 @@
 
 A request asks for memory with::
 
-    {"inferscale": {"user_id": "alice", "fact_ids": ["f-1a2b...", ...]}}
+    {"inferscale": {"user_id": "alice", "fact_ids": ["f-1a2b...", ...],
+                    "recompute_tokens": 256, "key_scale": 1.0}}
 
 ``fact_ids`` are in segment order (first right after the instruction prefix).
-Anything else — wrong types, too many facts, duplicate or malformed ids — is
-rejected with a reason; the request is then prefilled normally.
+``recompute_tokens`` and ``key_scale`` are optional and override the
+connector's configured defaults for this request (see
+:mod:`inferscale.compose.blend`). Anything else — wrong types, too many facts,
+duplicate or malformed ids, out-of-range values — is rejected with a reason;
+the request is then prefilled normally.
 """
 
 from __future__ import annotations
@@ -20,6 +24,8 @@ from inferscale.facts import check_id
 
 PARAMS_KEY = "inferscale"
 MAX_FACTS = 1024
+MAX_RECOMPUTE_TOKENS = 1 << 20
+KEY_SCALE_RANGE = (0.25, 4.0)
 
 
 class InvalidParams(ValueError):
@@ -30,6 +36,12 @@ class InvalidParams(ValueError):
 class MemoryRequest:
     user_id: str
     fact_ids: tuple[str, ...]
+    recompute_tokens: int | None = None  # None: the connector's default
+    key_scale: float | None = None  # None: the connector's default
+
+    def salt(self, segment_token_ids: Sequence[int]) -> str:
+        """The cache salt this request must carry for a segment of these tokens."""
+        return segment_salt(self.user_id, segment_token_ids, self.recompute_tokens, self.key_scale)
 
 
 def parse_params(params: Any) -> MemoryRequest | None:
@@ -46,7 +58,7 @@ def parse_params(params: Any) -> MemoryRequest | None:
         return None
     if not isinstance(body, dict):
         raise InvalidParams(f"{PARAMS_KEY!r} must be a dict, got {type(body).__name__}")
-    unknown = set(body) - {"user_id", "fact_ids"}
+    unknown = set(body) - {"user_id", "fact_ids", "recompute_tokens", "key_scale"}
     if unknown:
         raise InvalidParams(f"unknown key(s) {sorted(map(str, unknown))}")
     user_id, fact_ids = body.get("user_id"), body.get("fact_ids")
@@ -67,23 +79,61 @@ def parse_params(params: Any) -> MemoryRequest | None:
             raise InvalidParams(str(exc)) from None
     if len(set(fact_ids)) != len(fact_ids):
         raise InvalidParams("fact_ids contains duplicates")
-    return MemoryRequest(user_id, tuple(fact_ids))
+    budget, scale = body.get("recompute_tokens"), body.get("key_scale")
+    return MemoryRequest(user_id, tuple(fact_ids), _check_budget(budget), _check_scale(scale))
 
 
-def make_params(user_id: str, fact_ids: Sequence[str]) -> dict:
-    """The ``kv_transfer_params`` that ask for this memory."""
-    return {PARAMS_KEY: {"user_id": user_id, "fact_ids": list(fact_ids)}}
+def _check_budget(value: Any) -> int | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= MAX_RECOMPUTE_TOKENS:
+        raise InvalidParams(f"recompute_tokens must be an integer in 0..{MAX_RECOMPUTE_TOKENS}, got {value!r}")
+    return value
 
 
-def segment_salt(user_id: str, segment_token_ids: Sequence[int]) -> str:
+def _check_scale(value: Any) -> float | None:
+    if value is None:
+        return None
+    low, high = KEY_SCALE_RANGE
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not low <= value <= high:
+        raise InvalidParams(f"key_scale must be a number in [{low}, {high}], got {value!r}")
+    return float(value)
+
+
+def make_params(user_id: str, fact_ids: Sequence[str], recompute_tokens: int | None = None,
+                key_scale: float | None = None) -> dict:
+    """The ``kv_transfer_params`` that ask for this memory (None: the connector's default)."""
+    body: dict[str, Any] = {"user_id": user_id, "fact_ids": list(fact_ids)}
+    if recompute_tokens is not None:
+        body["recompute_tokens"] = recompute_tokens
+    if key_scale is not None:
+        body["key_scale"] = key_scale
+    return {PARAMS_KEY: body}
+
+
+def _recipe(recompute_tokens: int | None, key_scale: float | None) -> str:
+    parts = []
+    if recompute_tokens is not None:
+        parts.append(f"r{recompute_tokens}")
+    if key_scale is not None:
+        parts.append(f"s{float(key_scale)!r}")
+    return ",".join(parts)
+
+
+def segment_salt(user_id: str, segment_token_ids: Sequence[int], recompute_tokens: int | None = None,
+                 key_scale: float | None = None) -> str:
     """The ``cache_salt`` a request with injected memory must carry.
 
     Injected KV is approximate (facts were encoded apart), so vLLM's prefix
     cache must never serve it to a plain request with the same tokens. The
     salt keys the cache by user and exact segment, so identical memory still
-    hits the prefix cache while plain requests never do.
+    hits the prefix cache while plain requests never do. A request that sets
+    ``recompute_tokens`` or ``key_scale`` passes the same values here: K/V
+    made another way is cached apart.
     """
     digest = hashlib.sha256(user_id.encode())
     digest.update(b"\x00")
     digest.update(",".join(map(str, segment_token_ids)).encode())
+    if recipe := _recipe(recompute_tokens, key_scale):
+        digest.update(b"\x00" + recipe.encode())
     return f"inferscale-{digest.hexdigest()[:32]}"

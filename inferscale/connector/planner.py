@@ -1,9 +1,11 @@
 """Scheduler side, vLLM-free: decide how many prompt tokens a request's memory covers.
 
-The planner reads only token ids (never K/V) from the disk tier, and claims the
-memory tokens only when the prompt starts with exactly the segment's tokens,
-the request carries the segment's cache salt, and at least one prompt token
-is left to compute. Planning is side-effect free: vLLM may ask twice.
+The planner reads only token ids from the disk tier, and claims memory tokens
+only when the prompt starts with exactly the segment's tokens, the request
+carries the segment's cache salt, and at least one prompt token is left to
+compute. It claims the segment's head: the whole facts at the tail that fit
+in the recompute budget are left to vLLM (:mod:`inferscale.compose.blend`).
+Planning is side-effect free: vLLM may ask twice.
 """
 
 from __future__ import annotations
@@ -12,8 +14,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from inferscale.compose.segment import segment_token_ids
-from inferscale.connector.params import InvalidParams, MemoryRequest, parse_params, segment_salt
+from inferscale.compose.blend import Blend, injected_length
+from inferscale.compose.segment import segment_parts
+from inferscale.connector.params import InvalidParams, MemoryRequest, parse_params
 from inferscale.connector.stats import Fallback
 from inferscale.errors import CorruptDataError, MissingFactError, UnknownUserError
 from inferscale.storage.base import KVStore
@@ -21,7 +24,12 @@ from inferscale.storage.base import KVStore
 
 @dataclass(frozen=True)
 class Plan:
-    """What to do with one request. ``num_external`` tokens are loaded by the worker."""
+    """What to do with one request.
+
+    The segment's first ``claim_len`` tokens are injected (the worker loads
+    the ``num_external`` of them that vLLM's own prefix cache does not hold);
+    the remaining ``segment_len - claim_len`` are recomputed by vLLM.
+    """
 
     memory: MemoryRequest | None
     segment_len: int = 0
@@ -29,6 +37,13 @@ class Plan:
     salt: str = ""
     fallback: Fallback | None = None
     detail: str = ""
+    claim_len: int = 0
+    blend: Blend = Blend()
+
+    @property
+    def recomputed(self) -> int:
+        """Memory tokens vLLM prefills as ordinary tokens."""
+        return self.segment_len - self.claim_len
 
 
 NO_MEMORY = Plan(memory=None)
@@ -40,8 +55,10 @@ def plan_request(
     params: Any,
     cache_salt: str | None,
     num_computed_tokens: int,
+    blend: Blend = Blend(),
 ) -> Plan:
-    """Match a request against its memory segment."""
+    """Match a request against its memory segment; ``blend`` holds the
+    connector's defaults, which the request's own values override."""
     try:
         memory = parse_params(params)
     except InvalidParams as exc:
@@ -49,7 +66,7 @@ def plan_request(
     if memory is None:
         return NO_MEMORY
     try:
-        segment = segment_token_ids(catalog, memory.user_id, memory.fact_ids)
+        parts = segment_parts(catalog, memory.user_id, memory.fact_ids)
     except UnknownUserError as exc:
         return Plan(memory, fallback=Fallback.UNKNOWN_USER, detail=str(exc))
     except MissingFactError as exc:
@@ -58,10 +75,13 @@ def plan_request(
         return Plan(memory, fallback=Fallback.CORRUPT, detail=str(exc))
     except (OSError, ValueError) as exc:
         return Plan(memory, fallback=Fallback.STORE_ERROR, detail=f"{type(exc).__name__}: {exc}")
-    return _match(memory, segment, list(prompt_token_ids), cache_salt, num_computed_tokens)
+    blend = blend.override(memory.recompute_tokens, memory.key_scale)
+    return _match(memory, parts, list(prompt_token_ids), cache_salt, num_computed_tokens, blend)
 
 
-def _match(memory: MemoryRequest, segment: list[int], prompt: list[int], cache_salt: str | None, num_computed: int) -> Plan:
+def _match(memory: MemoryRequest, parts: list[tuple[int, ...]], prompt: list[int], cache_salt: str | None,
+           num_computed: int, blend: Blend) -> Plan:
+    segment = [t for part in parts for t in part]
     m = len(segment)
     if len(prompt) <= m:
         return Plan(memory, m, fallback=Fallback.PROMPT_TOO_SHORT,
@@ -70,11 +90,12 @@ def _match(memory: MemoryRequest, segment: list[int], prompt: list[int], cache_s
         first = next(i for i, (a, b) in enumerate(zip(prompt, segment)) if a != b)
         return Plan(memory, m, fallback=Fallback.TOKEN_MISMATCH,
                     detail=f"prompt differs from the memory segment at token {first} of {m}")
-    salt = segment_salt(memory.user_id, segment)
+    salt = memory.salt(segment)
     if not salt_matches(cache_salt, salt):
         return Plan(memory, m, salt=salt, fallback=Fallback.MISSING_CACHE_SALT,
                     detail="request lacks the segment's cache_salt (inferscale.connector.params.segment_salt)")
-    return Plan(memory, m, num_external=max(0, m - num_computed), salt=salt)
+    claim = injected_length([len(p) for p in parts], blend.recompute_tokens)
+    return Plan(memory, m, num_external=max(0, claim - num_computed), salt=salt, claim_len=claim, blend=blend)
 
 
 def salt_matches(cache_salt: str | None, salt: str) -> bool:

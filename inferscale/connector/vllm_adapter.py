@@ -61,6 +61,7 @@ class InferScaleConnector(compat.KVConnectorBase_V1):
         self.disk = disk_store(self.config)
         self.stats = ConnectorStats()
         if role == compat.KVConnectorRole.SCHEDULER:
+            self.blend = self.config.blend(compat.device_type(vllm_config))
             self._plans: dict[str, Plan] = {}
             self._pending: dict[str, Plan] = {}
             self._loaded_blocks: dict[str, set[int]] = {}
@@ -72,7 +73,7 @@ class InferScaleConnector(compat.KVConnectorBase_V1):
 
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int, bool]:
         plan = plan_request(self.disk, request.prompt_token_ids or [], request.kv_transfer_params,
-                            request.cache_salt, num_computed_tokens)
+                            request.cache_salt, num_computed_tokens, self.blend)
         if plan is not NO_MEMORY:
             self._plans[request.request_id] = plan
         return plan.num_external, False
@@ -88,10 +89,10 @@ class InferScaleConnector(compat.KVConnectorBase_V1):
             plan = self._pending.pop(req_id, None)
             if plan is None:
                 continue
-            start = plan.segment_len - plan.num_external
-            slots = slots_for(block_ids, self.block_size, start, plan.segment_len)
-            meta.loads.append(LoadSpec(req_id, plan.memory.user_id, plan.memory.fact_ids,
-                                       start, plan.segment_len, slots, plan.salt))
+            start = plan.claim_len - plan.num_external
+            slots = slots_for(block_ids, self.block_size, start, plan.claim_len)
+            meta.loads.append(LoadSpec(req_id, plan.memory, start, plan.claim_len, plan.segment_len, slots,
+                                       plan.salt, plan.blend.key_scale))
             self._loaded_blocks[req_id] = {s // self.block_size for s in slots}
         return meta
 
@@ -119,6 +120,7 @@ class InferScaleConnector(compat.KVConnectorBase_V1):
         report = {
             "segment_tokens": plan.segment_len,
             "injected_tokens": plan.num_external if loaded and fallback is None else 0,
+            "recomputed_tokens": plan.recomputed if fallback is None else plan.segment_len,
             "fallback": fallback.value if fallback else None,
             "detail": plan.detail,
         }

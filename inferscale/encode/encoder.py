@@ -148,23 +148,27 @@ class FactEncoder:
     manager, or call :meth:`close`, to release the model.
     """
 
-    def __init__(self, model: nn.Module, tokenizer, window: WindowPolicy | None = None, batch_size: int = 8):
+    def __init__(self, model: nn.Module, tokenizer, window: WindowPolicy | None = None, batch_size: int = 8,
+                 fact_style: str = "bullet"):
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+        render_fact("", fact_style)  # rejects an unknown style now
         self.model = model.eval()
         self.tokenizer = tokenizer
         self.window = window or NoWindow()
         self.batch_size = batch_size
+        self.fact_style = fact_style
         self._attn = attention_modules(model)
         self._pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
 
     @classmethod
-    def from_spec(cls, spec, window: WindowPolicy | None = None, dtype: Any = None, batch_size: int = 8):
+    def from_spec(cls, spec, window: WindowPolicy | None = None, dtype: Any = None, batch_size: int = 8,
+                  fact_style: str = "bullet"):
         """Load the model named by a ModelSpec / directory / GGUF / known name and wrap it."""
         from inferscale.models import load_causal_lm
 
         model, tokenizer = load_causal_lm(spec, dtype=dtype)
-        return cls(model, tokenizer, window, batch_size)
+        return cls(model, tokenizer, window, batch_size, fact_style)
 
     # -- shape of the K/V this encoder produces
 
@@ -194,7 +198,7 @@ class FactEncoder:
 
     def fact_ids(self, fact: Fact) -> list[int]:
         """The fact's token ids; they must equal ``fact.token_ids`` when those are set."""
-        ids = self.tokenize(render_fact(fact.text))
+        ids = self.tokenize(render_fact(fact.text, self.fact_style))
         if fact.token_ids and tuple(ids) != fact.token_ids:
             raise ModelMismatchError(
                 f"fact {fact.fact_id!r}: its stored token ids differ from this tokenizer's "

@@ -1,0 +1,152 @@
+"""Blending injection and recompute: which tokens are claimed, per-request overrides, key scale."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from inferscale.compose.blend import AUTO_RECOMPUTE_TOKENS, Blend, injected_length, resolve_recompute_tokens
+from inferscale.compose.rope import RotaryEmbedding
+from inferscale.compose.segment import PREFIX_FACT, SYSTEM_USER
+from inferscale.config import Config
+from inferscale.connector.loader import LoadSpec, SegmentLoader, kv_head_range
+from inferscale.connector.params import MemoryRequest, make_params, segment_salt
+from inferscale.connector.planner import plan_request
+from inferscale.errors import ConfigError
+from inferscale.kv import FactKV
+from inferscale.storage.disk import DiskStore
+from inferscale.storage.pinned import PinnedHostStore
+
+
+@given(parts=st.lists(st.integers(1, 40), min_size=1, max_size=30), budget=st.integers(0, 600))
+@settings(max_examples=300, deadline=None)
+def test_the_tail_left_to_vllm_is_the_longest_run_of_whole_facts_in_budget(parts, budget):
+    claim = injected_length(parts, budget)
+    total = sum(parts)
+    assert parts[0] <= claim <= total  # the prefix is always injected
+    tail = total - claim
+    assert tail <= budget
+    # the tail ends exactly on a fact boundary and is whole facts
+    boundaries = {sum(parts[:i]) for i in range(1, len(parts) + 1)}
+    assert claim in boundaries
+    # maximal: one more fact would not fit (or there is none)
+    facts_in_tail = sum(1 for i in range(1, len(parts)) if sum(parts[:i]) >= claim)
+    if facts_in_tail < len(parts) - 1:
+        assert tail + parts[len(parts) - 1 - facts_in_tail] > budget
+
+
+def test_budget_extremes():
+    assert injected_length([5, 10, 10], 0) == 25
+    assert injected_length([5, 10, 10], 9) == 25  # the last fact does not fit whole
+    assert injected_length([5, 10, 10], 10) == 15
+    assert injected_length([5, 10, 10], 10_000) == 5  # only the prefix: prompt injection
+    assert injected_length([7], 100) == 7
+
+
+def test_auto_budget_follows_the_device():
+    assert resolve_recompute_tokens("auto", "cuda") == AUTO_RECOMPUTE_TOKENS["cuda"]
+    assert resolve_recompute_tokens("auto", "cpu") == AUTO_RECOMPUTE_TOKENS["cpu"]
+    assert resolve_recompute_tokens("auto", "cpu") < resolve_recompute_tokens("auto", "cuda")
+    assert resolve_recompute_tokens(64, "cuda") == 64
+    assert Config(recompute_tokens=12, key_scale=1.1).blend("cuda") == Blend(12, 1.1)
+    for bad in (-1, "lots", 2.5, True):
+        with pytest.raises(ConfigError):
+            Config(recompute_tokens=bad)
+    with pytest.raises(ConfigError):
+        Config(key_scale=0.0)
+    with pytest.raises(ConfigError):
+        Config(fact_style="numbered")
+
+
+def test_request_values_override_the_connector_defaults():
+    assert Blend(256, 1.0).override(None, None) == Blend(256, 1.0)
+    assert Blend(256, 1.0).override(0, 1.25) == Blend(0, 1.25)
+
+
+# ---------------------------------------------------------------- the planner
+
+
+def _fact(n: int, seed: int, layers: int = 2, heads: int = 2, dim: int = 8) -> FactKV:
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.randint(10, 1000, (n,), generator=gen).tolist()
+    kv = torch.randn((2, layers, n, heads, dim), generator=gen)
+    return FactKV(ids, kv[0], kv[1])
+
+
+@pytest.fixture
+def disk(tmp_path) -> DiskStore:
+    store = DiskStore(DiskStore.Options(root=str(tmp_path / "kv")))
+    store.put(SYSTEM_USER, {PREFIX_FACT: _fact(4, 0)})
+    store.put("ann", {"a": _fact(6, 1), "b": _fact(5, 2), "c": _fact(3, 3)})
+    return store
+
+
+def _segment(disk: DiskStore, facts) -> list[int]:
+    (prefix,) = disk.token_ids(SYSTEM_USER, [PREFIX_FACT])
+    return [*prefix, *(t for ids in disk.token_ids("ann", facts) for t in ids)]
+
+
+def test_planner_claims_the_head_and_leaves_the_tail(disk):
+    order = ["a", "b", "c"]
+    segment = _segment(disk, order)
+    prompt = segment + [7, 8, 9]
+    plan = plan_request(disk, prompt, make_params("ann", order), segment_salt("ann", segment), 0, Blend(8))
+    assert (plan.fallback, plan.segment_len, plan.claim_len) == (None, 18, 10)  # b and c (8 tokens) recomputed
+    assert plan.num_external == 10 and plan.recomputed == 8
+    # a request's own budget wins, and its salt must say so
+    params = make_params("ann", order, recompute_tokens=0)
+    plan = plan_request(disk, prompt, params, segment_salt("ann", segment, 0), 0, Blend(8))
+    assert (plan.fallback, plan.claim_len, plan.recomputed) == (None, 18, 0)
+    # ... a salt made without the request's recipe is refused: other K/V must not share its cache
+    plan = plan_request(disk, prompt, params, segment_salt("ann", segment), 0, Blend(8))
+    assert plan.fallback is not None and plan.num_external == 0
+    # vLLM's prefix cache already holds part of the claim: load only the rest
+    plan = plan_request(disk, prompt, make_params("ann", order), segment_salt("ann", segment), 4, Blend(8))
+    assert (plan.claim_len, plan.num_external) == (10, 6)
+
+
+def test_salt_tells_apart_every_recipe():
+    salts = {segment_salt("ann", [1, 2, 3], b, c) for b in (None, 0, 32) for c in (None, 1.0, 1.25)}
+    assert len(salts) == 9
+    assert MemoryRequest("ann", ("a",), 32, 1.25).salt([1, 2, 3]) == segment_salt("ann", [1, 2, 3], 32, 1.25)
+
+
+# ---------------------------------------------------------------- the worker's loader
+
+
+def _loader(disk: DiskStore) -> SegmentLoader:
+    rope = RotaryEmbedding(1.0 / (10_000 ** (torch.arange(0, 8, 2).float() / 8)), 8)
+    return SegmentLoader(PinnedHostStore(PinnedHostStore.Options()), disk, rope,
+                         kv_head_range(2, 1, 0), "cpu", torch.float32)
+
+
+def _spec(disk, order, start, end, key_scale=1.0, recompute=None) -> LoadSpec:
+    segment = _segment(disk, order)
+    memory = MemoryRequest("ann", tuple(order), recompute, None)
+    return LoadSpec("r1", memory, start, end, len(segment), tuple(range(start, end)), memory.salt(segment), key_scale)
+
+
+def test_key_scale_multiplies_only_the_facts_keys(disk):
+    order = ["a", "b", "c"]
+    loader = _loader(disk)
+    plain = loader.load(_spec(disk, order, 0, 18), num_layers=2, head_size=8)
+    scaled = loader.load(_spec(disk, order, 0, 18, key_scale=1.25), num_layers=2, head_size=8)
+    assert torch.equal(scaled.keys[:, :4], plain.keys[:, :4])  # the instruction prefix is exact: untouched
+    torch.testing.assert_close(scaled.keys[:, 4:], plain.keys[:, 4:] * 1.25)
+    assert torch.equal(scaled.values, plain.values)
+    # a load that starts inside the facts (prefix already in vLLM's cache) scales all it loads
+    tail = loader.load(_spec(disk, order, 6, 10, key_scale=1.25), num_layers=2, head_size=8)
+    torch.testing.assert_close(tail.keys, plain.keys[:, 6:10] * 1.25)
+
+
+def test_loader_writes_only_the_claimed_head(disk):
+    order = ["a", "b", "c"]
+    loader = _loader(disk)
+    whole = loader.load(_spec(disk, order, 0, 18), num_layers=2, head_size=8)
+    head = loader.load(_spec(disk, order, 0, 10, recompute=8), num_layers=2, head_size=8)
+    assert head.token_ids == whole.token_ids[:10]
+    torch.testing.assert_close(head.keys, whole.keys[:, :10])
+    with pytest.raises(ValueError):
+        loader.load(_spec(disk, order, 0, 19), num_layers=2, head_size=8)
