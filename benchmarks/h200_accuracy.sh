@@ -32,7 +32,8 @@ fi
 
 stamp locomo grid
 python3 benchmarks/locomo_accuracy.py --model "$MODEL" --methods "${METHODS:-grid}" --ks 5,10,20,50 \
-  --retrieval benchmarks/results/locomo_retrieval_minilm.json --out "$RUN/locomo_qwen05_h200.json"
+  --retrieval benchmarks/results/locomo_retrieval_minilm.json --encode-batch 32 --time-limit "${GRID_S:-540}" \
+  --out "$RUN/locomo_qwen05_h200.json"
 
 stamp ttft
 python3 benchmarks/ttft.py --cuda-graphs --kv-store hbm --ks 10,50 --recompute 0,128,256,512 --reps 20 \

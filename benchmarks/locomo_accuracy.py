@@ -90,7 +90,7 @@ def recall(evidence: tuple[str, ...], covered: set[str]) -> float | None:
 class Method:
     name: str
     mode: str = "kv"  # kv | prompt
-    window: int = 2
+    window: int = 2  # turns before each fact; negative: -n = the n facts before it instead
     style: str = "bullet"
     closing: str = "none"
     recompute_tokens: int = 0
@@ -112,18 +112,20 @@ def _prompt(**kw) -> Method:
 
 
 def method_sets() -> dict[str, list[Method]]:
-    """Named sets; the grid varies one thing at a time from ``kv`` (w = 2, bullets, no closing,
-    B = 0, c = 1), alone and with B = 256, most telling first (a cut run keeps those)."""
-    budgets = [_kv(recompute_tokens=b) for b in (32, 64, 128, 512)]
-    one_at_a_time = [_kv(closing="answer"), _kv(style="line"), _kv(key_scale=1.1), _kv(key_scale=1.25),
-                     _kv(window=0), _kv(window=5), _kv(window=20)]
-    with_budget = [replace(m, name=m.name[:-1] + ",recompute_tokens=256]", recompute_tokens=256)
-                   for m in one_at_a_time if m.key_scale != 1.25]
-    first = [_prompt(), _kv(), _kv(recompute_tokens=256), _prompt(closing="answer"), with_budget[0]]
-    prompts = [_prompt(style="line"), _prompt(style="line", closing="answer")]
+    """Named sets. ``window=-5`` encodes each fact behind the 5 facts before it (as it will be
+    read: in a list of facts) instead of behind conversation turns. The grid runs the most
+    telling methods first, so a run cut short keeps them."""
+    fw = dict(window=-5)
+    first = [_prompt(), _kv(**fw), _kv(), _kv(**fw, recompute_tokens=256), _kv(recompute_tokens=256),
+             _kv(window=-20), _kv(window=-20, recompute_tokens=256), _prompt(closing="answer"),
+             _kv(**fw, closing="answer"), _kv(**fw, closing="answer", recompute_tokens=256)]
+    budgets = [_kv(**fw, recompute_tokens=b) for b in (32, 64, 128, 512)]
+    scales = [_kv(**fw, key_scale=c) for c in (1.1, 1.25)]
+    styles = [_kv(**fw, style="line"), _prompt(style="line")]
+    windows = [_kv(window=w) for w in (0, 5, 20)] + [_kv(closing="answer")]
     return {
-        "grid": first + one_at_a_time + budgets + with_budget[1:] + prompts,
-        "smoke": [_prompt(), _kv(), _kv(recompute_tokens=32), _kv(closing="answer")],
+        "grid": first + budgets + scales + styles + windows,
+        "smoke": [_prompt(), _kv(), _kv(**fw), _kv(**fw, recompute_tokens=64)],
         "default": [_prompt(), _kv()],
     }
 
@@ -217,7 +219,17 @@ def recall_at(items: list[Item], convs, ks) -> dict:
 
 def user_of(conv: str, encoding: tuple[int, str]) -> str:
     window, style = encoding
-    return f"{conv}.w{window}.{style}"
+    return f"{conv}.w{window}.{style}" if window >= 0 else f"{conv}.f{-window}.{style}"
+
+
+def _fact_window(encoder, conv, indices, n: int, style: str, prefix_ids) -> list:
+    """Each fact encoded behind the prefix and the ``n`` facts before it in the conversation,
+    rendered as in the segment (a list of facts, as it will be read)."""
+    from inferscale.compose.prompt import fact_ids
+
+    every = [fact_ids(encoder.tokenizer, text, style) for text, _ in conv.all_facts()]
+    pairs = [(every[j], [*prefix_ids, *(t for ids in every[max(0, j - n):j] for t in ids)]) for j in indices]
+    return encoder.encode_many(pairs)
 
 
 def needed_facts(items: list[Item], k: int) -> dict[str, list[int]]:
@@ -250,14 +262,18 @@ def encode_all(args, convs, needed, encodings, model_dir: str, data_dir: Path, p
 
         disk.put(SYSTEM_USER, {PREFIX_FACT: cast(encoder.encode_ids(prefix_ids))})
         for window, style in encodings:
-            encoder.window = build("encoder", BackendSpec("turns", {"window": window}))
+            encoder.window = build("encoder", BackendSpec("turns", {"window": max(0, window)}))
             encoder.fact_style = style
             start = time.perf_counter()
             for cid, indices in needed.items():
                 user, conv = user_of(cid, (window, style)), convs[cid]
                 every = conv.all_facts()
                 facts = {j: Fact(make_fact_id(user, every[j][0], every[j][1]), user, *every[j]) for j in indices}
-                kvs = encoder.encode(list(facts.values()), conv.turns, progress=False, prefix_ids=prefix_ids)
+                if window >= 0:
+                    kvs = encoder.encode(list(facts.values()), conv.turns, progress=False, prefix_ids=prefix_ids)
+                else:
+                    encoded = _fact_window(encoder, conv, indices, -window, style, prefix_ids)
+                    kvs = {facts[j].fact_id: kv for j, kv in zip(indices, encoded)}
                 disk.put(user, {fid: cast(kv) for fid, kv in kvs.items()})
                 ids[(cid, (window, style))] = {j: f.fact_id for j, f in facts.items()}
             print(f"encoded w={window} {style}: {sum(map(len, needed.values()))} facts "
@@ -407,6 +423,7 @@ def parse_args(argv=None):
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--encode-batch", type=int, default=16)
     parser.add_argument("--cuda-graphs", action="store_true")
+    parser.add_argument("--time-limit", type=float, default=0, help="stop starting new methods after this many s")
     parser.add_argument("--out", default="benchmarks/results/locomo_accuracy.json")
     return parser.parse_args(argv)
 
@@ -448,7 +465,11 @@ def main(argv=None) -> None:
             "questions": len(items), "facts": sum(len(c.all_facts()) for c in convs.values()),
             "conversations": sorted(convs), "sample": args.sample, "seed": args.seed,
             "methods": [asdict(m) for m in methods], "encode_s": encode_s, "recall": recall_k}
+    began = time.perf_counter()
     for method in methods:
+        if args.time_limit and time.perf_counter() - began > args.time_limit:
+            print(f"time limit reached: {method.name} and the methods after it were not run", flush=True)
+            break
         for k in ks:
             start = time.perf_counter()
             rows += run_method(llm, method, k, items, prompts, fact_ids, args.max_tokens)

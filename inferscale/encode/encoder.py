@@ -227,6 +227,13 @@ class FactEncoder:
         self._live_model()
         return self._encode_rows([_Row(tuple(context_ids), tuple(token_ids))])[0]
 
+    def encode_many(self, pairs: Sequence[tuple[Sequence[int], Sequence[int]]], progress: bool = False) -> list[FactKV]:
+        """:meth:`encode_ids` over ``(token_ids, context_ids)`` pairs, batched."""
+        self._live_model()
+        rows = [_Row(tuple(context), tuple(ids)) for ids, context in pairs]
+        with tqdm(total=len(rows), desc="encoding", unit="seq", disable=not progress) as bar:
+            return self._encode_rows(rows, bar)
+
     # -- lifecycle
 
     def close(self) -> None:
