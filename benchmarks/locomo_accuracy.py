@@ -39,6 +39,7 @@ from collections import Counter, defaultdict
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
+from inferscale.config import DEFAULT_CLOSING
 from inferscale.locomo import CATEGORIES, Conversation, load_all, stratified_sample
 
 INSTRUCTION = (
@@ -46,10 +47,7 @@ INSTRUCTION = (
     "remembered from it. Answer in a few words, with a date when asked when.\nFacts:\n"
 )
 #: text after the facts, before the question (always prefilled)
-CLOSINGS = {
-    "none": "",
-    "answer": "Answer the question with the fact that answers it, in a few words.\n",
-}
+CLOSINGS = {"none": "", "answer": DEFAULT_CLOSING}
 
 
 # ---------------------------------------------------------------- scoring
@@ -90,7 +88,7 @@ def recall(evidence: tuple[str, ...], covered: set[str]) -> float | None:
 class Method:
     name: str
     mode: str = "kv"  # kv | prompt
-    window: int = 2  # turns before each fact; negative: -n = the n facts before it instead
+    window: int = 2  # turns before each fact ("turns" policy); negative: the -window facts before it ("facts")
     style: str = "bullet"
     closing: str = "none"
     recompute_tokens: int = 0
@@ -222,22 +220,13 @@ def user_of(conv: str, encoding: tuple[int, str]) -> str:
     return f"{conv}.w{window}.{style}" if window >= 0 else f"{conv}.f{-window}.{style}"
 
 
-def _fact_window(encoder, conv, indices, n: int, style: str, prefix_ids) -> list:
-    """Each fact encoded behind the prefix and the ``n`` facts before it in the conversation,
-    rendered as in the segment (a list of facts, as it will be read)."""
-    from inferscale.compose.prompt import fact_ids
+def window_policy(window: int):
+    """``window`` turns before each fact, or (negative) the ``-window`` facts before it."""
+    from inferscale.config import BackendSpec, build
 
-    every = [fact_ids(encoder.tokenizer, text, style) for text, _ in conv.all_facts()]
-    pairs = [(every[j], [*prefix_ids, *(t for ids in every[max(0, j - n):j] for t in ids)]) for j in indices]
-    return encoder.encode_many(pairs)
-
-
-def needed_facts(items: list[Item], k: int) -> dict[str, list[int]]:
-    """The facts any question retrieves in its top k, per conversation."""
-    out: dict = defaultdict(set)
-    for it in items:
-        out[it.conv].update(it.retrieved[:k])
-    return {c: sorted(v) for c, v in out.items()}
+    if window >= 0:
+        return build("encoder", BackendSpec("turns", {"window": window}))
+    return build("encoder", BackendSpec("facts", {"window": -window}))
 
 
 def encode_all(args, convs, needed, encodings, model_dir: str, data_dir: Path, prefix_ids, kv_dtype) -> dict:
@@ -245,7 +234,6 @@ def encode_all(args, convs, needed, encodings, model_dir: str, data_dir: Path, p
     import torch
 
     from inferscale.compose.segment import PREFIX_FACT, SYSTEM_USER
-    from inferscale.config import BackendSpec, build
     from inferscale.encode.encoder import FactEncoder
     from inferscale.facts import Fact, make_fact_id
     from inferscale.kv import FactKV
@@ -262,20 +250,16 @@ def encode_all(args, convs, needed, encodings, model_dir: str, data_dir: Path, p
 
         disk.put(SYSTEM_USER, {PREFIX_FACT: cast(encoder.encode_ids(prefix_ids))})
         for window, style in encodings:
-            encoder.window = build("encoder", BackendSpec("turns", {"window": max(0, window)}))
+            encoder.window = window_policy(window)
             encoder.fact_style = style
             start = time.perf_counter()
             for cid, indices in needed.items():
                 user, conv = user_of(cid, (window, style)), convs[cid]
-                every = conv.all_facts()
-                facts = {j: Fact(make_fact_id(user, every[j][0], every[j][1]), user, *every[j]) for j in indices}
-                if window >= 0:
-                    kvs = encoder.encode(list(facts.values()), conv.turns, progress=False, prefix_ids=prefix_ids)
-                else:
-                    encoded = _fact_window(encoder, conv, indices, -window, style, prefix_ids)
-                    kvs = {facts[j].fact_id: kv for j, kv in zip(indices, encoded)}
+                facts = [Fact(make_fact_id(user, text, src), user, text, src) for text, src in conv.all_facts()]
+                kvs = encoder.encode(facts, conv.turns, progress=False, prefix_ids=prefix_ids,
+                                     only={facts[j].fact_id for j in indices})
                 disk.put(user, {fid: cast(kv) for fid, kv in kvs.items()})
-                ids[(cid, (window, style))] = {j: f.fact_id for j, f in facts.items()}
+                ids[(cid, (window, style))] = {j: facts[j].fact_id for j in indices}
             print(f"encoded w={window} {style}: {sum(map(len, needed.values()))} facts "
                   f"in {time.perf_counter() - start:.1f} s", flush=True)
     return ids

@@ -37,13 +37,13 @@ def cmd_demo(args) -> int:
     print(f"model: {mem.model_dir}\nbuilding memory for {user!r}: {len(facts)} facts ...", flush=True)
     mem.add_conversation(user, turns, facts)
     rows = []
-    for question in questions:
+    for question, expected in questions.items():
         for mode in ("kv", "prompt"):
             mem.generate(user, question, k=args.k, mode=mode, max_tokens=1, fresh_cache=True)  # warm
         answers = {mode: mem.generate(user, question, k=args.k, mode=mode, max_tokens=args.max_tokens,
                                       fresh_cache=True) for mode in ("kv", "prompt")}
-        rows.append((question, answers))
-        _print_pair(question, answers)
+        rows.append((expected, answers))
+        _print_pair(question, expected, answers)
     _print_summary(rows)
     mem.close()
     return 0
@@ -56,19 +56,23 @@ def _demo_inputs(args, demo_data):
 
     conv = load_conversation(args.locomo, max_sessions=args.sessions)
     speaker = conv.speakers[0]
-    questions = [q.question for q in conv.questions if speaker in q.question][: args.questions]
-    return speaker.lower(), conv.turns, conv.facts[speaker], questions
+    questions = {q.question: q.answer for q in conv.questions if speaker in q.question}
+    return speaker.lower(), conv.turns, conv.facts[speaker], dict(list(questions.items())[: args.questions])
 
 
-def _print_pair(question, answers) -> None:
-    print(f"\nQ: {question}")
+def _right(answer, expected: str) -> bool:
+    return expected.lower() in answer.text.lower()
+
+
+def _print_pair(question, expected, answers) -> None:
+    print(f"\nQ: {question}   (expected: {expected})")
     for mode, label in (("kv", "KV injection    "), ("prompt", "prompt injection")):
         a = answers[mode]
         t = a.timings
         note = f" (fallback: {a.fallback})" if a.fallback else ""
         print(f"  {label} | TTFT {t['engine_ttft']:7.1f} ms | q→first token {t['query_to_first_token']:7.1f} ms"
               f" | prefilled {a.prompt_tokens - a.injected_tokens:4d}/{a.prompt_tokens} tokens{note}")
-        print(f"    → {a.text.strip()[:200]}")
+        print(f"    {'✓' if _right(a, expected) else '✗'} {a.text.strip()[:200]}")
 
 
 def _print_summary(rows) -> None:
@@ -78,7 +82,9 @@ def _print_summary(rows) -> None:
 
     kv = median(r[1]["kv"].timings["engine_ttft"] for r in rows)
     text = median(r[1]["prompt"].timings["engine_ttft"] for r in rows)
-    print(f"\nmedian engine TTFT: KV injection {kv:.1f} ms, prompt injection {text:.1f} ms "
+    right = {mode: sum(_right(r[1][mode], r[0]) for r in rows) for mode in ("kv", "prompt")}
+    print(f"\nright answers: KV injection {right['kv']}/{len(rows)}, prompt injection {right['prompt']}/{len(rows)}")
+    print(f"median engine TTFT: KV injection {kv:.1f} ms, prompt injection {text:.1f} ms "
           f"({text / kv:.2f}× faster with KV injection)")
 
 

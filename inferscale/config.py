@@ -29,8 +29,9 @@ DEFAULT_INSTRUCTION = (
 )
 
 
-#: closes the facts (after them, before the question): vLLM always computes it fresh
-DEFAULT_CLOSING = ""
+#: closes the facts (after them, before the question); vLLM always computes it fresh, so
+#: the answer starts from an instruction rather than continuing the list of facts
+DEFAULT_CLOSING = "Answer the question with the fact that answers it, in a few words.\n"
 FACT_STYLES = ("bullet", "line")
 
 
@@ -82,7 +83,7 @@ class ModelSpec:
 _BACKENDS = {
     "retriever": "exact",
     "kv_store": "pinned",
-    "encoder": "turns",
+    "encoder": "facts",
     "composer": "relevance",
     "embedder": "minilm",
 }
@@ -93,7 +94,7 @@ class Config:
     model: ModelSpec = ModelSpec()
     retriever: BackendSpec = BackendSpec("exact")
     kv_store: BackendSpec = BackendSpec("pinned")
-    encoder: BackendSpec = BackendSpec("turns", {"window": 2})
+    encoder: BackendSpec = BackendSpec("facts", {"window": 5})
     composer: BackendSpec = BackendSpec("relevance")
     embedder: BackendSpec = BackendSpec("minilm")
     data_dir: str = "~/.local/share/inferscale"

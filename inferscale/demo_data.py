@@ -32,9 +32,10 @@ FACTS = [
     ("Maya visits her sister every first weekend of the month.", "D1:10"),
 ]
 
-QUESTIONS = [
-    "What is the name of my cat?",
-    "Which city does my sister live in?",
-    "What am I allergic to?",
-    "Where do I go surfing?",
-]
+#: question → the word an answer must contain to be right
+QUESTIONS = {
+    "What is the name of my cat?": "Pixel",
+    "Which city does my sister live in?": "Porto",
+    "What am I allergic to?": "peanut",
+    "Where do I go surfing?": "Caparica",
+}

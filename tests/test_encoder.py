@@ -24,7 +24,7 @@ import torch
 
 from inferscale.compose.rope import RotaryEmbedding
 from inferscale.config import ModelSpec, make_options
-from inferscale.encode import FactEncoder, NoWindow, TokensWindow, Turn, TurnsWindow
+from inferscale.encode import FactEncoder, FactsWindow, NoWindow, TokensWindow, Turn, TurnsWindow
 from inferscale.encode.encoder import _Row, attention_modules
 from inferscale.errors import ModelMismatchError
 from inferscale.facts import Fact, render_fact
@@ -231,6 +231,38 @@ def test_encode_ids_with_context_matches_window(tiny_qwen3):
     assert torch.equal(via_facts.keys, via_ids.keys) and torch.equal(via_facts.values, via_ids.values)
 
 
+def test_facts_window_is_the_prompt_read_so_far(tiny_qwen3):
+    """With a window over every earlier fact, each fact is encoded behind exactly what
+    precedes it in ``[prefix | facts in order]``: rotated, its K/V are the model's own."""
+    model, tokenizer = tiny_qwen3
+    encoder = FactEncoder(model, tokenizer, FactsWindow(FactsWindow.Options(window=len(FACTS))), batch_size=1)
+    rope = RotaryEmbedding.from_hf_config(model.config)
+    prefix = encoder.tokenize("Facts:\n")
+    kvs = encoder.encode(FACTS, TURNS, progress=False, prefix_ids=prefix)
+    sequence = prefix + [t for f in FACTS for t in encoder.fact_ids(f)]
+    ref_k, ref_v = reference_kv(model, sequence)
+    start = len(prefix)
+    for fact in FACTS:
+        kv = kvs[fact.fact_id]
+        end = start + kv.num_tokens
+        assert max_err(rope.rotate(kv.keys, positions(start, kv.num_tokens)), ref_k[:, start:end]) <= TOL
+        assert max_err(kv.values, ref_v[:, start:end]) <= TOL
+        start = end
+
+
+def test_facts_window_reads_the_last_facts_and_only_encodes_what_is_asked(tiny_qwen3):
+    model, tokenizer = tiny_qwen3
+    encoder = FactEncoder(model, tokenizer, FactsWindow(FactsWindow.Options(window=2)), batch_size=1)
+    full = encoder.encode(FACTS, progress=False)
+    last = FACTS[-1]
+    part = encoder.encode(FACTS, progress=False, only={last.fact_id})
+    assert list(part) == [last.fact_id]
+    assert torch.equal(part[last.fact_id].keys, full[last.fact_id].keys)
+    context = [t for f in FACTS[-3:-1] for t in encoder.fact_ids(f)]
+    alone = encoder.encode_ids(encoder.fact_ids(last), context)
+    assert torch.equal(alone.keys, full[last.fact_id].keys) and torch.equal(alone.values, full[last.fact_id].values)
+
+
 def test_tokens_window_relocation(tiny_qwen3):
     model, tokenizer = tiny_qwen3
     window = TokensWindow(TokensWindow.Options(max_tokens=24))
@@ -344,13 +376,23 @@ def test_none_window_is_empty():
     assert NoWindow().context_ids(TURNS, 4, char_tokenize) == []
 
 
+def test_facts_window_takes_the_latest_facts():
+    previous = [[1, 2], [3], [4, 5, 6]]
+    assert FactsWindow(FactsWindow.Options(window=2)).context_ids(TURNS, 1, char_tokenize, previous) == [3, 4, 5, 6]
+    assert FactsWindow(FactsWindow.Options(window=9)).context_ids(TURNS, None, char_tokenize, previous) == [1, 2, 3, 4, 5, 6]
+    assert FactsWindow(FactsWindow.Options(window=0)).context_ids(TURNS, 1, char_tokenize, previous) == []
+    assert FactsWindow().context_ids(TURNS, 1, char_tokenize) == []
+
+
 def test_policies_registered_with_options():
     from inferscale.encode import plugin
 
     found = []
     plugin.register_encoders(register=found.append)
-    assert {cls.name: cls for cls in found} == {"turns": TurnsWindow, "tokens": TokensWindow, "none": NoWindow}
+    assert {cls.name: cls for cls in found} == {"facts": FactsWindow, "turns": TurnsWindow, "tokens": TokensWindow,
+                                               "none": NoWindow}
     assert make_options(TurnsWindow, {}, "encoder").window == 2
+    assert make_options(FactsWindow, {}, "encoder").window == 5
     policy = TokensWindow(make_options(TokensWindow, {"max_tokens": 7}, "encoder"))
     assert len(policy.context_ids(TURNS, 4, char_tokenize)) == 7
     assert make_options(NoWindow, {}, "encoder") is None

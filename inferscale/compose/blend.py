@@ -24,8 +24,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-#: the recompute budget "auto" resolves to, per device type (tokens)
-AUTO_RECOMPUTE_TOKENS = {"cuda": 256, "cpu": 32}
+#: the recompute budget "auto" resolves to, per device type (tokens). On an H200 (Llama-3.1-8B
+#: shape, CUDA graphs) recomputing 256 memory tokens costs no more than injecting them, 512 doubles
+#: the TTFT (past the largest CUDA graph); on 2 CPU cores each recomputed token costs ≈ 1.5 ms,
+#: so the budget there is about one short fact (benchmarks/results/ttft_budget_h200.json, README)
+AUTO_RECOMPUTE_TOKENS = {"cuda": 256, "cpu": 16}
 #: the budget for device types not in the table
 AUTO_RECOMPUTE_FALLBACK = 0
 

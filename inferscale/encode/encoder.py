@@ -17,7 +17,7 @@ length stay bit-identical. Rows are sorted by length to keep padding small.
 from __future__ import annotations
 
 import gc
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -207,32 +207,33 @@ class FactEncoder:
         return ids
 
     def encode(self, facts: Sequence[Fact], turns: Sequence[Turn] = (), progress: bool = True,
-               prefix_ids: Sequence[int] = ()) -> dict[str, FactKV]:
-        """K/V of each fact, encoded behind ``prefix_ids`` and its window of ``turns``, by fact_id.
+               prefix_ids: Sequence[int] = (), only: Collection[str] | None = None) -> dict[str, FactKV]:
+        """K/V of each fact, encoded behind ``prefix_ids`` and the context its window
+        policy picks (from ``turns`` or from the facts before it), by fact_id.
 
         ``prefix_ids`` (e.g. the instruction prefix the segment starts with) come
         first in every row, so a fact is encoded as it will be read: after the
-        system prompt, not as the start of a sequence.
+        system prompt, not as the start of a sequence. ``facts`` are in the order
+        they were given (the "facts" window reads the ones before each fact);
+        with ``only``, just those fact_ids are encoded, the others still serving
+        as context.
         """
         self._live_model()
         unique = _unique_facts(facts)
         sources = _source_index(turns)
-        rows = [self._fact_row(fact, turns, sources, tuple(prefix_ids)) for fact in unique]
+        rendered = [self.fact_ids(fact) for fact in unique]
+        prefix = tuple(prefix_ids)
+        chosen = [i for i, fact in enumerate(unique) if only is None or fact.fact_id in only]
+        rows = [self._fact_row(unique[i], turns, sources, prefix, _Before(rendered, i), rendered[i]) for i in chosen]
         with tqdm(total=len(rows), desc="encoding facts", unit="fact", disable=not progress) as bar:
             kvs = self._encode_rows(rows, bar)
-        return {fact.fact_id: kv for fact, kv in zip(unique, kvs)}
+        return {unique[i].fact_id: kv for i, kv in zip(chosen, kvs)}
 
     def encode_ids(self, token_ids: Sequence[int], context_ids: Sequence[int] = ()) -> FactKV:
         """K/V of ``token_ids`` placed after ``context_ids`` (positions start at 0)."""
         self._live_model()
         return self._encode_rows([_Row(tuple(context_ids), tuple(token_ids))])[0]
 
-    def encode_many(self, pairs: Sequence[tuple[Sequence[int], Sequence[int]]], progress: bool = False) -> list[FactKV]:
-        """:meth:`encode_ids` over ``(token_ids, context_ids)`` pairs, batched."""
-        self._live_model()
-        rows = [_Row(tuple(context), tuple(ids)) for ids, context in pairs]
-        with tqdm(total=len(rows), desc="encoding", unit="seq", disable=not progress) as bar:
-            return self._encode_rows(rows, bar)
 
     # -- lifecycle
 
@@ -255,7 +256,8 @@ class FactEncoder:
             raise RuntimeError("this FactEncoder is closed")
         return self.model
 
-    def _fact_row(self, fact: Fact, turns: Sequence[Turn], sources: dict[str, int], prefix: tuple[int, ...] = ()) -> _Row:
+    def _fact_row(self, fact: Fact, turns: Sequence[Turn], sources: dict[str, int], prefix: tuple[int, ...],
+                  previous: Sequence[Sequence[int]], ids: Sequence[int]) -> _Row:
         source = None
         if fact.source_turn is not None and turns:
             if fact.source_turn not in sources:
@@ -263,8 +265,8 @@ class FactEncoder:
                     f"fact {fact.fact_id!r}: source turn {fact.source_turn!r} is not among the {len(turns)} turns given"
                 )
             source = sources[fact.source_turn]
-        context = self.window.context_ids(turns, source, self.tokenize)
-        return _Row(prefix + tuple(context), tuple(self.fact_ids(fact)))
+        context = self.window.context_ids(turns, source, self.tokenize, previous)
+        return _Row(prefix + tuple(context), tuple(ids))
 
     def _encode_rows(self, rows: Sequence[_Row], bar=None) -> list[FactKV]:
         """Encode rows in batches of similar length; results in the input order."""
@@ -321,6 +323,23 @@ class FactEncoder:
     def _empty_kv(self) -> FactKV:
         shape = (self.num_layers, 0, self.num_kv_heads, self.head_size)
         return FactKV((), torch.empty(shape, dtype=self.dtype), torch.empty(shape, dtype=self.dtype))
+
+
+class _Before(Sequence):
+    """The first ``end`` items of a list, without copying them."""
+
+    def __init__(self, items: Sequence, end: int):
+        self._items, self._end = items, end
+
+    def __len__(self) -> int:
+        return self._end
+
+    def __getitem__(self, index):
+        if isinstance(index, slice):
+            return [self._items[i] for i in range(*index.indices(self._end))]
+        if not -self._end <= index < self._end:
+            raise IndexError(index)
+        return self._items[index % self._end]
 
 
 def _unique_facts(facts: Sequence[Fact]) -> list[Fact]:

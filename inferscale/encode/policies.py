@@ -1,10 +1,18 @@
-"""The built-in window policies: "turns", "tokens" and "none".
+"""The built-in window policies: "facts", "turns", "tokens" and "none".
 
-Each one picks the conversation a fact is encoded behind. The window always
-ends at the fact's source turn, **inclusive**: the turn the fact was extracted
-from is the most relevant context (it holds the words the fact paraphrases),
-and the fact is encoded right after it. A fact with no known source turn gets
-no context (w = 0), whatever the policy.
+"facts" (the default) encodes each fact behind the facts stored before it, so
+the fact is encoded as it will be read: one item in a list of facts after the
+instruction. On LoCoMo (Qwen2.5-Coder-0.5B, 1,035 questions) this lifts KV
+injection's F1 from 0.155 to 0.233 at k = 5, level with prompt injection's
+0.216, where a window of conversation turns leaves it far behind
+(benchmarks/results/locomo_qwen05_h200.md).
+
+"turns" and "tokens" pick the conversation a fact is encoded behind (the
+paper's context-window encoding). Their window always ends at the fact's
+source turn, **inclusive**: the turn the fact was extracted from is the most
+relevant context (it holds the words the fact paraphrases), and the fact is
+encoded right after it. A fact with no known source turn gets no context
+(w = 0) from these two.
 """
 
 from __future__ import annotations
@@ -39,7 +47,8 @@ class TurnsWindow(WindowPolicy):
     def __init__(self, options: Options | None = None, **runtime):
         self.options = options or self.Options()
 
-    def context_ids(self, turns: Sequence[Turn], source: int | None, tokenize: Tokenize) -> list[int]:
+    def context_ids(self, turns: Sequence[Turn], source: int | None, tokenize: Tokenize,
+                    previous_facts: Sequence[Sequence[int]] = ()) -> list[int]:
         if source is None or self.options.window == 0:
             return []
         first = max(0, source - self.options.window + 1)
@@ -69,7 +78,8 @@ class TokensWindow(WindowPolicy):
             raise ValueError("the 'tokens' window needs options: max_tokens")
         self.options = options
 
-    def context_ids(self, turns: Sequence[Turn], source: int | None, tokenize: Tokenize) -> list[int]:
+    def context_ids(self, turns: Sequence[Turn], source: int | None, tokenize: Tokenize,
+                    previous_facts: Sequence[Sequence[int]] = ()) -> list[int]:
         budget = self.options.max_tokens
         if source is None or budget == 0:
             return []
@@ -92,8 +102,38 @@ class NoWindow(WindowPolicy):
     def __init__(self, options: None = None, **runtime):
         self.options = options
 
-    def context_ids(self, turns: Sequence[Turn], source: int | None, tokenize: Tokenize) -> list[int]:
+    def context_ids(self, turns: Sequence[Turn], source: int | None, tokenize: Tokenize,
+                    previous_facts: Sequence[Sequence[int]] = ()) -> list[int]:
         return []
 
 
-BUILTIN_POLICIES = (TurnsWindow, TokensWindow, NoWindow)
+class FactsWindow(WindowPolicy):
+    """The ``window`` facts stored before this one, as they read in the segment.
+
+    With ``window`` at least the number of facts, injecting the facts in the
+    order they were given reproduces prompt injection's K/V exactly (each fact
+    saw exactly what precedes it in the prompt); composed in another order or
+    from a subset, every fact still reads as one item of a list of facts.
+    """
+
+    name = "facts"
+
+    @dataclass(frozen=True)
+    class Options:
+        window: int = 5
+
+        def __post_init__(self):
+            if not isinstance(self.window, int) or self.window < 0:
+                raise ValueError(f"window must be an integer >= 0, got {self.window!r}")
+
+    def __init__(self, options: Options | None = None, **runtime):
+        self.options = options or self.Options()
+
+    def context_ids(self, turns: Sequence[Turn], source: int | None, tokenize: Tokenize,
+                    previous_facts: Sequence[Sequence[int]] = ()) -> list[int]:
+        if self.options.window == 0:
+            return []
+        return [t for fact in previous_facts[-self.options.window:] for t in fact]
+
+
+BUILTIN_POLICIES = (FactsWindow, TurnsWindow, TokensWindow, NoWindow)

@@ -1,8 +1,9 @@
-"""Window policies: which preceding conversation a fact is encoded behind.
+"""Window policies: what a fact is encoded behind.
 
-A fact's K/V depends on what the model saw before it. Encoding each fact behind
-a window of its source conversation (context-window encoding) gives K/V closer
-to what the model would compute with that context in the prompt.
+A fact's K/V depends on what the model saw before it. A policy picks that
+context: a window of the conversation the fact came from (the turns before
+it), or the facts stored before it, rendered as they are read in the memory
+segment (a list of facts after the instruction).
 """
 
 from __future__ import annotations
@@ -32,10 +33,13 @@ class WindowPolicy(ABC):
     """Chooses the context token ids a fact is encoded behind.
 
     ``source`` is the index in ``turns`` of the turn the fact was extracted
-    from (None when unknown). The window ends at that turn, inclusive.
+    from (None when unknown). ``previous_facts`` are the token ids of the
+    user's facts given before this one (oldest first), each as it reads in the
+    memory segment. The encoder puts the instruction prefix before the context.
     """
 
     name: ClassVar[str]
 
     @abstractmethod
-    def context_ids(self, turns: Sequence[Turn], source: int | None, tokenize: Tokenize) -> list[int]: ...
+    def context_ids(self, turns: Sequence[Turn], source: int | None, tokenize: Tokenize,
+                    previous_facts: Sequence[Sequence[int]] = ()) -> list[int]: ...
