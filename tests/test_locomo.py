@@ -1,0 +1,114 @@
+"""LoCoMo: every conversation loads as released, the accuracy harness scores and runs end to end."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+import tiny_models
+from inferscale.locomo import load_all, load_conversation, stratified_sample, turn_ids
+
+ROOT = Path(__file__).resolve().parents[1]
+DATA = ROOT.parent / "shared" / "data" / "locomo"
+needs_data = pytest.mark.skipif(not DATA.is_dir(), reason="LoCoMo data not found beside the checkout (../shared)")
+sys.path.insert(0, str(ROOT / "benchmarks"))
+import locomo_accuracy as harness  # noqa: E402
+
+
+def test_turn_references_in_every_released_shape():
+    assert turn_ids("D3:4") == ["D3:4"]
+    assert turn_ids(["D15:3", "D15:5"]) == ["D15:3", "D15:5"]
+    assert turn_ids("D22:10, D22:12") == ["D22:10", "D22:12"]
+    assert turn_ids("D8:6; D9:17") == ["D8:6", "D9:17"]
+    assert turn_ids("D:11:26") == ["D11:26"]
+    assert turn_ids("D") == []
+
+
+@needs_data
+def test_every_conversation_loads_whole():
+    convs = load_all(DATA)
+    assert len(convs) == 7
+    questions = [q for c in convs for q in c.questions]
+    assert len(questions) == 1035  # every category-1-4 question, none dropped
+    assert Counter(q.category for q in questions) == {4: 563, 2: 214, 1: 192, 3: 66}
+    assert sum(len(c.all_facts()) for c in convs) == 1755
+    for conv in convs:
+        order = {t.turn_id: i for i, t in enumerate(conv.turns)}
+        for text, source in conv.all_facts():
+            assert source in order
+            cited = conv.cited[text]
+            assert source in cited and all(order[c] <= order[source] for c in cited)  # the latest cited turn
+        assert all(set(q.evidence) <= set(order) for q in conv.questions)
+
+
+@needs_data
+def test_a_fact_citing_several_turns_is_stored_after_the_latest():
+    conv = load_conversation(DATA / "conv-44.json")  # cites lists and a "D26:14, D26:34, D26:42" string
+    order = {t.turn_id: i for i, t in enumerate(conv.turns)}
+    several = {text: source for text, source in conv.all_facts() if len(conv.cited[text]) > 1}
+    assert len(several) >= 4
+    for text, source in several.items():
+        assert source == max(conv.cited[text], key=order.__getitem__)
+    assert any(conv.cited[text] == ("D26:14", "D26:34", "D26:42") for text in several)
+
+
+def test_stratified_sample_is_seeded_and_proportional():
+    items = [("a", i) for i in range(60)] + [("b", i) for i in range(30)] + [("c", i) for i in range(10)]
+    first = stratified_sample(items, 20, key=lambda x: x[0], seed=3)
+    assert first == stratified_sample(items, 20, key=lambda x: x[0], seed=3)
+    assert first != stratified_sample(items, 20, key=lambda x: x[0], seed=4)
+    assert Counter(x[0] for x in first) == {"a": 12, "b": 6, "c": 2}
+    assert first == sorted(first, key=items.index)  # original order kept
+    assert stratified_sample(items, 500, key=lambda x: x[0]) == items
+
+
+def test_scores():
+    assert harness.f1("Pixel", "pixel") == 1.0
+    assert harness.f1("The cat is called Pixel.", "Pixel") == pytest.approx(2 * (1 / 4) / (1 + 1 / 4))
+    assert harness.f1("", "Pixel") == 0.0
+    assert harness.contains("She lives in Costa da Caparica.", "Costa da Caparica") == 1.0
+    assert harness.contains("She lives in Costa.", "Costa da Caparica") == 0.0
+    assert harness.recall(("D1:1", "D1:2"), {"D1:2", "D5:5"}) == 0.5
+    assert harness.recall((), {"D1:2"}) is None
+
+
+def test_methods_are_named_by_what_they_change():
+    grid = harness.method_sets()["grid"]
+    names = [m.name for m in grid]
+    assert len(names) == len(set(names))
+    assert {"prompt", "kv", "kv[window=-5,closing=answer,recompute_tokens=256]"} <= set(names)
+    assert harness.select_methods("prompt;kv")[1] == harness.Method("kv")
+    with pytest.raises(SystemExit, match="unknown method"):
+        harness.select_methods("kv[nope]")
+
+
+@pytest.mark.slow
+@needs_data
+def test_harness_runs_on_every_conversation(tmp_path):
+    """A stratified sample across all 7 conversations, on a tiny model: every method answers every
+    question, nothing falls back, the tail budget recomputes and the files are written."""
+    model = tiny_models.tiny_model_dir("qwen2", "float32")
+    out = tmp_path / "locomo.json"
+    env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "locomo_accuracy.py"), "--data", str(DATA), "--model", str(model),
+         "--sample", "14", "--ks", "2,4", "--methods", "smoke", "--max-tokens", "4",
+         "--retrieval", str(ROOT / "benchmarks" / "results" / "locomo_retrieval_minilm.json"), "--out", str(out)],
+        capture_output=True, text=True, env=env, cwd=ROOT, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert result["questions"] == 14 and len(result["conversations"]) == 7
+    summary = result["summary"]
+    assert set(summary) == {m.name for m in harness.method_sets()["smoke"]}
+    for name, per_k in summary.items():
+        assert set(per_k) == {"2", "4"}
+        assert all(cell["fallbacks"] == 0 for cell in per_k.values()), name
+    assert summary["kv[window=-5,recompute_tokens=64]"]["4"]["recomputed"] > 0
+    assert summary["kv"]["4"]["recomputed"] == 0 and summary["kv"]["4"]["injected"] > 0
+    assert out.with_suffix(".md").exists() and out.with_name("locomo_answers.json.gz").exists()
