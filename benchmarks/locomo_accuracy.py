@@ -274,7 +274,7 @@ def build_engine(args, model_dir: str, data_dir: Path):
     from vllm.config import KVTransferConfig
 
     from inferscale.config import Config
-    from inferscale.engine import kv_transfer_config
+    from inferscale.connector.engine import kv_transfer_config
 
     gpu = torch.cuda.is_available()
     config = Config.from_dict({"model": model_dir, "data_dir": str(data_dir), "instruction": INSTRUCTION,
@@ -289,18 +289,18 @@ class Prompts:
     """Token ids of prompts, per fact style and closing (the same ids in every mode)."""
 
     def __init__(self, tokenizer, convs):
-        from inferscale.compose.prompt import PromptFormat, fact_ids
+        from inferscale.compose.prompt import PromptFormat, fact_token_ids
 
         self.tokenizer, self.convs = tokenizer, convs
         self.formats = {c: PromptFormat.from_tokenizer(tokenizer, INSTRUCTION, text) for c, text in CLOSINGS.items()}
         self.prefix = self.formats["none"].prefix_ids(tokenizer)
         self._facts: dict = {}
-        self._fact_ids = fact_ids
+        self._fact_token_ids = fact_token_ids
 
     def fact(self, conv: str, index: int, style: str) -> list[int]:
         key = (conv, index, style)
         if key not in self._facts:
-            self._facts[key] = self._fact_ids(self.tokenizer, self.convs[conv].all_facts()[index][0], style)
+            self._facts[key] = self._fact_token_ids(self.tokenizer, self.convs[conv].all_facts()[index][0], style)
         return self._facts[key]
 
     def query(self, closing: str, question: str) -> list[int]:

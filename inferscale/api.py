@@ -22,18 +22,16 @@ from functools import cached_property
 from pathlib import Path
 from typing import Any, Literal
 
-from inferscale.compose.prompt import PromptFormat, fact_ids
+from inferscale.compose.prompt import PromptFormat, fact_token_ids
 from inferscale.compose.segment import PREFIX_FACT, SYSTEM_USER
 from inferscale.config import Config, build
 from inferscale.connector.params import make_params, segment_salt
 from inferscale.encode.window import Turn
 from inferscale.errors import UnknownUserError
 from inferscale.facts import Fact, make_fact_id
-from inferscale.memory import FactCatalog
 from inferscale.retrieval.base import Hit
 from inferscale.storage.disk import DiskStore
 
-MAX_FACTS_PER_TURN = 5
 Mode = Literal["kv", "prompt", "none"]
 
 
@@ -51,13 +49,17 @@ class Answer:
 
 
 class InferScale:
-    def __init__(self, config: Config, **engine_kwargs: Any):
+    def __init__(self, config: Config, in_process: bool = False, **engine_kwargs: Any):
+        """``in_process`` runs vLLM's engine core in this process (faster start);
+        ``engine_kwargs`` go to ``vllm.LLM``."""
         self.config = config
+        self.in_process = in_process
         self.engine_kwargs = engine_kwargs
         self._llm = None
 
     @classmethod
-    def from_config(cls, config: Config | Mapping | str | os.PathLike | None = None, **engine_kwargs: Any) -> InferScale:
+    def from_config(cls, config: Config | Mapping | str | os.PathLike | None = None, in_process: bool = False,
+                    **engine_kwargs: Any) -> InferScale:
         """From a :class:`Config`, a dict, a TOML path, or (None) the environment."""
         if config is None:
             config = Config.from_env()
@@ -65,7 +67,7 @@ class InferScale:
             config = Config.from_dict(config)
         elif not isinstance(config, Config):
             config = Config.from_toml(config)
-        return cls(config, **engine_kwargs)
+        return cls(config, in_process, **engine_kwargs)
 
     # ------------------------------------------------------------ components
 
@@ -97,11 +99,7 @@ class InferScale:
 
     @cached_property
     def disk(self) -> DiskStore:
-        return DiskStore(DiskStore.Options(root=str(self.config.data_path / "kv")))
-
-    @cached_property
-    def catalog(self) -> FactCatalog:
-        return FactCatalog(self.config.data_path / "facts")
+        return DiskStore(DiskStore.Options(root=str(self.config.kv_path)))
 
     @cached_property
     def embedder(self):
@@ -113,10 +111,10 @@ class InferScale:
 
     @cached_property
     def retriever(self):
-        """The index, rebuilt from the catalog for every stored user."""
+        """The index, rebuilt from the stored embeddings of every user."""
         retriever = build("retriever", self.config.retriever)
-        for user_id in self.catalog.users():
-            ids, vectors = self.catalog.embeddings(user_id)
+        for user_id in self.disk.users():
+            ids, vectors = self.disk.embeddings(user_id)
             if ids:
                 retriever.add(user_id, ids, vectors)
         return retriever
@@ -128,9 +126,9 @@ class InferScale:
     @property
     def llm(self):
         if self._llm is None:
-            from inferscale.engine import make_llm
+            from inferscale.connector.engine import make_llm
 
-            self._llm = make_llm(str(self.model_dir), self.config, **self.engine_kwargs)
+            self._llm = make_llm(str(self.model_dir), self.config, self.in_process, **self.engine_kwargs)
         return self._llm
 
     # ------------------------------------------------------------ offline
@@ -143,7 +141,7 @@ class InferScale:
         ``facts`` are already-extracted statements, each optionally with the
         turn_id it came from. Without them, Mem0's extraction pipeline runs on
         ``turns`` against the OpenAI-compatible LLM at ``llm_base_url``. At most
-        :data:`MAX_FACTS_PER_TURN` facts are kept per turn.
+        ``config.max_facts_per_turn`` facts are kept per turn.
         """
         if facts is None:
             if llm_base_url is None:
@@ -153,13 +151,13 @@ class InferScale:
         from inferscale.encode.encoder import FactEncoder
 
         window = build("encoder", self.config.encoder)
-        with FactEncoder.from_spec(str(self.model_dir), window, dtype="float32",
+        with FactEncoder.from_spec(str(self.model_dir), window, dtype=self.config.model.encode_dtype,
                                    fact_style=self.config.fact_style) as encoder:
             prefix = self._ensure_prefix(encoder)
             kvs = encoder.encode(records, turns, progress=progress, prefix_ids=prefix)
-        self.disk.put(user_id, kvs)
         vectors = self.embedder.embed([f.text for f in records])
-        self.catalog.put(user_id, records, vectors)
+        self.disk.put(user_id, kvs, {f.fact_id: f for f in records},
+                      {f.fact_id: v for f, v in zip(records, vectors)})
         self.retriever.add(user_id, [f.fact_id for f in records], vectors)
         self._facts.pop(user_id, None)
         return records
@@ -169,8 +167,8 @@ class InferScale:
         """Mem0's extraction, turn by turn, as ``(fact, source turn_id)``."""
         from inferscale.extract import Mem0Extractor
 
-        opts = Mem0Extractor.Options(llm_base_url=llm_base_url, store_dir=str(self.config.data_path / "mem0"),
-                                     max_facts_per_turn=MAX_FACTS_PER_TURN, **options)
+        opts = Mem0Extractor.Options(llm_base_url=llm_base_url, store_dir=str(self.config.mem0_path),
+                                     max_facts_per_turn=self.config.max_facts_per_turn, **options)
         with Mem0Extractor(opts) as extractor:
             return extractor.extract(user_id, turns, progress=progress)
 
@@ -180,10 +178,10 @@ class InferScale:
         for item in facts:
             text, source = (item, None) if isinstance(item, str) else item
             per_turn[source] += 1
-            if source is not None and per_turn[source] > MAX_FACTS_PER_TURN:
+            if source is not None and per_turn[source] > self.config.max_facts_per_turn:
                 continue
             fid = make_fact_id(user_id, text, source)
-            records[fid] = Fact(fid, user_id, text, source, tuple(fact_ids(self.tokenizer, text, self.config.fact_style)))
+            records[fid] = Fact(fid, user_id, text, source, tuple(fact_token_ids(self.tokenizer, text, self.config.fact_style)))
         return list(records.values())
 
     def _ensure_prefix(self, encoder) -> list[int]:
@@ -229,7 +227,7 @@ class InferScale:
 
     def _user_facts(self, user_id: str) -> dict[str, Fact]:
         if user_id not in self._facts:
-            self._facts[user_id] = self.catalog.facts(user_id)
+            self._facts[user_id] = self.disk.facts(user_id)
         return self._facts[user_id]
 
     def generate(self, user_id: str, query: str, k: int | None = None, mode: Mode = "kv",
@@ -241,20 +239,19 @@ class InferScale:
         ``recompute_tokens`` are prefilled, the rest injected (default: the
         config's ``recompute_tokens``; see :mod:`inferscale.compose.blend`).
         """
-        from vllm import SamplingParams
+        from inferscale.connector.compat import first_token_latency, greedy_sampling
 
         start = time.perf_counter()
         hits = self.retrieve(user_id, query, k) if mode != "none" else []
         retrieved = time.perf_counter()
         order = self.composer.order(hits)
         prompt, params, memory = self.prompt(user_id, query, order, mode, fresh_cache, recompute_tokens, key_scale)
-        extra = {"kv_transfer_params": params} if params else None
-        sampling = SamplingParams(max_tokens=max_tokens, temperature=0.0, extra_args=extra)
+        sampling = greedy_sampling(max_tokens, params)
         composed = time.perf_counter()
         (out,) = self.llm.generate([prompt], sampling, use_tqdm=False)
         done = time.perf_counter()
         report = ((out.kv_transfer_params or {}).get("inferscale") or {}) if params else {}
-        ttft = getattr(out.metrics, "first_token_latency", None)
+        ttft = first_token_latency(out)
         timings = {
             "retrieval": (retrieved - start) * 1e3,
             "compose": (composed - retrieved) * 1e3,
@@ -269,8 +266,7 @@ class InferScale:
     def close(self) -> None:
         """Shut the engine down (frees its memory and worker processes)."""
         if self._llm is not None:
-            engine = getattr(self._llm, "llm_engine", None)
-            shutdown = getattr(engine, "shutdown", None) or getattr(getattr(engine, "engine_core", None), "shutdown", None)
-            if shutdown:
-                shutdown()
+            from inferscale.connector.compat import shutdown
+
+            shutdown(self._llm)
             self._llm = None

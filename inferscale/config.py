@@ -73,11 +73,19 @@ class ModelSpec:
 
     path: str | None = "qwen2.5-coder-0.5b-instruct"
     gguf_file: str | None = None
+    #: the dtype vLLM serves the model in
     dtype: str = "float32"
+    #: the dtype the fact encoder runs the model in (K/V are cast to the cache's dtype on injection)
+    encode_dtype: str = "float32"
+    #: the engine's context limit, at most the model's own
+    max_model_len: int = 4096
 
     def __post_init__(self):
-        if self.dtype not in ("float32", "bfloat16", "float16"):
-            raise ConfigError(f"model dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
+        for name in ("dtype", "encode_dtype"):
+            if getattr(self, name) not in ("float32", "bfloat16", "float16"):
+                raise ConfigError(f"model {name} must be float32, bfloat16 or float16, got {getattr(self, name)!r}")
+        if isinstance(self.max_model_len, bool) or not isinstance(self.max_model_len, int) or self.max_model_len < 1:
+            raise ConfigError(f"model max_model_len must be a positive integer, got {self.max_model_len!r}")
 
 
 _BACKENDS = {
@@ -108,10 +116,14 @@ class Config:
     recompute_tokens: int | str = "auto"
     #: the injected facts' keys are multiplied by this (attention temperature 1/key_scale)
     key_scale: float = 1.0
+    #: at most this many facts are kept per conversation turn (Mem0 extraction or given facts)
+    max_facts_per_turn: int = 5
 
     def __post_init__(self):
-        if not isinstance(self.top_k, int) or self.top_k < 1:
-            raise ConfigError(f"top_k must be a positive integer, got {self.top_k!r}")
+        for name in ("top_k", "max_facts_per_turn"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ConfigError(f"{name} must be a positive integer, got {value!r}")
         for name in ("instruction", "closing"):
             if not isinstance(getattr(self, name), str):
                 raise ConfigError(f"{name} must be a string")
@@ -131,6 +143,16 @@ class Config:
     @property
     def data_path(self) -> Path:
         return Path(os.path.expanduser(self.data_dir))
+
+    @property
+    def kv_path(self) -> Path:
+        """Where the disk store keeps the users' files."""
+        return self.data_path / "kv"
+
+    @property
+    def mem0_path(self) -> Path:
+        """Mem0's own store (extraction history)."""
+        return self.data_path / "mem0"
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> Config:

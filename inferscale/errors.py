@@ -9,6 +9,10 @@ class InferScaleError(Exception):
     """Base class of every error InferScale raises on purpose."""
 
 
+class UnsupportedReleaseError(InferScaleError):
+    """The installed vLLM is a release InferScale was not tested with."""
+
+
 class ConfigError(InferScaleError, ValueError):
     """A configuration value is missing, malformed or of the wrong type."""
 

@@ -27,6 +27,14 @@ class Fact:
         object.__setattr__(self, "token_ids", tuple(int(t) for t in self.token_ids))
 
 
+@dataclass(frozen=True)
+class Hit:
+    """A retrieved fact and how relevant it is (higher is more relevant)."""
+
+    fact_id: str
+    score: float
+
+
 def make_fact_id(user_id: str, text: str, source_turn: str | None = None) -> str:
     """A stable id: the same user, text and source turn always give the same id,
     so re-adding a conversation is idempotent."""

@@ -38,7 +38,7 @@ def register_encoders(register):
 
 @hookspec
 def register_composers(register):
-    """Register :class:`inferscale.compose.Composer` subclasses: how retrieved facts
+    """Register :class:`inferscale.compose.base.Composer` subclasses: how retrieved facts
     are ordered into the memory segment."""
 
 

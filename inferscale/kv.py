@@ -7,7 +7,6 @@ any position later (see :mod:`inferscale.compose.rope`).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -68,10 +67,3 @@ class KVBatch:
 
     def flat_token_ids(self) -> list[int]:
         return [t for ids in self.token_ids for t in ids]
-
-
-def concat_facts(fact_ids: Sequence[str], kvs: Sequence[FactKV], device=None) -> KVBatch:
-    """Concatenate facts' K/V on ``device`` (a plain reference gather)."""
-    keys = torch.cat([kv.keys for kv in kvs], dim=1).to(device) if kvs else torch.empty(0)
-    values = torch.cat([kv.values for kv in kvs], dim=1).to(device) if kvs else torch.empty(0)
-    return KVBatch(list(fact_ids), [kv.token_ids for kv in kvs], keys, values)

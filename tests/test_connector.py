@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 import tiny_models
 import vllm_harness as vh
 import vllm_probe
-from inferscale.compose.prompt import PromptFormat, fact_ids
+from inferscale.compose.prompt import PromptFormat, fact_token_ids
 from inferscale.compose.rope import RotaryEmbedding
 from inferscale.compose.segment import compose_segment
 from inferscale.config import DEFAULT_INSTRUCTION
@@ -60,7 +60,7 @@ class Served:
     rope: RotaryEmbedding
 
     def facts(self, texts=FACTS) -> list[list[int]]:
-        return [fact_ids(self.tokenizer, t) for t in texts]
+        return [fact_token_ids(self.tokenizer, t) for t in texts]
 
     def prompt(self, fact_tokens, query=QUERY) -> list[int]:
         return self.fmt.prompt_ids(self.tokenizer, fact_tokens, query)

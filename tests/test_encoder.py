@@ -89,7 +89,7 @@ class Runs:
         key = (window, fact.fact_id)
         if key not in self._refs:
             context = self.context(window, fact)
-            ids = context + self.encoder().fact_ids(fact)
+            ids = context + self.encoder().fact_token_ids(fact)
             self._refs[key] = (*reference_kv(self.model, ids), len(context))
         return self._refs[key]
 
@@ -197,7 +197,7 @@ def test_batched_equals_one_at_a_time(runs, window, error_log):
 def test_equal_length_batch_is_bit_identical(runs):
     """Without padding, batching changes nothing here: the rows are computed independently."""
     encoder = runs.encoder()
-    ids = tuple(encoder.fact_ids(FACTS[0]))
+    ids = tuple(encoder.fact_token_ids(FACTS[0]))
     batched = encoder._encode_rows([_Row((), ids), _Row((), ids[::-1])])[0]
     single = runs.encoded("w0", 1)["f-1"]
     assert torch.equal(batched.keys, single.keys) and torch.equal(batched.values, single.values)
@@ -227,7 +227,7 @@ def test_encode_ids_with_context_matches_window(tiny_qwen3):
     fact = FACTS[2]
     via_facts = encoder.encode([fact], TURNS, progress=False)[fact.fact_id]
     context = encoder.tokenize(TURNS[2].render())
-    via_ids = encoder.encode_ids(encoder.fact_ids(fact), context)
+    via_ids = encoder.encode_ids(encoder.fact_token_ids(fact), context)
     assert torch.equal(via_facts.keys, via_ids.keys) and torch.equal(via_facts.values, via_ids.values)
 
 
@@ -239,7 +239,7 @@ def test_facts_window_is_the_prompt_read_so_far(tiny_qwen3):
     rope = RotaryEmbedding.from_hf_config(model.config)
     prefix = encoder.tokenize("Facts:\n")
     kvs = encoder.encode(FACTS, TURNS, progress=False, prefix_ids=prefix)
-    sequence = prefix + [t for f in FACTS for t in encoder.fact_ids(f)]
+    sequence = prefix + [t for f in FACTS for t in encoder.fact_token_ids(f)]
     ref_k, ref_v = reference_kv(model, sequence)
     start = len(prefix)
     for fact in FACTS:
@@ -258,8 +258,8 @@ def test_facts_window_reads_the_last_facts_and_only_encodes_what_is_asked(tiny_q
     part = encoder.encode(FACTS, progress=False, only={last.fact_id})
     assert list(part) == [last.fact_id]
     assert torch.equal(part[last.fact_id].keys, full[last.fact_id].keys)
-    context = [t for f in FACTS[-3:-1] for t in encoder.fact_ids(f)]
-    alone = encoder.encode_ids(encoder.fact_ids(last), context)
+    context = [t for f in FACTS[-3:-1] for t in encoder.fact_token_ids(f)]
+    alone = encoder.encode_ids(encoder.fact_token_ids(last), context)
     assert torch.equal(alone.keys, full[last.fact_id].keys) and torch.equal(alone.values, full[last.fact_id].values)
 
 
@@ -280,7 +280,7 @@ def test_tokens_window_relocation(tiny_qwen3):
 def test_stored_token_ids_are_checked(tiny_qwen3):
     model, tokenizer = tiny_qwen3
     encoder = FactEncoder(model, tokenizer)
-    good = encoder.fact_ids(FACTS[0])
+    good = encoder.fact_token_ids(FACTS[0])
     ok = Fact("f-ok", "u1", FACTS[0].text, token_ids=tuple(good))
     assert encoder.encode([ok], progress=False)["f-ok"].token_ids == tuple(good)
     bad = Fact("f-bad", "u1", FACTS[0].text, token_ids=tuple(good[:-1]))

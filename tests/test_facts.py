@@ -1,11 +1,12 @@
-"""Fact records, stable ids, and the fact catalog on disk."""
+"""Fact records, stable ids, and a fact stored whole on disk."""
 
 import pytest
 import torch
 
 from inferscale import CorruptDataError, Fact, make_fact_id
 from inferscale.facts import render_fact
-from inferscale.memory import FactCatalog
+from inferscale.kv import FactKV
+from inferscale.storage.disk import DiskStore
 
 
 def test_fact_ids_are_stable_and_distinct():
@@ -27,35 +28,46 @@ def test_render_fact_is_one_bullet_line():
     assert render_fact("  Ann   has\na cat. ") == "- Ann has a cat.\n"
 
 
-def test_catalog_round_trip_and_replace(tmp_path):
-    catalog = FactCatalog(tmp_path)
+def _kv(ids, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    kv = torch.randn((2, 2, len(ids), 1, 4), generator=gen)
+    return FactKV(ids, kv[0], kv[1])
+
+
+def test_a_fact_is_stored_whole_in_one_file(tmp_path):
+    """Text, source turn, token ids, embedding and K/V: one put, one file, one reader."""
+    disk = DiskStore(DiskStore.Options(root=str(tmp_path)))
     facts = [Fact("f-1", "ann", "Ann has a cat.", "D1:2", (5, 6)), Fact("f-2", "ann", "Ann runs.", None, (7,))]
-    catalog.put("ann", facts, torch.eye(2, 3))
-    assert catalog.facts("ann") == {f.fact_id: f for f in facts}
-    ids, vectors = catalog.embeddings("ann")
+    disk.put("ann", {f.fact_id: _kv(f.token_ids, i) for i, f in enumerate(facts)}, {f.fact_id: f for f in facts},
+             {"f-1": torch.tensor([1.0, 0, 0]), "f-2": torch.tensor([0, 1.0, 0])})
+    assert disk.facts("ann") == {f.fact_id: f for f in facts}
+    ids, vectors = disk.embeddings("ann")
     assert ids == ["f-1", "f-2"] and torch.equal(vectors, torch.eye(2, 3))
-    catalog.put("ann", [Fact("f-2", "ann", "Ann runs fast.", None, (8,))], torch.ones(1, 3))
-    assert catalog.facts("ann")["f-2"].text == "Ann runs fast." and len(catalog.facts("ann")) == 2
-    assert catalog.users() == ["ann"]
-    catalog.delete("ann")
-    assert catalog.facts("ann") == {} and catalog.users() == []
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".lock", "ann.safetensors"]
+    # replacing a fact replaces all of it
+    new = Fact("f-2", "ann", "Ann runs fast.", "D2:1", (8, 9))
+    disk.put("ann", {"f-2": _kv(new.token_ids, 5)}, {"f-2": new}, {"f-2": torch.ones(3)})
+    assert disk.facts("ann")["f-2"] == new and disk.token_ids("ann", ["f-2"]) == [(8, 9)]
+    assert torch.equal(disk.embeddings("ann")[1][1], torch.ones(3))
+    # deleting a fact deletes all of it
+    disk.delete("ann", ["f-1"])
+    assert list(disk.facts("ann")) == ["f-2"] and disk.embeddings("ann")[0] == ["f-2"]
+    disk.delete("ann")
+    assert disk.facts("ann") == {} and disk.embeddings("ann")[0] == [] and disk.users() == []
 
 
-def test_catalog_rejects_foreign_facts_and_bad_shapes(tmp_path):
-    catalog = FactCatalog(tmp_path)
-    with pytest.raises(ValueError, match="belongs to"):
-        catalog.put("ann", [Fact("f-1", "bob", "x")], torch.ones(1, 3))
-    with pytest.raises(ValueError, match="embeddings"):
-        catalog.put("ann", [Fact("f-1", "ann", "x")], torch.ones(2, 3))
+def test_records_must_belong_to_the_facts_put(tmp_path):
+    disk = DiskStore(DiskStore.Options(root=str(tmp_path)))
+    with pytest.raises(ValueError, match="belong"):
+        disk.put("ann", {"f-1": _kv((1,))}, {"f-9": Fact("f-9", "ann", "x")})
+    assert disk.users() == []
 
 
-def test_corrupt_catalog_is_detected_and_left_alone(tmp_path):
-    catalog = FactCatalog(tmp_path)
-    catalog.put("ann", [Fact("f-1", "ann", "x")], torch.ones(1, 3))
-    path = tmp_path / "ann.json"
-    path.write_text(path.read_text()[:-20])
-    with pytest.raises(CorruptDataError, match="ann.json"):
-        catalog.facts("ann")
-    with pytest.raises(CorruptDataError):  # a write never silently replaces unreadable data
-        catalog.put("ann", [Fact("f-2", "ann", "y")], torch.ones(1, 3))
-    assert path.exists()
+def test_a_damaged_record_is_detected(tmp_path):
+    disk = DiskStore(DiskStore.Options(root=str(tmp_path)))
+    disk.put("ann", {"f-1": _kv((1, 2))}, {"f-1": Fact("f-1", "ann", "Ann has a cat.")}, {"f-1": torch.ones(3)})
+    path = tmp_path / "ann.safetensors"
+    raw = path.read_bytes()
+    path.write_bytes(raw.replace(b"Ann has a cat.", b"Ann has a dog."))
+    with pytest.raises(CorruptDataError, match="checksum"):
+        disk.facts("ann")

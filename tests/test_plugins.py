@@ -6,7 +6,7 @@ import pytest
 from inferscale import BackendSpec, Config, ConfigError, PluginError, UnknownBackendError, build, hookimpl, hookspecs
 from inferscale.plugins import KINDS, backends, get_backend, pm
 from inferscale.retrieval.base import Hit
-from plugins import rot13_composer
+from plugins import reverse_alpha_composer
 
 
 @pytest.fixture
@@ -58,7 +58,7 @@ def test_unknown_kind():
 
 
 def test_a_plugin_registered_at_run_time_is_selectable(registered):
-    registered(rot13_composer, "rot13")
+    registered(reverse_alpha_composer, "reverse_alpha")
     composer = build("composer", BackendSpec("reverse-alpha"))
     assert composer.order([Hit("a", 1.0), Hit("c", 0.5), Hit("b", 0.1)]) == ["c", "b", "a"]
 
@@ -68,7 +68,7 @@ def test_backend_without_name_is_rejected(registered):
 
     @hookimpl
     def register_composers(register):
-        register(rot13_composer.Nameless)
+        register(reverse_alpha_composer.Nameless)
 
     plugin.register_composers = register_composers
     registered(plugin, "nameless")
@@ -79,7 +79,7 @@ def test_backend_without_name_is_rejected(registered):
 def test_duplicate_names_are_rejected(registered):
     plugin = types.SimpleNamespace()
 
-    class Other(rot13_composer.ReverseAlphaComposer):
+    class Other(reverse_alpha_composer.ReverseAlphaComposer):
         name = "relevance"
 
     @hookimpl

@@ -8,7 +8,7 @@ import pytest
 
 import tiny_models
 import vllm_harness as vh
-from inferscale.engine import kv_transfer_config
+from inferscale.connector.engine import kv_transfer_config
 from vllm_server import serve
 
 pytestmark = pytest.mark.slow

@@ -27,7 +27,7 @@ from inferscale.kv import FactKV
 from inferscale.plugins import backends
 from inferscale.storage import DiskStore, HBMStore, KVStore, PinnedHostStore
 from inferscale.storage import kvfile
-from inferscale.storage.tiered import delete_through, ensure_user, put_through
+from inferscale.storage.tiered import ensure_user
 
 REPO = Path(__file__).resolve().parents[1]
 STORES = ["hbm", "pinned", "disk"]
@@ -272,7 +272,7 @@ def test_disk_file_format(disk):
     disk.put("alice", facts)
     path = disk.root / "alice.safetensors"
     header, meta, _ = read_file(path)
-    assert meta["format"] == "inferscale-kv" and meta["format_version"] == "1" and meta["user_id"] == "alice"
+    assert meta["format"] == "inferscale-kv" and meta["format_version"] == "2" and meta["user_id"] == "alice"
     assert json.loads(meta["fact_ids"]) == ["f0", "f1", "f2"]
     assert json.loads(meta["layout"]) == {"num_layers": 3, "num_kv_heads": 2, "head_size": 8, "dtype": "bfloat16"}
     assert header["f1/keys"]["dtype"] == "BF16" and header["f1/keys"]["shape"] == [3, 4, 2, 8]
@@ -431,11 +431,21 @@ def test_file_of_another_user_is_corrupt(disk):
 
 
 def test_unknown_format_version(disk, monkeypatch):
-    monkeypatch.setattr(kvfile, "FORMAT_VERSION", "2")
+    monkeypatch.setattr(kvfile, "FORMAT_VERSION", "9")
     disk.put("alice", make_facts(1))
-    monkeypatch.setattr(kvfile, "FORMAT_VERSION", "1")
-    with pytest.raises(CorruptDataError, match="format_version '2'"):
+    monkeypatch.setattr(kvfile, "FORMAT_VERSION", "2")
+    with pytest.raises(CorruptDataError, match="format_version '9'"):
         disk.get("alice", ["f0"])
+
+
+def test_version_1_files_still_read(disk, monkeypatch):
+    """Files written before records and embeddings existed read as K/V with no records."""
+    monkeypatch.setattr(kvfile, "FORMAT_VERSION", "1")
+    facts = make_facts(2)
+    disk.put("alice", facts)
+    monkeypatch.undo()
+    assert_batch(disk.get("alice", ["f1", "f0"], "cpu"), facts, ["f1", "f0"])
+    assert [f.text for f in disk.facts("alice").values()] == ["", ""] and disk.embeddings("alice")[0] == []
 
 
 # -- selection by name, and tiering ----------------------------------------------------
@@ -466,13 +476,6 @@ def test_tiered_loads_user_on_first_use(tmp_path, memory_name):
     assert ensure_user(memory, disk, "alice") is False
     assert ensure_user(memory, disk, "nobody") is False and memory.users() == ["alice"]
     assert_batch(memory.get("alice", ["f3", "f1"], "cpu"), facts, ["f3", "f1"])
-
-    extra = {"f8": make_fact(2, dtype=torch.bfloat16, seed=80)}
-    put_through(memory, disk, "alice", extra)
-    put_through(memory, disk, "bob", extra)  # bob is not loaded: memory stays without him
-    assert memory.list("alice") == disk.list("alice") and memory.users() == ["alice"]
-    delete_through(memory, disk, "alice", ["f0"])
-    assert memory.list("alice") == disk.list("alice") == ["f1", "f2", "f3", "f8"]
 
 
 def test_benchmark_script_runs(tmp_path):

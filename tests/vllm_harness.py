@@ -18,7 +18,7 @@ import torch
 from inferscale.compose.segment import PREFIX_FACT, SYSTEM_USER
 from inferscale.config import BackendSpec, Config, ModelSpec
 from inferscale.connector.params import make_params, segment_salt
-from inferscale.engine import kv_transfer_config
+from inferscale.connector.engine import kv_transfer_config
 from inferscale.storage.disk import DiskStore
 
 GREEDY_TOKENS = 8
@@ -142,7 +142,7 @@ def noisy(kv, scale: float = 3.0, seed: int = 0):
 def joint_memory(model_dir: Path, data_dir: Path, user: str, facts: list[str], query: str) -> tuple[list[int], list[int]]:
     """Store ``facts`` for ``user``, each encoded behind the prefix and the facts before it
     (so injection is exact), and return (prompt token ids, segment token ids)."""
-    from inferscale.compose.prompt import PromptFormat, fact_ids
+    from inferscale.compose.prompt import PromptFormat, fact_token_ids
     from inferscale.config import DEFAULT_INSTRUCTION
     from inferscale.encode.encoder import FactEncoder
 
@@ -154,7 +154,7 @@ def joint_memory(model_dir: Path, data_dir: Path, user: str, facts: list[str], q
         write_prefix(disk, encoder, segment)
         kvs = {}
         for i, text in enumerate(facts):
-            ids = fact_ids(tok, text)
+            ids = fact_token_ids(tok, text)
             kvs[f"f{i}"] = encoder.encode_ids(ids, context_ids=segment)
             segment = segment + ids
         disk.put(user, kvs)

@@ -6,7 +6,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from typing import ClassVar
 
-from inferscale.retrieval.base import Hit
+from inferscale.facts import Hit
 
 
 class Composer(ABC):

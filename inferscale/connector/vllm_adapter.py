@@ -50,11 +50,12 @@ def config_from_extra(extra: dict[str, Any] | None) -> Config:
 
 
 def disk_store(config: Config) -> DiskStore:
-    return DiskStore(DiskStore.Options(root=str(config.data_path / "kv")))
+    return DiskStore(DiskStore.Options(root=str(config.kv_path)))
 
 
 class InferScaleConnector(compat.KVConnectorBase_V1):
     def __init__(self, vllm_config, role, kv_cache_config=None):
+        compat.check_release()
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         self.config = config_from_extra(vllm_config.kv_transfer_config.kv_connector_extra_config)
         self.block_size = vllm_config.cache_config.block_size

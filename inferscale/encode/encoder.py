@@ -196,7 +196,7 @@ class FactEncoder:
         """Token ids of ``text`` with no special tokens added."""
         return list(self.tokenizer.encode(text, add_special_tokens=False))
 
-    def fact_ids(self, fact: Fact) -> list[int]:
+    def fact_token_ids(self, fact: Fact) -> list[int]:
         """The fact's token ids; they must equal ``fact.token_ids`` when those are set."""
         ids = self.tokenize(render_fact(fact.text, self.fact_style))
         if fact.token_ids and tuple(ids) != fact.token_ids:
@@ -221,7 +221,7 @@ class FactEncoder:
         self._live_model()
         unique = _unique_facts(facts)
         sources = _source_index(turns)
-        rendered = [self.fact_ids(fact) for fact in unique]
+        rendered = [self.fact_token_ids(fact) for fact in unique]
         prefix = tuple(prefix_ids)
         chosen = [i for i, fact in enumerate(unique) if only is None or fact.fact_id in only]
         rows = [self._fact_row(unique[i], turns, sources, prefix, _Before(rendered, i), rendered[i]) for i in chosen]

@@ -4,16 +4,11 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
 
-
-@dataclass(frozen=True)
-class Hit:
-    fact_id: str
-    score: float  # higher is more relevant
+from inferscale.facts import Hit  # noqa: F401  (re-exported: retrievers return Hits)
 
 
 class Retriever(ABC):

@@ -12,7 +12,7 @@ import torch
 
 from inferscale.devices import auto_device, check_device
 from inferscale.retrieval.base import Embedder
-from inferscale.retrieval.tensors import check_positive, check_texts, unit_rows
+from inferscale.retrieval.checks import check_positive, check_texts, unit_rows
 
 
 class SentenceTransformerEmbedder(Embedder):

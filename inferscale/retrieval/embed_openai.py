@@ -11,7 +11,7 @@ from typing import Any, ClassVar
 import torch
 
 from inferscale.retrieval.base import Embedder
-from inferscale.retrieval.tensors import check_positive, check_texts, unit_rows
+from inferscale.retrieval.checks import check_positive, check_texts, unit_rows
 
 
 class OpenAIEmbedder(Embedder):

@@ -12,7 +12,7 @@ from inferscale.devices import auto_device, check_device
 from inferscale.retrieval.base import Hit
 from inferscale.retrieval.per_user import PerUserRetriever
 from inferscale.retrieval.ranking import top_hits
-from inferscale.retrieval.tensors import check_fact_ids, check_k, last_wins
+from inferscale.retrieval.checks import check_fact_ids, check_k, last_wins
 from inferscale.retrieval.user_matrix import UserMatrix
 
 

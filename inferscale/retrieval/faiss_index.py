@@ -28,7 +28,7 @@ import torch
 from inferscale.retrieval.base import Hit
 from inferscale.retrieval.per_user import PerUserRetriever
 from inferscale.retrieval.ranking import sort_hits
-from inferscale.retrieval.tensors import check_fact_ids, check_k, check_positive, last_wins
+from inferscale.retrieval.checks import check_fact_ids, check_k, check_positive, last_wins
 
 KINDS = ("flat", "hnsw", "ivf")
 _GPU_MAX_K = 2048  # faiss GPU indexes refuse larger k

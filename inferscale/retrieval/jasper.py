@@ -44,7 +44,7 @@ from inferscale.devices import check_device
 from inferscale.retrieval.base import Hit
 from inferscale.retrieval.per_user import PerUserRetriever
 from inferscale.retrieval.ranking import sort_hits, top_hits
-from inferscale.retrieval.tensors import check_fact_ids, check_k, check_positive, last_wins
+from inferscale.retrieval.checks import check_fact_ids, check_k, check_positive, last_wins
 from inferscale.retrieval.user_matrix import UserMatrix
 
 DEGREES = (8, 16, 32, 64)  # the graph degrees (R) Jasper is compiled for

@@ -7,7 +7,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from inferscale.retrieval.base import Retriever
-from inferscale.retrieval.tensors import DimLock, check_fact_ids
+from inferscale.retrieval.checks import DimLock, check_fact_ids
 
 
 class PerUserRetriever(Retriever):

@@ -9,8 +9,10 @@ Writers (``put``/``delete``, which read-merge-rewrite) take an exclusive
 ``flock`` on ``<root>/.lock``, so stores in several threads or processes
 sharing a root do not lose each other's updates. Readers take no lock.
 
-Every read of K/V verifies the file's checksum. ``list``/``token_ids``/
-``nbytes`` use a small cache of verified indexes keyed by the file's
+The file holds everything a fact is — K/V, token ids, text, source turn and
+embedding — so one ``put`` commits a fact whole and every reader reads it from
+here. Every read verifies the file's checksum. ``list``/``token_ids``/
+``facts``/``nbytes`` use a small cache of verified indexes keyed by the file's
 (path, inode, mtime_ns, size), so they re-read a file only after it changed.
 """
 
@@ -32,6 +34,7 @@ import torch
 
 from inferscale.devices import resolve_device
 from inferscale.errors import UnknownUserError
+from inferscale.facts import Fact
 from inferscale.kv import FactKV, KVBatch
 from inferscale.storage import kvfile
 from inferscale.storage.base import KVStore
@@ -51,20 +54,19 @@ CACHE_SIZE = 256
 
 @dataclass(frozen=True)
 class _Index:
-    """What ``list``/``token_ids``/``nbytes`` need from a verified file."""
+    """What ``list``/``token_ids``/``facts``/``nbytes`` need from a verified file."""
 
     layout: KVLayout
     token_ids: Mapping[str, tuple[int, ...]]
+    records: Mapping[str, dict]
+
+    @classmethod
+    def of(cls, user: kvfile.UserFile) -> _Index:
+        return cls(user.layout, {f: kv.token_ids for f, kv in user.facts.items()}, user.records)
 
     @property
     def nbytes(self) -> int:
         return sum(len(ids) for ids in self.token_ids.values()) * self.layout.token_nbytes()
-
-
-@dataclass(frozen=True)
-class _UserFile:
-    layout: KVLayout
-    facts: dict[str, FactKV]
 
 
 class DiskStore(KVStore):
@@ -91,19 +93,32 @@ class DiskStore(KVStore):
 
     # -- the KVStore interface -------------------------------------------------
 
-    def put(self, user_id: str, facts: Mapping[str, FactKV]) -> None:
-        """Merge ``facts`` into the user's file (read, verify, merge, rewrite atomically)."""
+    def put(self, user_id: str, facts: Mapping[str, FactKV], records: Mapping[str, Fact] | None = None,
+            embeddings: Mapping[str, torch.Tensor] | None = None) -> None:
+        """Merge ``facts`` into the user's file (read, verify, merge, rewrite atomically).
+
+        ``records`` (text and source turn) and ``embeddings`` of those facts, when
+        given, are committed in the same write: a fact is stored whole or not at all.
+        """
         check_ids(user_id, facts)
         if not facts:
             return
         check_layout(user_id, facts, None)
+        records, embeddings = dict(records or {}), dict(embeddings or {})
+        if not set(records) | set(embeddings) <= set(facts):
+            raise ValueError("records and embeddings must belong to the facts being put")
         with self._writer():
             self._remove_temps(user_id)
             old = self._read(user_id)
             layout = check_layout(user_id, facts, old.layout if old else None)
-            merged = dict(old.facts) if old else {}
-            merged.update(facts)
-            self._write(user_id, layout, merged)
+            merged = old or kvfile.UserFile(layout, {})
+            for fact_id, kv in facts.items():
+                merged.facts[fact_id] = kv
+                merged.records.pop(fact_id, None)
+                merged.embeddings.pop(fact_id, None)
+            merged.records.update({f: {"text": r.text, "source_turn": r.source_turn} for f, r in records.items()})
+            merged.embeddings.update({f: e.detach().to("cpu", torch.float32).reshape(-1) for f, e in embeddings.items()})
+            self._write(user_id, merged)
 
     def get(self, user_id: str, fact_ids: Sequence[str], device: torch.device | str | None = None) -> KVBatch:
         target = resolve_device(device, torch.device("cpu"))
@@ -130,11 +145,11 @@ class DiskStore(KVStore):
             if old is None:
                 return
             drop = set(fact_ids)
-            keep = {f: kv for f, kv in old.facts.items() if f not in drop}
+            keep = [f for f in old.facts if f not in drop]
             if len(keep) == len(old.facts):
                 return
             if keep:
-                self._write(user_id, old.layout, keep)
+                self._write(user_id, old.only(keep))
             else:
                 self._unlink(path)
 
@@ -165,6 +180,26 @@ class DiskStore(KVStore):
         """All of the user's facts on the CPU, verified (to fill a memory tier)."""
         return self._require(user_id).facts
 
+    def facts(self, user_id: str) -> dict[str, Fact]:
+        """The user's facts (text, source turn, token ids), no K/V moved; a fact
+        stored without a record has empty text."""
+        index = self._index(user_id)
+        if index is None:
+            return {}
+        out = {}
+        for fact_id, ids in index.token_ids.items():
+            record = index.records.get(fact_id, {})
+            out[fact_id] = Fact(fact_id, user_id, record.get("text", ""), record.get("source_turn"), ids)
+        return out
+
+    def embeddings(self, user_id: str) -> tuple[list[str], torch.Tensor]:
+        """The fact_ids with an embedding and their vectors (``[n, dim]`` float32)."""
+        user = self._read(user_id)
+        if user is None or not user.embeddings:
+            return [], torch.empty(0, 0)
+        ids = [f for f in user.facts if f in user.embeddings]
+        return ids, torch.stack([user.embeddings[f] for f in ids])
+
     def path(self, user_id: str) -> Path:
         """The user's data file."""
         check_ids(user_id, ())
@@ -172,13 +207,13 @@ class DiskStore(KVStore):
 
     # -- reading ---------------------------------------------------------------
 
-    def _require(self, user_id: str) -> _UserFile:
+    def _require(self, user_id: str) -> kvfile.UserFile:
         user = self._read(user_id)
         if user is None:
             raise UnknownUserError(user_id)
         return user
 
-    def _read(self, user_id: str) -> _UserFile | None:
+    def _read(self, user_id: str) -> kvfile.UserFile | None:
         """The verified file, or None when there is none; remembers its index."""
         path = self.path(user_id)
         try:
@@ -188,9 +223,9 @@ class DiskStore(KVStore):
         with fh:
             stat = os.fstat(fh.fileno())
             data = fh.read()
-        layout, facts = kvfile.decode(data, user_id, str(path))
-        self._remember(_cache_key(path, stat), _Index(layout, {f: kv.token_ids for f, kv in facts.items()}))
-        return _UserFile(layout, facts)
+        user = kvfile.decode(data, user_id, str(path))
+        self._remember(_cache_key(path, stat), _Index.of(user))
+        return user
 
     def _index(self, user_id: str) -> _Index | None:
         """The user's verified index, from the cache while the file is unchanged."""
@@ -204,7 +239,7 @@ class DiskStore(KVStore):
         if cached is not None:
             return cached
         user = self._read(user_id)
-        return None if user is None else _Index(user.layout, {f: kv.token_ids for f, kv in user.facts.items()})
+        return None if user is None else _Index.of(user)
 
     def _remember(self, key: tuple, index: _Index) -> None:
         with self._cache_lock:
@@ -221,8 +256,8 @@ class DiskStore(KVStore):
             fcntl.flock(lock.fileno(), fcntl.LOCK_EX)
             yield
 
-    def _write(self, user_id: str, layout: KVLayout, facts: Mapping[str, FactKV]) -> None:
-        _atomic_write(self.path(user_id), kvfile.encode(user_id, layout, facts))
+    def _write(self, user_id: str, user: kvfile.UserFile) -> None:
+        _atomic_write(self.path(user_id), kvfile.encode(user_id, user))
 
     def _unlink(self, path: Path) -> None:
         with contextlib.suppress(FileNotFoundError):

@@ -2,9 +2,12 @@
 
 See ``docs/storage-format.md`` for the specification. In short, tensors
 ``<fact_id>/keys`` and ``<fact_id>/values`` (``[L, T, H, D]``, the user's
-dtype) and ``<fact_id>/token_ids`` (int64 ``[T]``) per fact, and metadata
-``format``, ``format_version``, ``user_id``, ``layout``, ``fact_ids`` and
-``sha256`` (see :func:`checksum`).
+dtype), ``<fact_id>/token_ids`` (int64 ``[T]``) and, where the fact has one,
+``<fact_id>/embedding`` (float32 ``[dim]``) per fact, and metadata
+``format``, ``format_version``, ``user_id``, ``layout``, ``fact_ids``,
+``records`` (each fact's text and source turn) and ``sha256`` (see
+:func:`checksum`). Everything a fact is travels in one file, so one atomic
+write commits it whole.
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ from __future__ import annotations
 import hashlib
 import json
 from collections.abc import Mapping
+from dataclasses import dataclass, field
 
 import torch
 from safetensors.torch import load as st_load
@@ -22,9 +26,30 @@ from inferscale.kv import FactKV
 from inferscale.storage.layout import KVLayout
 
 FORMAT = "inferscale-kv"
-FORMAT_VERSION = "1"
+FORMAT_VERSION = "2"
+#: versions this code reads (version 1 files have no records or embeddings)
+READABLE_VERSIONS = ("1", "2")
 CHECKSUM_KEY = "sha256"
 PARTS = ("keys", "values", "token_ids")
+EMBEDDING = "embedding"
+
+
+@dataclass
+class UserFile:
+    """A user's verified facts: K/V with token ids, and each fact's record
+    (``{"text", "source_turn"}``) and embedding where it has them."""
+
+    layout: KVLayout
+    facts: dict[str, FactKV]
+    records: dict[str, dict] = field(default_factory=dict)
+    embeddings: dict[str, torch.Tensor] = field(default_factory=dict)
+
+    def only(self, fact_ids) -> UserFile:
+        """The same file restricted to ``fact_ids`` (in that order)."""
+        keep = [f for f in fact_ids if f in self.facts]
+        return UserFile(self.layout, {f: self.facts[f] for f in keep},
+                        {f: self.records[f] for f in keep if f in self.records},
+                        {f: self.embeddings[f] for f in keep if f in self.embeddings})
 
 
 def tensor_name(fact_id: str, part: str) -> str:
@@ -54,25 +79,28 @@ def checksum(metadata: Mapping[str, str], tensors: Mapping[str, torch.Tensor]) -
     return digest.hexdigest()
 
 
-def encode(user_id: str, layout: KVLayout, facts: Mapping[str, FactKV]) -> bytes:
-    """The file's bytes for ``facts`` (all of ``layout``), in the given fact order."""
+def encode(user_id: str, user: UserFile) -> bytes:
+    """The file's bytes for a user's facts (all of ``user.layout``), in their order."""
     tensors: dict[str, torch.Tensor] = {}
-    for fact_id, kv in facts.items():
+    for fact_id, kv in user.facts.items():
         tensors[tensor_name(fact_id, "keys")] = _owned_cpu(kv.keys)
         tensors[tensor_name(fact_id, "values")] = _owned_cpu(kv.values)
         tensors[tensor_name(fact_id, "token_ids")] = torch.tensor(kv.token_ids, dtype=torch.int64)
+        if fact_id in user.embeddings:
+            tensors[tensor_name(fact_id, EMBEDDING)] = _owned_cpu(user.embeddings[fact_id].to(torch.float32))
     metadata = {
         "format": FORMAT,
         "format_version": FORMAT_VERSION,
         "user_id": user_id,
-        "layout": json.dumps(layout.to_dict(), sort_keys=True),
-        "fact_ids": json.dumps(list(facts)),
+        "layout": json.dumps(user.layout.to_dict(), sort_keys=True),
+        "fact_ids": json.dumps(list(user.facts)),
+        "records": json.dumps({f: user.records[f] for f in user.facts if f in user.records}, sort_keys=True),
     }
     metadata[CHECKSUM_KEY] = checksum(metadata, tensors)
     return st_save(tensors, metadata)
 
 
-def decode(data: bytes, user_id: str, where: str) -> tuple[KVLayout, dict[str, FactKV]]:
+def decode(data: bytes, user_id: str, where: str) -> UserFile:
     """Parse and verify a file's bytes; any defect raises CorruptDataError naming ``where``."""
     metadata, tensors = _parse(data, where)
     _check_header(metadata, user_id, where)
@@ -81,7 +109,9 @@ def decode(data: bytes, user_id: str, where: str) -> tuple[KVLayout, dict[str, F
     try:
         layout = KVLayout.from_dict(json.loads(metadata["layout"]))
         fact_ids = json.loads(metadata["fact_ids"])
-        return layout, _facts(layout, fact_ids, tensors)
+        records = _records(json.loads(metadata.get("records", "{}")), fact_ids)
+        embeddings = _embeddings(tensors, fact_ids)
+        return UserFile(layout, _facts(layout, fact_ids, tensors), records, embeddings)
     except (ValueError, TypeError, KeyError) as exc:
         raise CorruptDataError(f"{where}: inconsistent contents ({exc})") from exc
 
@@ -105,16 +135,33 @@ def _parse(data: bytes, where: str) -> tuple[dict[str, str], dict[str, torch.Ten
 def _check_header(metadata: Mapping[str, str], user_id: str, where: str) -> None:
     if metadata.get("format") != FORMAT:
         raise CorruptDataError(f"{where}: not an {FORMAT} file (format={metadata.get('format')!r})")
-    if metadata.get("format_version") != FORMAT_VERSION:
+    if metadata.get("format_version") not in READABLE_VERSIONS:
         raise CorruptDataError(
             f"{where}: unsupported format_version {metadata.get('format_version')!r} "
-            f"(this version reads {FORMAT_VERSION!r})"
+            f"(this version reads {', '.join(READABLE_VERSIONS)})"
         )
     missing = {"user_id", "layout", "fact_ids", CHECKSUM_KEY} - set(metadata)
     if missing:
         raise CorruptDataError(f"{where}: metadata lacks {sorted(missing)}")
     if metadata["user_id"] != user_id:
         raise CorruptDataError(f"{where}: holds user {metadata['user_id']!r}, expected {user_id!r}")
+
+
+def _embeddings(tensors: dict[str, torch.Tensor], fact_ids: list) -> dict[str, torch.Tensor]:
+    """Pop the facts' embedding tensors (float32 vectors of one size)."""
+    out = {f: tensors.pop(tensor_name(f, EMBEDDING)) for f in fact_ids if tensor_name(f, EMBEDDING) in tensors}
+    if any(e.dim() != 1 or e.dtype != torch.float32 for e in out.values()) or len({e.numel() for e in out.values()}) > 1:
+        raise ValueError("embeddings must be float32 vectors of one size")
+    return out
+
+
+def _records(records, fact_ids: list) -> dict[str, dict]:
+    if not isinstance(records, dict) or not set(records) <= set(fact_ids):
+        raise ValueError("records name facts the file does not hold")
+    for record in records.values():
+        if not isinstance(record, dict) or not isinstance(record.get("text"), str):
+            raise ValueError("a record lacks its text")
+    return records
 
 
 def _facts(layout: KVLayout, fact_ids: list, tensors: Mapping[str, torch.Tensor]) -> dict[str, FactKV]:

@@ -132,11 +132,6 @@ class MemoryStore(KVStore):
         user = self._users.get(user_id)
         return user.nbytes if user else 0
 
-    def layout(self, user_id: str) -> KVLayout | None:
-        """The user's K/V layout, or None for an unknown user."""
-        user = self._users.get(user_id)
-        return user.layout if user else None
-
     @staticmethod
     def _require(user_id: str, user: UserKV | None) -> UserKV:
         if user is None:

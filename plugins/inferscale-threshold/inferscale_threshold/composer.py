@@ -6,7 +6,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from inferscale.compose.base import Composer
-from inferscale.retrieval.base import Hit
+from inferscale.facts import Hit
 
 
 class ThresholdComposer(Composer):

@@ -1,9 +1,7 @@
-"""Building a vLLM engine with the InferScale connector (the only vLLM import
-outside :mod:`inferscale.connector`)."""
+"""Building a vLLM engine with the InferScale connector."""
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 from inferscale.config import Config
@@ -27,16 +25,21 @@ def kv_transfer_config(config: Config) -> dict[str, Any]:
     }
 
 
-def make_llm(model_dir: str, config: Config, **engine_kwargs: Any):
+def make_llm(model_dir: str, config: Config, in_process: bool = False, **engine_kwargs: Any):
     """A ``vllm.LLM`` serving ``model_dir`` with memory injection enabled."""
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    import torch
+
+    from inferscale.connector import compat
+
+    compat.check_release()
+    compat.set_engine_environment("cuda" if torch.cuda.is_available() else "cpu", in_process)
     from vllm import LLM
     from vllm.config import KVTransferConfig
 
     kwargs: dict[str, Any] = dict(
         model=str(model_dir),
         dtype=config.model.dtype,
-        max_model_len=min(4096, _max_positions(model_dir)),
+        max_model_len=min(config.model.max_model_len, _max_positions(model_dir)),
         enable_prefix_caching=True,
         disable_log_stats=False,
         kv_transfer_config=KVTransferConfig(**kv_transfer_config(config)),
