@@ -40,7 +40,7 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from inferscale.config import DEFAULT_CLOSING
-from inferscale.locomo import CATEGORIES, Conversation, load_all, stratified_sample
+from inferscale.datasets.locomo import CATEGORIES, Conversation, load_all, stratified_sample
 
 INSTRUCTION = (
     "You answer questions about a conversation between two people, using the facts below that were "
@@ -309,7 +309,7 @@ class Prompts:
 
 def request(method: Method, item: Item, k: int, prompts: Prompts, fact_ids: dict, nonce: str):
     """(prompt dict, kv_transfer_params or None) for one question."""
-    from inferscale.connector.params import make_params, segment_salt
+    from inferscale.compose.request import make_params, segment_salt
 
     order = item.retrieved[:k][::-1]  # the most relevant fact last, as the relevance composer does
     segment = list(prompts.prefix)
@@ -416,7 +416,7 @@ def main(argv=None) -> None:
     args = parse_args(argv)
     import torch
 
-    from inferscale.models import model_dir as known_model_dir
+    from inferscale.encode.weights import model_dir as known_model_dir
 
     gpu = torch.cuda.is_available()
     args.dtype = args.dtype or ("bfloat16" if gpu else "float32")

@@ -155,7 +155,7 @@ def main() -> None:
 
     from inferscale.compose.blend import injected_length
     from inferscale.config import BackendSpec, Config
-    from inferscale.connector.params import make_params, segment_salt
+    from inferscale.compose.request import make_params, segment_salt
     from inferscale.connector.engine import kv_transfer_config
 
     work = Path(tempfile.mkdtemp(prefix="inferscale-ttft-"))

@@ -29,7 +29,7 @@ def _api(args, in_process: bool = False):
 
 def cmd_demo(args) -> int:
     """Build memory for a small conversation, answer questions both ways, compare."""
-    from inferscale import demo_data
+    from inferscale.datasets import demo as demo_data
 
     mem = _api(args, in_process=True)
     user, turns, facts, questions = _demo_inputs(args, demo_data)
@@ -51,7 +51,7 @@ def cmd_demo(args) -> int:
 def _demo_inputs(args, demo_data):
     if not args.locomo:
         return demo_data.USER, demo_data.TURNS, demo_data.FACTS, demo_data.QUESTIONS
-    from inferscale.locomo import load_conversation
+    from inferscale.datasets.locomo import load_conversation
 
     conv = load_conversation(args.locomo, max_sessions=args.sessions)
     speaker = conv.speakers[0]
@@ -89,7 +89,7 @@ def _print_summary(rows) -> None:
 
 def cmd_add(args) -> int:
     """Encode a LoCoMo conversation's facts (its observations) into memory, one user per speaker."""
-    from inferscale.locomo import load_conversation
+    from inferscale.datasets.locomo import load_conversation
 
     mem = _api(args)
     conv = load_conversation(args.locomo, max_sessions=args.sessions)
@@ -121,7 +121,7 @@ def cmd_serve_config(args) -> int:
 
 def cmd_convert(args) -> int:
     """Convert a known offline model (or a GGUF file) to a Hugging Face directory for vLLM."""
-    from inferscale import models
+    from inferscale.encode import weights as models
 
     if os.path.isfile(args.model):
         print(models.convert_gguf(args.model, args.out, args.dtype))

@@ -69,7 +69,7 @@ class BackendSpec:
 @dataclass(frozen=True)
 class ModelSpec:
     """The serving LLM: a Hugging Face directory, a GGUF file inside one, or the
-    name of a model whose weights install offline (see :mod:`inferscale.models`)."""
+    name of a model whose weights install offline (see :mod:`inferscale.encode.weights`)."""
 
     path: str | None = "qwen2.5-coder-0.5b-instruct"
     gguf_file: str | None = None

@@ -29,7 +29,7 @@ def tiny_model_dirs() -> dict[str, Path]:
 @pytest.fixture(scope="session")
 def qwen05_dir() -> Path:
     """The real Qwen2.5-Coder-0.5B-Instruct as a float32 HF directory (skips if not installed)."""
-    from inferscale.models import MissingWeightsError, model_dir
+    from inferscale.encode.weights import MissingWeightsError, model_dir
 
     for module, pip_name in (("gguf", "gguf"), ("accelerate", "accelerate")):
         if importlib.util.find_spec(module) is None:

@@ -9,9 +9,9 @@ import pytest
 
 import tiny_models
 import vllm_harness
-from inferscale import UnknownUserError
-from inferscale.api import InferScale
-from inferscale.demo_data import FACTS, TURNS, USER
+from inferscale import MissingFactError, UnknownUserError
+from inferscale.api import Context, InferScale, MemoryAPI, PromptRequest
+from inferscale.datasets.demo import FACTS, TURNS, USER
 
 pytestmark = pytest.mark.slow
 
@@ -73,7 +73,45 @@ def test_unknown_user_is_a_clear_error(mem):
 
 
 def test_memory_survives_a_restart(mem):
+    """Everything is read back from the disk store alone: facts, embeddings, the index."""
     again = InferScale(mem.config)
-    assert again.retriever.count(USER) == len(FACTS)
-    hits = again.retrieve(USER, "What is the name of my cat?", k=3)
-    assert hits == mem.retrieve(USER, "What is the name of my cat?", k=3)
+    assert again.context.retriever.count(USER) == len(FACTS)
+    assert again.memory.list_facts(USER) == mem.memory.list_facts(USER)
+    hits = again.generation.retrieve(USER, "What is the name of my cat?", k=3)
+    assert hits == mem.generation.retrieve(USER, "What is the name of my cat?", k=3)
+    # the memory side alone, as a server process would run it
+    assert MemoryAPI(Context(mem.config)).list_facts(USER) == mem.memory.list_facts(USER)
+
+
+def test_memory_side_lists_searches_updates_and_deletes(mem):
+    memory = mem.memory
+    facts = memory.list_facts("ivy") or memory.add_facts("ivy", [(text, turn) for text, turn in FACTS])
+    assert [f.text for f in memory.list_facts("ivy")] == [text for text, _ in FACTS]
+    found = memory.search("ivy", "What is the name of my cat?", k=3)
+    assert len(found) == 3 and found[0].score >= found[-1].score and all(f.fact.text for f in found)
+    cat = next(f for f in facts if "cat" in f.text)
+    encoder = memory.encoder
+    new = memory.update_fact("ivy", cat.fact_id, "Ivy has a grey cat called Pixel, aged eight.")
+    assert memory.encoder is encoder  # the model is loaded once and kept
+    ids = [f.fact_id for f in memory.list_facts("ivy")]
+    assert cat.fact_id not in ids and new.fact_id in ids and len(ids) == len(FACTS)
+    answer = mem.generate("ivy", "What is the name of my cat?", k=len(FACTS), max_tokens=2)
+    assert answer.fallback is None and new.fact_id in answer.fact_ids and cat.fact_id not in answer.fact_ids
+    memory.delete_fact("ivy", new.fact_id)
+    assert new.fact_id not in [f.fact_id for f in memory.list_facts("ivy")]
+    with pytest.raises(MissingFactError):
+        memory.delete_fact("ivy", new.fact_id)
+    assert "ivy" in memory.users()
+    memory.delete_user("ivy")
+    assert "ivy" not in memory.users() and memory.list_facts("ivy") == []
+    with pytest.raises(UnknownUserError):
+        mem.generate("ivy", "What is the name of my cat?")
+
+
+def test_prompt_is_a_typed_request(mem):
+    hits = mem.generation.retrieve(USER, "Where do I go surfing?", k=3)
+    request = mem.generation.prompt(USER, "Where do I go surfing?", [h.fact_id for h in hits])
+    assert isinstance(request, PromptRequest) and request.fact_ids == [h.fact_id for h in hits]
+    assert request.kv_transfer_params["inferscale"]["fact_ids"] == request.fact_ids
+    assert request.prompt["prompt_token_ids"][: len(mem.prefix_ids)] == mem.prefix_ids
+    assert request.memory_tokens < request.num_tokens

@@ -12,7 +12,7 @@ from inferscale.compose.rope import RotaryEmbedding
 from inferscale.compose.segment import PREFIX_FACT, SYSTEM_USER
 from inferscale.config import Config
 from inferscale.connector.loader import LoadSpec, SegmentLoader, kv_head_range
-from inferscale.connector.params import MemoryRequest, make_params, segment_salt
+from inferscale.compose.request import SegmentRequest, make_params, segment_salt
 from inferscale.connector.planner import plan_request
 from inferscale.errors import ConfigError
 from inferscale.kv import FactKV
@@ -110,7 +110,7 @@ def test_planner_claims_the_head_and_leaves_the_tail(disk):
 def test_salt_tells_apart_every_recipe():
     salts = {segment_salt("ann", [1, 2, 3], b, c) for b in (None, 0, 32) for c in (None, 1.0, 1.25)}
     assert len(salts) == 9
-    assert MemoryRequest("ann", ("a",), 32, 1.25).salt([1, 2, 3]) == segment_salt("ann", [1, 2, 3], 32, 1.25)
+    assert SegmentRequest("ann", ("a",), 32, 1.25).salt([1, 2, 3]) == segment_salt("ann", [1, 2, 3], 32, 1.25)
 
 
 # ---------------------------------------------------------------- the worker's loader
@@ -124,7 +124,7 @@ def _loader(disk: DiskStore) -> SegmentLoader:
 
 def _spec(disk, order, start, end, key_scale=1.0, recompute=None) -> LoadSpec:
     segment = _segment(disk, order)
-    memory = MemoryRequest("ann", tuple(order), recompute, None)
+    memory = SegmentRequest("ann", tuple(order), recompute, None)
     return LoadSpec("r1", memory, start, end, len(segment), tuple(range(start, end)), memory.salt(segment), key_scale)
 
 

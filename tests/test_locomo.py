@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 import tiny_models
-from inferscale.locomo import load_all, load_conversation, stratified_sample, turn_ids
+from inferscale.datasets.locomo import load_all, load_conversation, stratified_sample, turn_ids
 
 ROOT = Path(__file__).resolve().parents[1]
 DATA = ROOT.parent / "shared" / "data" / "locomo"

@@ -4,7 +4,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from inferscale.connector.params import MAX_FACTS, InvalidParams, MemoryRequest, make_params, parse_params, segment_salt
+from inferscale.compose.request import MAX_FACTS, InvalidParams, SegmentRequest, make_params, parse_params, segment_salt
 
 ids = st.from_regex(r"[A-Za-z0-9][A-Za-z0-9_.:-]{0,30}", fullmatch=True)
 json_values = st.recursive(
@@ -17,7 +17,7 @@ json_values = st.recursive(
 @given(user=ids, facts=st.lists(ids, unique=True, max_size=50))
 @settings(max_examples=200, deadline=None)
 def test_valid_params_round_trip(user, facts):
-    assert parse_params(make_params(user, facts)) == MemoryRequest(user, tuple(facts))
+    assert parse_params(make_params(user, facts)) == SegmentRequest(user, tuple(facts))
 
 
 @given(value=json_values)
@@ -30,7 +30,7 @@ def test_arbitrary_values_never_crash(value):
         except InvalidParams as exc:
             assert str(exc)
         else:
-            assert result is None or isinstance(result, MemoryRequest)
+            assert result is None or isinstance(result, SegmentRequest)
 
 
 @pytest.mark.parametrize(

@@ -168,7 +168,7 @@ def build_dir(arch: str, out: Path, dtype: str = "float32") -> Path:
 
 
 def tiny_root() -> Path:
-    from inferscale.models import cache_dir
+    from inferscale.encode.weights import cache_dir
 
     return cache_dir() / "tiny" / RECIPE
 

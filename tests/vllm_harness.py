@@ -17,7 +17,7 @@ import torch
 
 from inferscale.compose.segment import PREFIX_FACT, SYSTEM_USER
 from inferscale.config import BackendSpec, Config, ModelSpec
-from inferscale.connector.params import make_params, segment_salt
+from inferscale.compose.request import make_params, segment_salt
 from inferscale.connector.engine import kv_transfer_config
 from inferscale.storage.disk import DiskStore
 

@@ -13,7 +13,7 @@ import torch
 
 from inferscale.compose.rope import RotaryEmbedding
 from inferscale.compose.segment import SYSTEM_USER, Segment, gather_segment, rotate_segment
-from inferscale.connector.params import MemoryRequest
+from inferscale.compose.request import SegmentRequest
 from inferscale.errors import MissingFactError, ModelMismatchError
 from inferscale.kv import KVBatch
 from inferscale.storage.base import KVStore
@@ -32,7 +32,7 @@ class LoadSpec:
     """
 
     req_id: str
-    memory: MemoryRequest
+    memory: SegmentRequest
     start: int
     end: int
     segment_len: int

@@ -18,7 +18,7 @@ from typing import Any
 
 from inferscale.compose.blend import Blend, injected_length
 from inferscale.compose.segment import segment_parts
-from inferscale.connector.params import InvalidParams, MemoryRequest, parse_params
+from inferscale.compose.request import InvalidParams, SegmentRequest, parse_params
 from inferscale.connector.stats import Fallback
 from inferscale.errors import CorruptDataError, MissingFactError, UnknownUserError
 from inferscale.storage.base import KVStore
@@ -33,7 +33,7 @@ class Plan:
     the remaining ``segment_len - claim_len`` are recomputed by vLLM.
     """
 
-    memory: MemoryRequest | None
+    memory: SegmentRequest | None
     segment_len: int = 0
     num_external: int = 0
     salt: str = ""
@@ -81,7 +81,7 @@ def plan_request(
     return _match(memory, parts, list(prompt_token_ids), cache_salt, num_computed_tokens, blend)
 
 
-def _match(memory: MemoryRequest, parts: list[tuple[int, ...]], prompt: list[int], cache_salt: str | None,
+def _match(memory: SegmentRequest, parts: list[tuple[int, ...]], prompt: list[int], cache_salt: str | None,
            num_computed: int, blend: Blend) -> Plan:
     segment = [t for part in parts for t in part]
     m = len(segment)
@@ -95,7 +95,7 @@ def _match(memory: MemoryRequest, parts: list[tuple[int, ...]], prompt: list[int
     salt = memory.salt(segment)
     if not salt_matches(cache_salt, salt):
         return Plan(memory, m, salt=salt, fallback=Fallback.MISSING_CACHE_SALT,
-                    detail="request lacks the segment's cache_salt (inferscale.connector.params.segment_salt)")
+                    detail="request lacks the segment's cache_salt (inferscale.compose.request.segment_salt)")
     claim = injected_length([len(p) for p in parts], blend.recompute_tokens)
     return Plan(memory, m, num_external=max(0, claim - num_computed), salt=salt, claim_len=claim, blend=blend)
 

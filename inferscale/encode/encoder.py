@@ -165,7 +165,7 @@ class FactEncoder:
     def from_spec(cls, spec, window: WindowPolicy | None = None, dtype: Any = None, batch_size: int = 8,
                   fact_style: str = "bullet"):
         """Load the model named by a ModelSpec / directory / GGUF / known name and wrap it."""
-        from inferscale.models import load_causal_lm
+        from inferscale.encode.weights import load_causal_lm
 
         model, tokenizer = load_causal_lm(spec, dtype=dtype)
         return cls(model, tokenizer, window, batch_size, fact_style)

@@ -9,10 +9,10 @@ import torch
 
 from inferscale.errors import ConfigError
 from inferscale.storage.layout import KVLayout, stack_block
-from inferscale.storage.memory import MemoryStore, Source
+from inferscale.storage.resident import ResidentStore, Source
 
 
-class HBMStore(MemoryStore):
+class HBMStore(ResidentStore):
     """One device tensor ``[2, L, T, H, D]`` per fact; ``get`` is one ``cat`` on the device.
 
     The fastest tier and the smallest: everything stays in GPU memory, so a
@@ -22,7 +22,7 @@ class HBMStore(MemoryStore):
 
     name: ClassVar[str] = "hbm"
 
-    def __init__(self, options: MemoryStore.Options | None = None, **runtime: Any):
+    def __init__(self, options: ResidentStore.Options | None = None, **runtime: Any):
         super().__init__(options, **runtime)
         if self.device.type == "cuda" and not torch.cuda.is_available():
             raise ConfigError(f"kv_store 'hbm': device {self.device} asked for but CUDA is not available")

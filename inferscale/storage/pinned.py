@@ -28,10 +28,10 @@ from typing import Any, ClassVar
 import torch
 
 from inferscale.storage.layout import KVLayout
-from inferscale.storage.memory import MemoryStore, Source
+from inferscale.storage.resident import ResidentStore, Source
 
 
-class PinnedHostStore(MemoryStore):
+class PinnedHostStore(ResidentStore):
     """Host-memory K/V store; ``get`` moves the requested facts to the GPU asynchronously.
 
     Without CUDA the buffers are ordinary memory and ``get`` returns CPU tensors.
@@ -39,7 +39,7 @@ class PinnedHostStore(MemoryStore):
 
     name: ClassVar[str] = "pinned"
 
-    def __init__(self, options: MemoryStore.Options | None = None, **runtime: Any):
+    def __init__(self, options: ResidentStore.Options | None = None, **runtime: Any):
         super().__init__(options, **runtime)
         #: True when the host buffers are page-locked (CUDA is available)
         self.pinned = torch.cuda.is_available()

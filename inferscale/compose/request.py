@@ -33,7 +33,7 @@ class InvalidParams(ValueError):
 
 
 @dataclass(frozen=True)
-class MemoryRequest:
+class SegmentRequest:
     user_id: str
     fact_ids: tuple[str, ...]
     recompute_tokens: int | None = None  # None: the connector's default
@@ -44,7 +44,7 @@ class MemoryRequest:
         return segment_salt(self.user_id, segment_token_ids, self.recompute_tokens, self.key_scale)
 
 
-def parse_params(params: Any) -> MemoryRequest | None:
+def parse_params(params: Any) -> SegmentRequest | None:
     """The memory a request asks for; None when it asks for none.
 
     Raises :class:`InvalidParams` when it asks for memory in a malformed way.
@@ -80,7 +80,7 @@ def parse_params(params: Any) -> MemoryRequest | None:
     if len(set(fact_ids)) != len(fact_ids):
         raise InvalidParams("fact_ids contains duplicates")
     budget, scale = body.get("recompute_tokens"), body.get("key_scale")
-    return MemoryRequest(user_id, tuple(fact_ids), _check_budget(budget), _check_scale(scale))
+    return SegmentRequest(user_id, tuple(fact_ids), _check_budget(budget), _check_scale(scale))
 
 
 def _check_budget(value: Any) -> int | None:

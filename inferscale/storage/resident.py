@@ -1,6 +1,6 @@
 """What the in-process (volatile) stores share: users' facts held as blocks.
 
-A subclass decides only *where* blocks live (:meth:`MemoryStore._place`); the
+A subclass decides only *where* blocks live (:meth:`ResidentStore._place`); the
 bookkeeping, the errors and the gather are here. Each user's state is one
 immutable :class:`UserKV` swapped in whole, so ``get`` reads a consistent
 snapshot without taking a lock while writers (serialised by a lock) build
@@ -32,7 +32,7 @@ from inferscale.storage.layout import (
     runtime_device,
 )
 
-#: what :meth:`MemoryStore._place` receives per fact: a block it already holds, or a new fact
+#: what :meth:`ResidentStore._place` receives per fact: a block it already holds, or a new fact
 Source = torch.Tensor | FactKV
 
 
@@ -49,7 +49,7 @@ class UserKV:
         return sum(len(ids) for ids in self.token_ids.values()) * self.layout.token_nbytes()
 
 
-class MemoryStore(KVStore):
+class ResidentStore(KVStore):
     """Base of the stores that keep K/V in this process (HBM, pinned host memory)."""
 
     volatile = True

@@ -1,0 +1,79 @@
+"""What both sides of the API share: the config and the pieces built from it, lazily.
+
+A :class:`Context` builds nothing until asked: the tokenizer, the prompt layout,
+the disk store (the one home of every fact), the embedder and the retrieval
+index (rebuilt from the stored embeddings). The memory side and the generation
+side each take one, so a server can run either alone or both over one context.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from functools import cached_property
+from pathlib import Path
+
+from inferscale.compose.prompt import PromptFormat
+from inferscale.config import Config, build
+from inferscale.storage.disk import DiskStore
+
+
+def load_config(config: Config | Mapping | str | os.PathLike | None) -> Config:
+    """A :class:`Config`, a dict, a TOML path, or (None) the environment."""
+    if config is None:
+        return Config.from_env()
+    if isinstance(config, Mapping):
+        return Config.from_dict(config)
+    if isinstance(config, Config):
+        return config
+    return Config.from_toml(config)
+
+
+class Context:
+    def __init__(self, config: Config):
+        self.config = config
+
+    @cached_property
+    def model_dir(self) -> Path:
+        """The served model as a Hugging Face directory (offline models converted once)."""
+        from inferscale.encode.weights import model_dir, resolve_model
+
+        kind, path, _ = resolve_model(self.config.model)
+        if kind == "name":
+            return model_dir(str(path), self.config.model.dtype)
+        if kind == "gguf":
+            raise ValueError(f"vLLM serves Hugging Face directories: convert {path} first (inferscale convert)")
+        return path
+
+    @cached_property
+    def tokenizer(self):
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(self.model_dir, local_files_only=True)
+
+    @cached_property
+    def prompt_format(self) -> PromptFormat:
+        return PromptFormat.from_tokenizer(self.tokenizer, self.config.instruction, self.config.closing)
+
+    @cached_property
+    def prefix_ids(self) -> list[int]:
+        """The instruction prefix's token ids (the segment's first tokens)."""
+        return self.prompt_format.prefix_ids(self.tokenizer)
+
+    @cached_property
+    def disk(self) -> DiskStore:
+        return DiskStore(DiskStore.Options(root=str(self.config.kv_path)))
+
+    @cached_property
+    def embedder(self):
+        return build("embedder", self.config.embedder)
+
+    @cached_property
+    def retriever(self):
+        """The index, rebuilt from the stored embeddings of every user."""
+        retriever = build("retriever", self.config.retriever)
+        for user_id in self.disk.users():
+            ids, vectors = self.disk.embeddings(user_id)
+            if ids:
+                retriever.add(user_id, ids, vectors)
+        return retriever

@@ -1,0 +1,144 @@
+"""The generation side: retrieve a user's facts, lay out the prompt, answer.
+
+``prompt`` builds what vLLM takes (token ids, cache salt, ``kv_transfer_params``)
+and needs no engine, so a server can send it to its own ``vllm serve``;
+``generate`` runs it on an in-process ``vllm.LLM`` built on first use.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from functools import cached_property
+from typing import Any, Literal
+
+from inferscale.api.context import Context
+from inferscale.compose.request import make_params, segment_salt
+from inferscale.config import build
+from inferscale.errors import UnknownUserError
+from inferscale.facts import Hit
+
+Mode = Literal["kv", "prompt", "none"]
+
+
+@dataclass(frozen=True)
+class PromptRequest:
+    """One request for vLLM: ``prompt`` (token ids and cache salt) and, for KV
+    injection, the ``kv_transfer_params`` that ask the connector for the facts."""
+
+    prompt: dict
+    kv_transfer_params: dict | None
+    fact_ids: list[str]
+    memory_tokens: int  # the segment: instruction prefix and facts
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt["prompt_token_ids"])
+
+
+@dataclass
+class Answer:
+    text: str
+    mode: str
+    fact_ids: list[str]
+    prompt_tokens: int
+    memory_tokens: int
+    injected_tokens: int
+    fallback: str | None
+    recomputed_tokens: int = 0  # memory tokens prefilled with the question (kv mode)
+    timings: dict[str, float] = field(default_factory=dict)  # milliseconds
+
+
+class GenerationAPI:
+    def __init__(self, context: Context, in_process: bool = False, **engine_kwargs: Any):
+        """``in_process`` runs vLLM's engine core in this process (faster start);
+        ``engine_kwargs`` go to ``vllm.LLM``."""
+        self.context = context
+        self.config = context.config
+        self.in_process = in_process
+        self.engine_kwargs = engine_kwargs
+        self._llm = None
+
+    @cached_property
+    def composer(self):
+        return build("composer", self.config.composer)
+
+    @property
+    def llm(self):
+        if self._llm is None:
+            from inferscale.connector.engine import make_llm
+
+            self._llm = make_llm(str(self.context.model_dir), self.config, self.in_process, **self.engine_kwargs)
+        return self._llm
+
+    def retrieve(self, user_id: str, query: str, k: int | None = None) -> list[Hit]:
+        retriever = self.context.retriever
+        if retriever.count(user_id) == 0:
+            raise UnknownUserError(user_id)
+        return retriever.search(user_id, self.context.embedder.embed([query]), k or self.config.top_k)[0]
+
+    def prompt(self, user_id: str, query: str, fact_order: Sequence[str], mode: Mode = "kv",
+               fresh_cache: bool = False, recompute_tokens: int | None = None,
+               key_scale: float | None = None) -> PromptRequest:
+        """The request that answers ``query`` from these facts, in this order.
+
+        ``recompute_tokens`` and ``key_scale`` override the connector's
+        configured blend for this request (None: the configured one).
+        """
+        ctx = self.context
+        question = ctx.prompt_format.query_ids(ctx.tokenizer, query)
+        if mode == "none":
+            return PromptRequest({"prompt_token_ids": ctx.prefix_ids + question}, None, [], 0)
+        segment = list(ctx.prefix_ids)
+        for ids in ctx.disk.token_ids(user_id, list(fact_order)):
+            segment.extend(ids)
+        ids, order = segment + question, list(fact_order)
+        nonce = f":{uuid.uuid4().hex}" if fresh_cache else ""
+        if mode == "prompt":
+            return PromptRequest({"prompt_token_ids": ids, "cache_salt": f"text{nonce}"}, None, order, len(segment))
+        salt = segment_salt(user_id, segment, recompute_tokens, key_scale) + nonce
+        params = make_params(user_id, order, recompute_tokens, key_scale)
+        return PromptRequest({"prompt_token_ids": ids, "cache_salt": salt}, params, order, len(segment))
+
+    def generate(self, user_id: str, query: str, k: int | None = None, mode: Mode = "kv",
+                 max_tokens: int = 64, fresh_cache: bool = False, recompute_tokens: int | None = None,
+                 key_scale: float | None = None) -> Answer:
+        """Answer ``query`` for ``user_id`` with the top-k facts (greedy decoding).
+
+        In ``"kv"`` mode the facts at the segment's tail that fit in
+        ``recompute_tokens`` are prefilled, the rest injected (default: the
+        config's ``recompute_tokens``; see :mod:`inferscale.compose.blend`).
+        """
+        from inferscale.connector.compat import first_token_latency, greedy_sampling
+
+        start = time.perf_counter()
+        hits = self.retrieve(user_id, query, k) if mode != "none" else []
+        retrieved = time.perf_counter()
+        request = self.prompt(user_id, query, self.composer.order(hits), mode, fresh_cache, recompute_tokens,
+                              key_scale)
+        sampling = greedy_sampling(max_tokens, request.kv_transfer_params)
+        composed = time.perf_counter()
+        (out,) = self.llm.generate([request.prompt], sampling, use_tqdm=False)
+        done = time.perf_counter()
+        report = ((out.kv_transfer_params or {}).get("inferscale") or {}) if request.kv_transfer_params else {}
+        ttft = first_token_latency(out)
+        timings = {
+            "retrieval": (retrieved - start) * 1e3,
+            "compose": (composed - retrieved) * 1e3,
+            "engine_ttft": ttft * 1e3 if ttft else float("nan"),
+            "total": (done - start) * 1e3,
+        }
+        timings["query_to_first_token"] = timings["retrieval"] + timings["compose"] + timings["engine_ttft"]
+        return Answer(out.outputs[0].text, mode, request.fact_ids, request.num_tokens, request.memory_tokens,
+                      report.get("injected_tokens", 0), report.get("fallback"),
+                      report.get("recomputed_tokens", 0), timings)
+
+    def close(self) -> None:
+        """Shut the engine down (frees its memory and worker processes)."""
+        if self._llm is not None:
+            from inferscale.connector.compat import shutdown
+
+            shutdown(self._llm)
+            self._llm = None

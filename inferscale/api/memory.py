@@ -1,0 +1,167 @@
+"""The memory side: a user's facts in, listed, searched, changed, out.
+
+Every write goes through the disk store, which commits a fact whole (text,
+source turn, token ids, embedding, K/V) in one atomic write; the retrieval
+index follows. The fact encoder (the served model, run by transformers) is
+loaded on first use and kept, so adding facts again costs no model load.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Sequence
+from dataclasses import dataclass
+from functools import cached_property
+from typing import Any
+
+from inferscale.api.context import Context
+from inferscale.compose.prompt import fact_token_ids
+from inferscale.compose.segment import PREFIX_FACT, SYSTEM_USER
+from inferscale.config import build
+from inferscale.encode.window import Turn
+from inferscale.errors import MissingFactError, UnknownUserError
+from inferscale.facts import Fact, make_fact_id
+
+FactInput = str | tuple[str, str | None]
+
+
+@dataclass(frozen=True)
+class FoundFact:
+    """A fact retrieved for a query, with its relevance (higher is more relevant)."""
+
+    fact: Fact
+    score: float
+
+
+class MemoryAPI:
+    def __init__(self, context: Context):
+        self.context = context
+        self.config = context.config
+
+    # ------------------------------------------------------------ writing
+
+    def add_conversation(self, user_id: str, turns: Sequence[Turn], facts: Sequence[FactInput] | None = None, *,
+                         llm_base_url: str | None = None, progress: bool = True) -> list[Fact]:
+        """Extract → encode → store: the offline step for one user's conversation.
+
+        ``facts`` are already-extracted statements, each optionally with the
+        turn_id it came from. Without them, Mem0's extraction pipeline runs on
+        ``turns`` against the OpenAI-compatible LLM at ``llm_base_url``. At most
+        ``config.max_facts_per_turn`` facts are kept per turn.
+        """
+        if facts is None:
+            if llm_base_url is None:
+                raise ValueError("add_conversation needs either facts or llm_base_url (to extract them with Mem0)")
+            facts = self.extract_facts(user_id, turns, llm_base_url, progress=progress)
+        return self.add_facts(user_id, facts, turns, progress=progress)
+
+    def add_facts(self, user_id: str, facts: Sequence[FactInput], turns: Sequence[Turn] = (),
+                  progress: bool = False) -> list[Fact]:
+        """Store facts for a user; the ones already stored (same id) are left as they are."""
+        records = self._new_facts(user_id, facts)
+        known = self.context.disk.facts(user_id)
+        fresh = [f for f in records if f.fact_id not in known]
+        if fresh:
+            self._store(user_id, list(known.values()), fresh, turns, progress)
+        return records
+
+    def update_fact(self, user_id: str, fact_id: str, text: str) -> Fact:
+        """Replace a fact's text (a new fact, encoded again, under a new id)."""
+        old = self._require(user_id, fact_id)
+        (new,) = self._new_facts(user_id, [(text, old.source_turn)])
+        self.delete_fact(user_id, fact_id)
+        self.add_facts(user_id, [(new.text, new.source_turn)])
+        return new
+
+    def delete_fact(self, user_id: str, fact_id: str) -> None:
+        self._require(user_id, fact_id)
+        self.context.disk.delete(user_id, [fact_id])
+        self.context.retriever.delete(user_id, [fact_id])
+
+    def delete_user(self, user_id: str) -> None:
+        """Forget a user: every fact, its K/V and its embedding."""
+        self.context.disk.delete(user_id)
+        self.context.retriever.delete(user_id)
+
+    def extract_facts(self, user_id: str, turns: Sequence[Turn], llm_base_url: str, progress: bool = True,
+                      **options: Any) -> list[tuple[str, str]]:
+        """Mem0's extraction, turn by turn, as ``(fact, source turn_id)``."""
+        from inferscale.encode.extract import Mem0Extractor
+
+        opts = Mem0Extractor.Options(llm_base_url=llm_base_url, store_dir=str(self.config.mem0_path),
+                                     max_facts_per_turn=self.config.max_facts_per_turn, **options)
+        with Mem0Extractor(opts) as extractor:
+            return extractor.extract(user_id, turns, progress=progress)
+
+    # ------------------------------------------------------------ reading
+
+    def list_facts(self, user_id: str) -> list[Fact]:
+        """The user's facts in the order they were stored."""
+        return list(self.context.disk.facts(user_id).values())
+
+    def search(self, user_id: str, query: str, k: int | None = None) -> list[FoundFact]:
+        """The user's k facts most relevant to ``query``, best first."""
+        facts = self.context.disk.facts(user_id)
+        if not facts:
+            raise UnknownUserError(user_id)
+        hits = self.context.retriever.search(user_id, self.context.embedder.embed([query]), k or self.config.top_k)[0]
+        return [FoundFact(facts[h.fact_id], h.score) for h in hits if h.fact_id in facts]
+
+    def users(self) -> list[str]:
+        return [u for u in self.context.disk.users() if u != SYSTEM_USER]
+
+    # ------------------------------------------------------------ internals
+
+    @cached_property
+    def encoder(self):
+        """The fact encoder, loaded once and kept."""
+        from inferscale.encode.encoder import FactEncoder
+
+        window = build("encoder", self.config.encoder)
+        return FactEncoder.from_spec(str(self.context.model_dir), window, dtype=self.config.model.encode_dtype,
+                                     fact_style=self.config.fact_style)
+
+    def close(self) -> None:
+        if "encoder" in self.__dict__:
+            self.__dict__.pop("encoder").close()
+
+    def _store(self, user_id: str, known: list[Fact], fresh: list[Fact], turns: Sequence[Turn], progress: bool) -> None:
+        """Encode the new facts (behind the ones stored before them) and commit each whole."""
+        prefix = self._ensure_prefix()
+        kvs = self.encoder.encode(known + fresh, turns, progress=progress, prefix_ids=prefix,
+                                  only={f.fact_id for f in fresh})
+        vectors = self.context.embedder.embed([f.text for f in fresh])
+        self.context.disk.put(user_id, kvs, {f.fact_id: f for f in fresh},
+                              {f.fact_id: v for f, v in zip(fresh, vectors)})
+        self.context.retriever.add(user_id, [f.fact_id for f in fresh], vectors)
+
+    def _new_facts(self, user_id: str, facts: Sequence[FactInput]) -> list[Fact]:
+        per_turn: dict[str | None, int] = defaultdict(int)
+        records: dict[str, Fact] = {}
+        tokenizer, style = self.context.tokenizer, self.config.fact_style
+        for item in facts:
+            text, source = (item, None) if isinstance(item, str) else item
+            per_turn[source] += 1
+            if source is not None and per_turn[source] > self.config.max_facts_per_turn:
+                continue
+            fid = make_fact_id(user_id, text, source)
+            records[fid] = Fact(fid, user_id, text, source, tuple(fact_token_ids(tokenizer, text, style)))
+        return list(records.values())
+
+    def _ensure_prefix(self) -> list[int]:
+        """Encode the instruction prefix once (position 0) and store it like a fact."""
+        ids, disk = self.context.prefix_ids, self.context.disk
+        if PREFIX_FACT in disk.list(SYSTEM_USER):
+            (stored,) = disk.token_ids(SYSTEM_USER, [PREFIX_FACT])
+            if list(stored) == ids:
+                return ids
+        disk.put(SYSTEM_USER, {PREFIX_FACT: self.encoder.encode_ids(ids)})
+        return ids
+
+    def _require(self, user_id: str, fact_id: str) -> Fact:
+        facts = self.context.disk.facts(user_id)
+        if not facts:
+            raise UnknownUserError(user_id)
+        if fact_id not in facts:
+            raise MissingFactError(user_id, [fact_id])
+        return facts[fact_id]

@@ -1,0 +1,1 @@
+"""Conversations to build memory from: the built-in demo and LoCoMo."""

@@ -1,0 +1,40 @@
+"""Every vLLM-release difference and environment setting lives in connector/compat.py."""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+
+import pytest
+
+from inferscale.connector import compat
+from inferscale.errors import UnsupportedReleaseError
+
+PACKAGE = Path(__file__).resolve().parents[1] / "inferscale"
+
+
+def test_an_untested_vllm_release_is_refused_with_a_clear_error():
+    compat.check_release(compat.SUPPORTED[0])
+    compat.check_release(compat.VLLM_VERSION)  # the installed one is a tested one
+    with pytest.raises(UnsupportedReleaseError, match=r"not a release InferScale was tested with \(0\.26, 0\.32\)"):
+        compat.check_release((0, 99), environ={})
+    compat.check_release((0, 99), environ={compat.ALLOW_UNTESTED: "1"})
+
+
+def test_engine_environment_keeps_what_the_user_set(monkeypatch):
+    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "7")
+    monkeypatch.delenv("VLLM_ENABLE_V1_MULTIPROCESSING", raising=False)
+    compat.set_engine_environment("cpu", in_process=True)
+    assert os.environ["VLLM_CPU_KVCACHE_SPACE"] == "7" and os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"
+
+
+def test_only_compat_and_engine_import_vllm_or_set_its_environment():
+    offenders = []
+    for path in PACKAGE.rglob("*.py"):
+        if path.relative_to(PACKAGE).as_posix() in ("connector/compat.py", "connector/engine.py"):
+            continue
+        text = path.read_text()
+        if re.search(r"^\s*(from vllm\b|import vllm\b)", text, re.M) or re.search(r"environ\S*\[?\S*[\"']VLLM_", text):
+            offenders.append(str(path.relative_to(PACKAGE)))
+    assert offenders == []
