@@ -225,8 +225,8 @@ def window_policy(window: int):
     from inferscale.config import BackendSpec, build
 
     if window >= 0:
-        return build("encoder", BackendSpec("turns", {"window": window}))
-    return build("encoder", BackendSpec("facts", {"window": -window}))
+        return build("window", BackendSpec("turns", {"window": window}))
+    return build("window", BackendSpec("facts", {"window": -window}))
 
 
 def encode_all(args, convs, needed, encodings, model_dir: str, data_dir: Path, prefix_ids, kv_dtype) -> dict:

@@ -91,7 +91,7 @@ class ModelSpec:
 _BACKENDS = {
     "retriever": "exact",
     "kv_store": "pinned",
-    "encoder": "facts",
+    "window": "facts",
     "composer": "relevance",
     "embedder": "minilm",
 }
@@ -102,7 +102,8 @@ class Config:
     model: ModelSpec = ModelSpec()
     retriever: BackendSpec = BackendSpec("exact")
     kv_store: BackendSpec = BackendSpec("pinned")
-    encoder: BackendSpec = BackendSpec("facts", {"window": 5})
+    #: what each fact is encoded behind (a window policy)
+    window: BackendSpec = BackendSpec("facts", {"window": 5})
     composer: BackendSpec = BackendSpec("relevance")
     embedder: BackendSpec = BackendSpec("minilm")
     data_dir: str = "~/.local/share/inferscale"
@@ -181,7 +182,7 @@ class Config:
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> Config:
         """``INFERSCALE_CONFIG`` (a TOML file) then per-key overrides:
-        ``INFERSCALE_RETRIEVER``, ``INFERSCALE_KV_STORE``, ``INFERSCALE_ENCODER``,
+        ``INFERSCALE_RETRIEVER``, ``INFERSCALE_KV_STORE``, ``INFERSCALE_WINDOW``,
         ``INFERSCALE_COMPOSER``, ``INFERSCALE_EMBEDDER`` (backend names),
         ``INFERSCALE_DATA_DIR``, ``INFERSCALE_TOP_K``, ``INFERSCALE_MODEL``."""
         env = os.environ if environ is None else environ

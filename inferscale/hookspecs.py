@@ -31,9 +31,9 @@ def register_kv_stores(register):
 
 
 @hookspec
-def register_encoders(register):
-    """Register :class:`inferscale.encode.WindowPolicy` subclasses: which preceding
-    conversation a fact is encoded behind (context-window encoding)."""
+def register_windows(register):
+    """Register :class:`inferscale.encode.WindowPolicy` subclasses: what a fact is
+    encoded behind (the facts stored before it, or the conversation before it)."""
 
 
 @hookspec

@@ -33,7 +33,7 @@ DEFAULT_PLUGINS = (
 KINDS = {
     "retriever": "register_retrievers",
     "kv_store": "register_kv_stores",
-    "encoder": "register_encoders",
+    "window": "register_windows",
     "composer": "register_composers",
     "embedder": "register_embedders",
 }

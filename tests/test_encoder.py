@@ -388,14 +388,14 @@ def test_policies_registered_with_options():
     from inferscale.encode import plugin
 
     found = []
-    plugin.register_encoders(register=found.append)
+    plugin.register_windows(register=found.append)
     assert {cls.name: cls for cls in found} == {"facts": FactsWindow, "turns": TurnsWindow, "tokens": TokensWindow,
                                                "none": NoWindow}
-    assert make_options(TurnsWindow, {}, "encoder").window == 2
-    assert make_options(FactsWindow, {}, "encoder").window == 5
-    policy = TokensWindow(make_options(TokensWindow, {"max_tokens": 7}, "encoder"))
+    assert make_options(TurnsWindow, {}, "window").window == 2
+    assert make_options(FactsWindow, {}, "window").window == 5
+    policy = TokensWindow(make_options(TokensWindow, {"max_tokens": 7}, "window"))
     assert len(policy.context_ids(TURNS, 4, char_tokenize)) == 7
-    assert make_options(NoWindow, {}, "encoder") is None
+    assert make_options(NoWindow, {}, "window") is None
     with pytest.raises(ValueError):
         TurnsWindow.Options(window=-1)
 

@@ -28,7 +28,7 @@ def registered():
 BUILTINS = {
     "retriever": {"exact", "faiss"},
     "kv_store": {"hbm", "pinned", "disk"},
-    "encoder": {"turns", "tokens", "none"},
+    "window": {"facts", "turns", "tokens", "none"},
     "composer": {"relevance"},
     "embedder": {"minilm", "openai"},
 }

@@ -117,7 +117,7 @@ class MemoryAPI:
         """The fact encoder, loaded once and kept."""
         from inferscale.encode.encoder import FactEncoder
 
-        window = build("encoder", self.config.encoder)
+        window = build("window", self.config.window)
         return FactEncoder.from_spec(str(self.context.model_dir), window, dtype=self.config.model.encode_dtype,
                                      fact_style=self.config.fact_style)
 

@@ -4,7 +4,7 @@ from inferscale.hookspecs import hookimpl
 
 
 @hookimpl
-def register_encoders(register):
+def register_windows(register):
     from inferscale.encode.policies import BUILTIN_POLICIES
 
     for policy in BUILTIN_POLICIES:
