@@ -229,6 +229,14 @@ def window_policy(window: int):
     return build("window", BackendSpec("facts", {"window": -window}))
 
 
+def needed_facts(items: list[Item], k: int) -> dict[str, list[int]]:
+    """The facts any question retrieves in its top k, per conversation."""
+    out: dict = defaultdict(set)
+    for it in items:
+        out[it.conv].update(it.retrieved[:k])
+    return {c: sorted(v) for c, v in out.items()}
+
+
 def encode_all(args, convs, needed, encodings, model_dir: str, data_dir: Path, prefix_ids, kv_dtype) -> dict:
     """Encode the needed facts once per (window, style): (conv, encoding) → {fact index: fact_id}."""
     import torch
