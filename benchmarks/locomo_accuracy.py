@@ -277,20 +277,19 @@ def encode_all(args, convs, needed, encodings, model_dir: str, data_dir: Path, p
 
 
 def build_engine(args, model_dir: str, data_dir: Path):
+    """The product's engine (``connector.engine.make_llm``): the connector reads ``data_dir``;
+    each request sets its own recompute budget and key scale."""
     import torch
-    from vllm import LLM
-    from vllm.config import KVTransferConfig
 
     from inferscale.config import Config
-    from inferscale.connector.engine import kv_transfer_config
+    from inferscale.connector.engine import make_llm
 
     gpu = torch.cuda.is_available()
-    config = Config.from_dict({"model": model_dir, "data_dir": str(data_dir), "instruction": INSTRUCTION,
-                               "kv_store": "hbm" if gpu else "pinned", "recompute_tokens": 0})
+    config = Config.from_dict({"model": {"path": model_dir, "dtype": args.dtype}, "data_dir": str(data_dir),
+                               "instruction": INSTRUCTION, "kv_store": "hbm" if gpu else "pinned",
+                               "recompute_tokens": 0})
     memory = {"gpu_memory_utilization": 0.6} if gpu else {"kv_cache_memory_bytes": 2 << 30}
-    return LLM(model=model_dir, dtype=args.dtype, max_model_len=4096, enforce_eager=not args.cuda_graphs,
-               enable_prefix_caching=True, kv_transfer_config=KVTransferConfig(**kv_transfer_config(config)),
-               **memory)
+    return make_llm(model_dir, config, in_process=True, enforce_eager=not args.cuda_graphs, **memory)
 
 
 class Prompts:

@@ -120,17 +120,24 @@ def load_all(directory: str | os.PathLike) -> list[Conversation]:
 
 
 def stratified_sample(items: Sequence, n: int, key, seed: int = 0) -> list:
-    """``n`` items drawn with a fixed seed, each stratum (``key(item)``) kept in
-    proportion (at least one item per stratum), in their original order."""
+    """Exactly ``n`` items drawn with a fixed seed, each stratum (``key(item)``) in
+    proportion (largest remainders; at least one item per stratum while ``n``
+    allows), in their original order."""
     if n >= len(items):
         return list(items)
     strata: dict = defaultdict(list)
     for i, item in enumerate(items):
         strata[key(item)].append(i)
+    names = sorted(strata, key=str)
+    shares = {k: n * len(strata[k]) / len(items) for k in names}
+    quota = {k: min(len(strata[k]), max(1, int(shares[k]))) for k in names}
+    by_remainder = sorted(names, key=lambda k: shares[k] - int(shares[k]), reverse=True)
+    while sum(quota.values()) < n:
+        for k in by_remainder:
+            if sum(quota.values()) < n and quota[k] < len(strata[k]):
+                quota[k] += 1
+    while sum(quota.values()) > n:
+        quota[max(names, key=lambda k: quota[k])] -= 1
     rng = random.Random(seed)
-    chosen: list[int] = []
-    for key_value in sorted(strata, key=str):
-        members = strata[key_value]
-        share = max(1, round(n * len(members) / len(items)))
-        chosen.extend(rng.sample(members, min(share, len(members))))
+    chosen = [i for k in names for i in rng.sample(strata[k], quota[k])]
     return [items[i] for i in sorted(chosen)]
