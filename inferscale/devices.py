@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import torch
 
 
@@ -28,3 +30,9 @@ def auto_device(name: torch.device | str | None) -> torch.device:
     if name is None:
         name = "cuda" if torch.cuda.is_available() else "cpu"
     return resolve_device(name, torch.device("cpu"))
+
+
+def runtime_device(runtime: Mapping[str, object]) -> str | None:
+    """The ``device`` a worker passed to :func:`inferscale.config.build`, as a string."""
+    device = runtime.get("device")
+    return None if device is None else str(device)

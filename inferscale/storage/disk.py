@@ -38,13 +38,8 @@ from inferscale.facts import Fact
 from inferscale.kv import FactKV, KVBatch
 from inferscale.storage import kvfile
 from inferscale.storage.base import KVStore
-from inferscale.storage.layout import (
-    KVLayout,
-    check_ids,
-    check_layout,
-    empty_batch,
-    require_facts,
-)
+from inferscale.storage.blocks import empty_batch
+from inferscale.storage.layout import KVLayout, check_ids, check_layout, require_facts
 
 SUFFIX = ".safetensors"
 TEMP_SUFFIX = ".tmp"

@@ -8,7 +8,8 @@ from typing import Any, ClassVar
 import torch
 
 from inferscale.errors import ConfigError
-from inferscale.storage.layout import KVLayout, stack_block
+from inferscale.storage.blocks import stack_block
+from inferscale.storage.layout import KVLayout
 from inferscale.storage.resident import ResidentStore, Source
 
 

@@ -1,11 +1,4 @@
-"""The shape of a user's K/V, and the small tensor helpers every store shares.
-
-A *block* is one fact's K/V stacked as ``[2, num_layers, num_tokens,
-num_kv_heads, head_size]`` (``block[0]`` keys, ``block[1]`` values).
-Concatenating blocks along dim 2 gives ``[2, L, T_total, H, D]`` whose ``[0]``
-and ``[1]`` are contiguous ``[L, T_total, H, D]`` tensors: a KVBatch's keys and
-values, in one allocation.
-"""
+"""The shape of a user's K/V (:class:`KVLayout`) and the checks every store makes on what it is given."""
 
 from __future__ import annotations
 
@@ -16,7 +9,7 @@ import torch
 
 from inferscale.errors import MissingFactError, ModelMismatchError
 from inferscale.facts import check_id
-from inferscale.kv import FactKV, KVBatch
+from inferscale.kv import FactKV
 
 
 @dataclass(frozen=True)
@@ -106,46 +99,3 @@ def require_facts(user_id: str, fact_ids: Sequence[str], known: Mapping[str, obj
     missing = {f for f in fact_ids if f not in known}
     if missing:
         raise MissingFactError(user_id, missing)
-
-
-def runtime_device(runtime: Mapping[str, object]) -> str | None:
-    """The ``device`` a worker passed to :func:`inferscale.config.build`, as a string."""
-    device = runtime.get("device")
-    return None if device is None else str(device)
-
-
-def stack_block(kv: FactKV, device: torch.device) -> torch.Tensor:
-    """A fresh ``[2, L, T, H, D]`` block on ``device`` (never aliases the caller's tensors)."""
-    return torch.stack((kv.keys.detach(), kv.values.detach())).to(device)
-
-
-def gather_blocks(blocks: Sequence[torch.Tensor], device: torch.device) -> torch.Tensor:
-    """Concatenate blocks along the token axis into a new tensor on ``device``.
-
-    Host blocks bound for a GPU are copied one by one with ``non_blocking=True``
-    (from pinned memory each copy is one DMA of a contiguous block, issued while
-    earlier ones run) and joined by one ``cat`` on the GPU: stream-ordered, valid
-    on the current CUDA stream. Anything else is joined where it lies and then
-    moved with a plain (synchronous) ``.to``.
-    """
-    if blocks[0].device.type == "cpu" and device.type == "cuda":
-        parts = [block.to(device, non_blocking=True) for block in blocks]
-        return parts[0] if len(parts) == 1 else torch.cat(parts, dim=2)
-    return torch.cat(list(blocks), dim=2).to(device)
-
-
-def batch_from_blocks(
-    fact_ids: Sequence[str], token_ids: Sequence[tuple[int, ...]], stacked: torch.Tensor
-) -> KVBatch:
-    """A KVBatch over ``stacked`` (``[2, L, T, H, D]``, contiguous)."""
-    return KVBatch(list(fact_ids), list(token_ids), stacked[0], stacked[1])
-
-
-def empty_batch(layout: KVLayout | None, device: torch.device) -> KVBatch:
-    """No facts: ``[L, 0, H, D]`` keys/values when the layout is known, else ``[0, 0, 0, 0]``."""
-    if layout is None:
-        shape, dtype = (0, 0, 0, 0), torch.float32
-    else:
-        shape, dtype = layout.block_shape(0)[1:], layout.dtype
-    keys = torch.empty(shape, dtype=dtype, device=device)
-    return KVBatch([], [], keys, torch.empty_like(keys))

@@ -17,20 +17,12 @@ from typing import Any
 
 import torch
 
-from inferscale.devices import auto_device, check_device, resolve_device
+from inferscale.devices import auto_device, check_device, resolve_device, runtime_device
 from inferscale.errors import UnknownUserError
 from inferscale.kv import FactKV, KVBatch
 from inferscale.storage.base import KVStore
-from inferscale.storage.layout import (
-    KVLayout,
-    batch_from_blocks,
-    check_ids,
-    check_layout,
-    empty_batch,
-    gather_blocks,
-    require_facts,
-    runtime_device,
-)
+from inferscale.storage.blocks import batch_from_blocks, empty_batch, gather_blocks
+from inferscale.storage.layout import KVLayout, check_ids, check_layout, require_facts
 
 #: what :meth:`ResidentStore._place` receives per fact: a block it already holds, or a new fact
 Source = torch.Tensor | FactKV
