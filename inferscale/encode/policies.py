@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import ClassVar
 
 from inferscale.encode.window import Tokenize, Turn, WindowPolicy
 
@@ -27,7 +28,28 @@ def _turn_ids(turns: Sequence[Turn], tokenize: Tokenize) -> list[int]:
     return [t for turn in turns for t in tokenize(turn.render())]
 
 
-class TurnsWindow(WindowPolicy):
+def _counted(default: int, what: str) -> type:
+    """The Options of a policy whose window counts ``what`` (an integer >= 0)."""
+
+    @dataclass(frozen=True)
+    class Options:
+        window: int = default
+
+        def __post_init__(self):
+            if isinstance(self.window, bool) or not isinstance(self.window, int) or self.window < 0:
+                raise ValueError(f"window ({what}) must be an integer >= 0, got {self.window!r}")
+
+    return Options
+
+
+class _CountedWindow(WindowPolicy):
+    Options: ClassVar[type]
+
+    def __init__(self, options=None, **runtime):
+        self.options = options or self.Options()
+
+
+class TurnsWindow(_CountedWindow):
     """The ``window`` turns ending at the source turn, inclusive.
 
     ``window=1`` is the source turn alone; ``window=2`` adds the turn before
@@ -35,17 +57,7 @@ class TurnsWindow(WindowPolicy):
     """
 
     name = "turns"
-
-    @dataclass(frozen=True)
-    class Options:
-        window: int = 2
-
-        def __post_init__(self):
-            if not isinstance(self.window, int) or self.window < 0:
-                raise ValueError(f"window must be an integer >= 0, got {self.window!r}")
-
-    def __init__(self, options: Options | None = None, **runtime):
-        self.options = options or self.Options()
+    Options = _counted(2, "turns")
 
     def context_ids(self, turns: Sequence[Turn], source: int | None, tokenize: Tokenize,
                     previous_facts: Sequence[Sequence[int]] = ()) -> list[int]:
@@ -107,7 +119,7 @@ class NoWindow(WindowPolicy):
         return []
 
 
-class FactsWindow(WindowPolicy):
+class FactsWindow(_CountedWindow):
     """The ``window`` facts stored before this one, as they read in the segment.
 
     With ``window`` at least the number of facts, injecting the facts in the
@@ -117,17 +129,7 @@ class FactsWindow(WindowPolicy):
     """
 
     name = "facts"
-
-    @dataclass(frozen=True)
-    class Options:
-        window: int = 5
-
-        def __post_init__(self):
-            if not isinstance(self.window, int) or self.window < 0:
-                raise ValueError(f"window must be an integer >= 0, got {self.window!r}")
-
-    def __init__(self, options: Options | None = None, **runtime):
-        self.options = options or self.Options()
+    Options = _counted(5, "facts")
 
     def context_ids(self, turns: Sequence[Turn], source: int | None, tokenize: Tokenize,
                     previous_facts: Sequence[Sequence[int]] = ()) -> list[int]:
