@@ -124,7 +124,8 @@ def method_sets() -> dict[str, list[Method]]:
     return {
         "grid": first + budgets + scales + styles + windows,
         "smoke": [_prompt(), _kv(), _kv(**fw), _kv(**fw, recompute_tokens=64)],
-        "default": [_prompt(), _kv()],
+        # the product's defaults on a GPU (facts window 5, closing line, B = 256) vs the same prompt
+        "default": [_prompt(closing="answer"), _kv(**fw, closing="answer", recompute_tokens=256)],
     }
 
 
