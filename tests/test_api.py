@@ -108,6 +108,24 @@ def test_memory_side_lists_searches_updates_and_deletes(mem):
         mem.generate("ivy", "What is the name of my cat?")
 
 
+def test_facts_stored_without_text_are_stored_again_whole(mem, tmp_path):
+    """Memory written before facts carried their text and embedding (format 1) is
+    re-encoded and completed when its conversation is added again."""
+    from inferscale.api import Context, MemoryAPI
+    from inferscale.config import Config
+
+    config = Config.from_dict({**mem.config.to_dict(), "data_dir": str(tmp_path)})
+    memory = MemoryAPI(Context(config))
+    stored = memory.add_facts("old", FACTS[:3])
+    disk = memory.context.disk
+    disk.put("old", disk.load_user("old"))  # K/V and token ids only, as format 1 kept them
+    assert [f.text for f in disk.facts("old").values()] == ["", "", ""] and disk.embeddings("old")[0] == []
+    again = MemoryAPI(Context(config)).add_facts("old", FACTS[:3])
+    assert again == stored and [f.text for f in disk.facts("old").values()] == [t for t, _ in FACTS[:3]]
+    assert disk.embeddings("old")[0] == [f.fact_id for f in stored]
+    memory.close()
+
+
 def test_prompt_is_a_typed_request(mem):
     hits = mem.generation.retrieve(USER, "Where do I go surfing?", k=3)
     request = mem.generation.prompt(USER, "Where do I go surfing?", [h.fact_id for h in hits])

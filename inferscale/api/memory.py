@@ -57,12 +57,14 @@ class MemoryAPI:
 
     def add_facts(self, user_id: str, facts: Sequence[FactInput], turns: Sequence[Turn] = (),
                   progress: bool = False) -> list[Fact]:
-        """Store facts for a user; the ones already stored (same id) are left as they are."""
+        """Store facts for a user, encoded behind the facts already stored; a fact
+        given again (same id) is encoded and stored again, whole."""
         records = self._new_facts(user_id, facts)
-        known = self.context.disk.facts(user_id)
-        fresh = [f for f in records if f.fact_id not in known]
-        if fresh:
-            self._store(user_id, list(known.values()), fresh, turns, progress)
+        given = {f.fact_id for f in records}
+        # stored facts readable as text serve as context (files of format 1 have no text)
+        known = [f for f in self.context.disk.facts(user_id).values() if f.text and f.fact_id not in given]
+        if records:
+            self._store(user_id, known, records, turns, progress)
         return records
 
     def update_fact(self, user_id: str, fact_id: str, text: str) -> Fact:
