@@ -202,7 +202,7 @@ class FactEncoder:
         if fact.token_ids and tuple(ids) != fact.token_ids:
             raise ModelMismatchError(
                 f"fact {fact.fact_id!r}: its stored token ids differ from this tokenizer's "
-                f"({len(fact.token_ids)} vs {len(ids)} tokens) — was it tokenized for another model?"
+                f"({len(fact.token_ids)} vs {len(ids)} tokens) — was it stored with another model or fact_style?"
             )
         return ids
 
