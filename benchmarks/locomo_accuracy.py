@@ -36,7 +36,7 @@ import tempfile
 import time
 import uuid
 from collections import Counter, defaultdict
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from inferscale.config import DEFAULT_CLOSING
@@ -334,15 +334,14 @@ def request(method: Method, item: Item, k: int, prompts: Prompts, fact_ids: dict
 
 
 def run_method(llm, method: Method, k: int, items, prompts, fact_ids, max_tokens: int) -> list[dict]:
-    from vllm import SamplingParams
+    from inferscale.connector.compat import greedy_sampling
 
     nonce = uuid.uuid4().hex
     batch, sampling = [], []
     for item in items:
         prompt, params = request(method, item, k, prompts, fact_ids, nonce)
         batch.append(prompt)
-        sampling.append(SamplingParams(max_tokens=max_tokens, temperature=0.0,
-                                       extra_args={"kv_transfer_params": params} if params else None))
+        sampling.append(greedy_sampling(max_tokens, params))
     outputs = llm.generate(batch, sampling, use_tqdm=False)
     rows = []
     for item, prompt, out in zip(items, batch, outputs):

@@ -78,10 +78,10 @@ def write_memory(data: Path, cfg: dict, ks: list[int], fact_tokens: int, prefix_
 def time_generate(llm, prompt: dict, params: dict | None, reps: int, warm_tokens: int = 0) -> tuple[float, int]:
     """Median ms of one-token ``generate``; with ``warm_tokens``, an untimed request for the
     prompt's first tokens (same salt) fills vLLM's prefix cache first."""
-    from vllm import SamplingParams
+    from inferscale.connector.compat import greedy_sampling
 
     def one(p: dict, extra: dict | None):
-        sp = SamplingParams(max_tokens=1, temperature=0.0, extra_args={"kv_transfer_params": extra} if extra else None)
+        sp = greedy_sampling(1, extra)
         start = time.perf_counter()
         (out,) = llm.generate([p], sp, use_tqdm=False)
         return (time.perf_counter() - start) * 1e3, out.num_cached_tokens

@@ -5,7 +5,7 @@ import torch
 
 from inferscale import BackendSpec, build
 from inferscale.compose.rope import RotaryEmbedding
-from inferscale.compose.segment import PREFIX_FACT, SYSTEM_USER, compose_segment, gather_segment, segment_token_ids
+from inferscale.compose.segment import PREFIX_FACT, SYSTEM_USER, compose_segment, gather_segment, segment_parts
 from inferscale.kv import FactKV
 from inferscale.retrieval.base import Hit
 from inferscale.storage.disk import DiskStore
@@ -39,7 +39,7 @@ def test_ties_break_by_fact_id():
 
 
 def test_segment_is_prefix_then_facts_in_order(store):
-    assert segment_token_ids(store, "ann", ["c", "a"]) == [1, 2, 3, 30, 31, 32, 10, 11]
+    assert [t for part in segment_parts(store, "ann", ["c", "a"]) for t in part] == [1, 2, 3, 30, 31, 32, 10, 11]
     batch = gather_segment(store, "ann", ["c", "a"])
     assert batch.keys.shape == (L, 8, H, D)
     assert torch.equal(batch.values[:, 3:6], store.get("ann", ["c"]).values)

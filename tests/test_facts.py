@@ -71,3 +71,26 @@ def test_a_damaged_record_is_detected(tmp_path):
     path.write_bytes(raw.replace(b"Ann has a cat.", b"Ann has a dog."))
     with pytest.raises(CorruptDataError, match="checksum"):
         disk.facts("ann")
+
+
+def test_embeddings_are_read_without_the_kv(tmp_path):
+    """The index rebuild reads only the embedding tensors: a damaged K/V payload is
+    left to the reads that return K/V, which refuse it."""
+    disk = DiskStore(DiskStore.Options(root=str(tmp_path)))
+    kv = _kv((1, 2))
+    disk.put("ann", {"f-1": kv}, {"f-1": Fact("f-1", "ann", "Ann has a cat.")}, {"f-1": torch.ones(3)})
+    path = tmp_path / "ann.safetensors"
+    raw = path.read_bytes()
+    key_bytes = kv.keys.contiguous().numpy().tobytes()
+    assert raw.count(key_bytes) == 1
+    path.write_bytes(raw.replace(key_bytes, bytes(len(key_bytes))))
+    fresh = DiskStore(DiskStore.Options(root=str(tmp_path)))
+    ids, vectors = fresh.embeddings("ann")
+    assert ids == ["f-1"] and torch.equal(vectors, torch.ones(1, 3))
+    with pytest.raises(CorruptDataError, match="checksum"):
+        fresh.get("ann", ["f-1"])
+    (tmp_path / "ann.safetensors").rename(tmp_path / "bob.safetensors")
+    with pytest.raises(CorruptDataError, match="'ann'"):
+        fresh.embeddings("bob")
+    ids, vectors = fresh.embeddings("nobody")
+    assert ids == [] and vectors.numel() == 0

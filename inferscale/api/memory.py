@@ -70,9 +70,9 @@ class MemoryAPI:
     def update_fact(self, user_id: str, fact_id: str, text: str) -> Fact:
         """Replace a fact's text (a new fact, encoded again, under a new id)."""
         old = self._require(user_id, fact_id)
-        (new,) = self._new_facts(user_id, [(text, old.source_turn)])
-        self.delete_fact(user_id, fact_id)
-        self.add_facts(user_id, [(new.text, new.source_turn)])
+        (new,) = self.add_facts(user_id, [(text, old.source_turn)])  # stored before the old one goes
+        if new.fact_id != fact_id:
+            self.delete_fact(user_id, fact_id)
         return new
 
     def delete_fact(self, user_id: str, fact_id: str) -> None:

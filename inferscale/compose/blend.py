@@ -57,9 +57,7 @@ def resolve_recompute_tokens(value: int | str, device_type: str) -> int:
     """A configured budget: an integer, or ``"auto"`` (by the engine's device type)."""
     if value == "auto":
         return AUTO_RECOMPUTE_TOKENS.get(device_type, AUTO_RECOMPUTE_FALLBACK)
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise ValueError(f"recompute_tokens must be 'auto' or an integer >= 0, got {value!r}")
-    return value
+    return Blend(value).recompute_tokens  # validates
 
 
 def injected_length(part_lengths: Sequence[int], recompute_tokens: int) -> int:

@@ -3,8 +3,9 @@
 A prompt is ``[prefix | facts | query part]``: the prefix opens the system
 message and holds the instruction, the facts follow one per line, and the
 query part starts with the closing text (which ends the list of facts), closes
-the system message, adds the user's question and opens the assistant's turn. KV injection and prompt injection use the very same token
-ids; only how the segment gets into the KV cache differs.
+the system message, adds the user's question and opens the assistant's turn.
+KV injection and prompt injection use the very same token ids; only how the
+segment gets into the KV cache differs.
 """
 
 from __future__ import annotations

@@ -39,11 +39,6 @@ def segment_parts(store: KVStore, user_id: str, fact_ids: Sequence[str]) -> list
     return [tuple(prefix), *store.token_ids(user_id, list(fact_ids))]
 
 
-def segment_token_ids(store: KVStore, user_id: str, fact_ids: Sequence[str]) -> list[int]:
-    """The segment's token ids, read without moving any K/V."""
-    return [t for part in segment_parts(store, user_id, fact_ids) for t in part]
-
-
 def gather_segment(store: KVStore, user_id: str, fact_ids: Sequence[str], device=None) -> KVBatch:
     """Prefix and facts' pre-RoPE K/V, concatenated in segment order on ``device``."""
     prefix = store.get(SYSTEM_USER, [PREFIX_FACT], device)

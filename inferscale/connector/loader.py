@@ -32,7 +32,7 @@ class LoadSpec:
     """
 
     req_id: str
-    memory: SegmentRequest
+    request: SegmentRequest
     start: int
     end: int
     segment_len: int
@@ -42,7 +42,7 @@ class LoadSpec:
 
     @property
     def user_id(self) -> str:
-        return self.memory.user_id
+        return self.request.user_id
 
 
 def kv_head_range(num_kv_heads: int, tp_size: int, tp_rank: int) -> slice:
@@ -88,10 +88,10 @@ class SegmentLoader:
         for user in (SYSTEM_USER, spec.user_id):
             ensure_user(self.store, self.disk, user)
         try:
-            batch = gather_segment(self.store, spec.user_id, spec.memory.fact_ids, self.device)
+            batch = gather_segment(self.store, spec.user_id, spec.request.fact_ids, self.device)
         except MissingFactError:
             return None
-        return batch if spec.memory.salt(batch.flat_token_ids()) == spec.salt else None
+        return batch if spec.request.salt(batch.flat_token_ids()) == spec.salt else None
 
     def _refresh(self, user_id: str) -> None:
         for user in (SYSTEM_USER, user_id):

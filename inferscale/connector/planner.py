@@ -33,7 +33,7 @@ class Plan:
     the remaining ``segment_len - claim_len`` are recomputed by vLLM.
     """
 
-    memory: SegmentRequest | None
+    request: SegmentRequest | None
     segment_len: int = 0
     num_external: int = 0
     salt: str = ""
@@ -48,7 +48,7 @@ class Plan:
         return self.segment_len - self.claim_len
 
 
-NO_MEMORY = Plan(memory=None)
+NO_MEMORY = Plan(request=None)
 
 
 def plan_request(
@@ -62,42 +62,42 @@ def plan_request(
     """Match a request against its memory segment; ``blend`` holds the
     connector's defaults, which the request's own values override."""
     try:
-        memory = parse_params(params)
+        request = parse_params(params)
     except InvalidParams as exc:
         return Plan(None, fallback=Fallback.INVALID_PARAMS, detail=str(exc))
-    if memory is None:
+    if request is None:
         return NO_MEMORY
     try:
-        parts = segment_parts(store, memory.user_id, memory.fact_ids)
+        parts = segment_parts(store, request.user_id, request.fact_ids)
     except UnknownUserError as exc:
-        return Plan(memory, fallback=Fallback.UNKNOWN_USER, detail=str(exc))
+        return Plan(request, fallback=Fallback.UNKNOWN_USER, detail=str(exc))
     except MissingFactError as exc:
-        return Plan(memory, fallback=Fallback.UNKNOWN_FACT, detail=str(exc))
+        return Plan(request, fallback=Fallback.UNKNOWN_FACT, detail=str(exc))
     except CorruptDataError as exc:
-        return Plan(memory, fallback=Fallback.CORRUPT, detail=str(exc))
+        return Plan(request, fallback=Fallback.CORRUPT, detail=str(exc))
     except (OSError, ValueError) as exc:
-        return Plan(memory, fallback=Fallback.STORE_ERROR, detail=f"{type(exc).__name__}: {exc}")
-    blend = blend.override(memory.recompute_tokens, memory.key_scale)
-    return _match(memory, parts, list(prompt_token_ids), cache_salt, num_computed_tokens, blend)
+        return Plan(request, fallback=Fallback.STORE_ERROR, detail=f"{type(exc).__name__}: {exc}")
+    blend = blend.override(request.recompute_tokens, request.key_scale)
+    return _match(request, parts, list(prompt_token_ids), cache_salt, num_computed_tokens, blend)
 
 
-def _match(memory: SegmentRequest, parts: list[tuple[int, ...]], prompt: list[int], cache_salt: str | None,
+def _match(request: SegmentRequest, parts: list[tuple[int, ...]], prompt: list[int], cache_salt: str | None,
            num_computed: int, blend: Blend) -> Plan:
     segment = [t for part in parts for t in part]
     m = len(segment)
     if len(prompt) <= m:
-        return Plan(memory, m, fallback=Fallback.PROMPT_TOO_SHORT,
+        return Plan(request, m, fallback=Fallback.PROMPT_TOO_SHORT,
                     detail=f"prompt has {len(prompt)} tokens, memory segment {m}: nothing left to compute")
     if prompt[:m] != segment:
         first = next(i for i, (a, b) in enumerate(zip(prompt, segment)) if a != b)
-        return Plan(memory, m, fallback=Fallback.TOKEN_MISMATCH,
+        return Plan(request, m, fallback=Fallback.TOKEN_MISMATCH,
                     detail=f"prompt differs from the memory segment at token {first} of {m}")
-    salt = memory.salt(segment)
+    salt = request.salt(segment)
     if not salt_matches(cache_salt, salt):
-        return Plan(memory, m, salt=salt, fallback=Fallback.MISSING_CACHE_SALT,
+        return Plan(request, m, salt=salt, fallback=Fallback.MISSING_CACHE_SALT,
                     detail="request lacks the segment's cache_salt (inferscale.compose.request.segment_salt)")
     claim = injected_length([len(p) for p in parts], blend.recompute_tokens)
-    return Plan(memory, m, num_external=max(0, claim - num_computed), salt=salt, claim_len=claim, blend=blend)
+    return Plan(request, m, num_external=max(0, claim - num_computed), salt=salt, claim_len=claim, blend=blend)
 
 
 def salt_matches(cache_salt: str | None, salt: str) -> bool:

@@ -92,7 +92,7 @@ class InferScaleConnector(compat.KVConnectorBase_V1):
                 continue
             start = plan.claim_len - plan.num_external
             slots = slots_for(block_ids, self.block_size, start, plan.claim_len)
-            meta.loads.append(LoadSpec(req_id, plan.memory, start, plan.claim_len, plan.segment_len, slots,
+            meta.loads.append(LoadSpec(req_id, plan.request, start, plan.claim_len, plan.segment_len, slots,
                                        plan.salt, plan.blend.key_scale))
             self._loaded_blocks[req_id] = {s // self.block_size for s in slots}
         return meta

@@ -224,7 +224,7 @@ class FactEncoder:
         rendered = [self.fact_token_ids(fact) for fact in unique]
         prefix = tuple(prefix_ids)
         chosen = [i for i, fact in enumerate(unique) if only is None or fact.fact_id in only]
-        rows = [self._fact_row(unique[i], turns, sources, prefix, _Before(rendered, i), rendered[i]) for i in chosen]
+        rows = [self._fact_row(unique[i], turns, sources, prefix, rendered[:i], rendered[i]) for i in chosen]
         with tqdm(total=len(rows), desc="encoding facts", unit="fact", disable=not progress) as bar:
             kvs = self._encode_rows(rows, bar)
         return {unique[i].fact_id: kv for i, kv in zip(chosen, kvs)}
@@ -233,7 +233,6 @@ class FactEncoder:
         """K/V of ``token_ids`` placed after ``context_ids`` (positions start at 0)."""
         self._live_model()
         return self._encode_rows([_Row(tuple(context_ids), tuple(token_ids))])[0]
-
 
     # -- lifecycle
 
@@ -323,23 +322,6 @@ class FactEncoder:
     def _empty_kv(self) -> FactKV:
         shape = (self.num_layers, 0, self.num_kv_heads, self.head_size)
         return FactKV((), torch.empty(shape, dtype=self.dtype), torch.empty(shape, dtype=self.dtype))
-
-
-class _Before(Sequence):
-    """The first ``end`` items of a list, without copying them."""
-
-    def __init__(self, items: Sequence, end: int):
-        self._items, self._end = items, end
-
-    def __len__(self) -> int:
-        return self._end
-
-    def __getitem__(self, index):
-        if isinstance(index, slice):
-            return [self._items[i] for i in range(*index.indices(self._end))]
-        if not -self._end <= index < self._end:
-            raise IndexError(index)
-        return self._items[index % self._end]
 
 
 def _unique_facts(facts: Sequence[Fact]) -> list[Fact]:

@@ -11,7 +11,8 @@ sharing a root do not lose each other's updates. Readers take no lock.
 
 The file holds everything a fact is — K/V, token ids, text, source turn and
 embedding — so one ``put`` commits a fact whole and every reader reads it from
-here. Every read verifies the file's checksum. ``list``/``token_ids``/
+here. Every read of K/V verifies the file's checksum; ``embeddings`` (the
+index rebuild at start-up) reads the embedding tensors alone. ``list``/``token_ids``/
 ``facts``/``nbytes`` use a small cache of verified indexes keyed by the file's
 (path, inode, mtime_ns, size), so they re-read a file only after it changed.
 """
@@ -188,12 +189,15 @@ class DiskStore(KVStore):
         return out
 
     def embeddings(self, user_id: str) -> tuple[list[str], torch.Tensor]:
-        """The fact_ids with an embedding and their vectors (``[n, dim]`` float32)."""
-        user = self._read(user_id)
-        if user is None or not user.embeddings:
+        """The fact_ids with an embedding and their vectors (``[n, dim]`` float32),
+        read without the K/V (see :func:`kvfile.read_embeddings`)."""
+        try:
+            vectors = kvfile.read_embeddings(str(self.path(user_id)), user_id)
+        except FileNotFoundError:
             return [], torch.empty(0, 0)
-        ids = [f for f in user.facts if f in user.embeddings]
-        return ids, torch.stack([user.embeddings[f] for f in ids])
+        if not vectors:
+            return [], torch.empty(0, 0)
+        return list(vectors), torch.stack(list(vectors.values()))
 
     def path(self, user_id: str) -> Path:
         """The user's data file."""

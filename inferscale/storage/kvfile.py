@@ -18,6 +18,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import torch
+from safetensors import safe_open
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
@@ -114,6 +115,24 @@ def decode(data: bytes, user_id: str, where: str) -> UserFile:
         return UserFile(layout, _facts(layout, fact_ids, tensors), records, embeddings)
     except (ValueError, TypeError, KeyError) as exc:
         raise CorruptDataError(f"{where}: inconsistent contents ({exc})") from exc
+
+
+def read_embeddings(path: str, user_id: str) -> dict[str, torch.Tensor]:
+    """The facts' embeddings alone, read without the K/V (the retrieval index's
+    rebuild at start-up). The header is checked; the checksum, which needs every
+    byte, is left to the reads that return K/V."""
+    try:
+        with safe_open(path, framework="pt") as fh:
+            metadata = fh.metadata() or {}
+            _check_header(metadata, user_id, path)
+            names = set(fh.keys())
+            wanted = [f for f in json.loads(metadata["fact_ids"]) if tensor_name(f, EMBEDDING) in names]
+            tensors = {tensor_name(f, EMBEDDING): fh.get_tensor(tensor_name(f, EMBEDDING)) for f in wanted}
+        return _embeddings(tensors, wanted)
+    except (CorruptDataError, FileNotFoundError):
+        raise
+    except Exception as exc:  # anything unreadable is corrupt, whatever the parser raised
+        raise CorruptDataError(f"{path}: embeddings unreadable ({exc})") from exc
 
 
 def _parse(data: bytes, where: str) -> tuple[dict[str, str], dict[str, torch.Tensor]]:
