@@ -155,7 +155,8 @@ def main() -> None:
 
     from inferscale.compose.blend import injected_length
     from inferscale.config import BackendSpec, Config
-    from inferscale.compose.request import make_params, segment_salt
+    from inferscale.compose.request import make_params
+    from inferscale.compose.salt import CacheSalts
     from inferscale.connector.engine import kv_transfer_config
 
     work = Path(tempfile.mkdtemp(prefix="inferscale-ttft-"))
@@ -169,6 +170,7 @@ def main() -> None:
     llm = LLM(model=str(model), load_format="dummy", skip_tokenizer_init=True, dtype="bfloat16",
               max_model_len=8192, enforce_eager=not args.cuda_graphs, enable_prefix_caching=True,
               kv_transfer_config=KVTransferConfig(**kv_transfer_config(config)), **memory)
+    salts, epoch = CacheSalts.from_file(config.secret_path), disk.generation("bench")
     question = torch.randint(1000, 100000, (args.question_tokens,)).tolist()
     rows = []
     none_ms, _ = time_generate(llm, {"prompt_token_ids": question}, None, args.reps)
@@ -179,7 +181,7 @@ def main() -> None:
         text_ms, _ = time_generate(llm, {"prompt_token_ids": segment + question, "cache_salt": "text"},
                                    None, args.reps)
         for budget in budgets:
-            prompt = {"prompt_token_ids": segment + question, "cache_salt": segment_salt("bench", segment, budget)}
+            prompt = {"prompt_token_ids": segment + question, "cache_salt": salts.segment("bench", epoch, segment, budget)}
             kv_ms, injected = time_generate(llm, prompt, make_params("bench", ids, budget), args.reps)
             claim = injected_length(lengths, budget)
             cached_ms, hit = time_generate(llm, {"prompt_token_ids": segment + question, "cache_salt": "warm"},

@@ -23,11 +23,11 @@ from inferscale.compose.request import make_params
 pytestmark = pytest.mark.slow
 
 FACTS = [
-    "The user keeps a green notebook of passwords in the top drawer.",
-    "The user's bank is in Porto and the account ends in 4417.",
-    "The user is seeing a doctor about migraines every Thursday.",
-    "The user's sister Ana lives on Rua das Flores in Porto.",
-    "The user is saving money for a sailing trip to the Azores.",
+    "{name} keeps a green notebook of passwords in the top drawer.",
+    "{name}'s bank is in Porto and the account ends in 4417.",
+    "{name} is seeing a doctor about migraines every Thursday.",
+    "{name}'s sister Ana lives on Rua das Flores in Porto.",
+    "{name} is saving money for a sailing trip to the Azores.",
 ]
 QUERY = "What do I keep in the top drawer?"
 #: what the client is told about a request that got no memory, whatever the reason
@@ -47,9 +47,9 @@ def mem(tmp_path_factory):
 
 
 def add_user(mem, user: str, facts=FACTS, noisy: bool = False) -> list[str]:
-    """Store ``facts`` for ``user``; ``noisy`` replaces their K/V with wrong K/V
-    (same tokens), so output computed from the injected blocks is recognisable."""
-    ids = [f.fact_id for f in mem.memory.add_facts(user, facts)]
+    """Store ``facts`` (``{name}``: the user's) for ``user``; ``noisy`` replaces their K/V
+    with wrong K/V (same tokens), so output computed from the injected blocks is recognisable."""
+    ids = [f.fact_id for f in mem.memory.add_facts(user, [f.format(name=user.title()) for f in facts])]
     if noisy:
         disk = mem.context.disk
         disk.put(user, {f: vh.noisy(kv) for f, kv in disk.load_user(user).items()})
@@ -150,8 +150,9 @@ def test_plain_request_with_a_guessed_salt_misses_the_injected_blocks(mem):
     assert vh.report(out)["injected_tokens"] > 0 and injected_lp != plain_lp  # wrong K/V shows in the output
     for salt in guessed_salts("hana", segment):
         _, lp, out = send(mem, ids, None, salt)
-        assert out.num_cached_tokens == 0, salt
         assert lp == plain_lp, salt
+        if salt == public_salt("hana", segment):  # first used here (generic salts may hit plain blocks)
+            assert out.num_cached_tokens == 0
 
 
 def test_deleted_user_leaves_nothing_to_read(mem):
@@ -167,7 +168,9 @@ def test_deleted_user_leaves_nothing_to_read(mem):
     _, plain_lp, _ = send(mem, ids)
     for salt in guessed_salts("ivo", segment):
         _, lp, out = send(mem, ids, make_params("ivo", fact_ids), salt)
-        assert out.num_cached_tokens == 0 and lp == plain_lp, salt
+        assert lp == plain_lp, salt
+        if salt == public_salt("ivo", segment):
+            assert out.num_cached_tokens == 0
         assert vh.report(out) == REFUSED, salt
     add_user(mem, "ivo")  # the same facts again, correct K/V
     after = server_request(mem, "ivo")
