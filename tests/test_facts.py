@@ -104,3 +104,12 @@ def test_embeddings_are_read_without_the_kv(tmp_path):
         fresh.embeddings("bob")
     ids, vectors = fresh.embeddings("nobody")
     assert ids == [] and vectors.numel() == 0
+
+
+def test_a_fact_put_again_without_text_or_embedding_loses_both(tmp_path):
+    """A put replaces a fact whole: what it does not give, the fact no longer has."""
+    disk = DiskStore(DiskStore.Options(root=str(tmp_path)))
+    disk.put("ann", {"f-1": _kv((1, 2)), "f-2": _kv((3,))}, {"f-1": Fact("f-1", "ann", "Ann has a cat.")},
+             {"f-1": torch.ones(3), "f-2": torch.zeros(3)})
+    disk.put("ann", {"f-1": _kv((1, 2), seed=1)})
+    assert disk.facts("ann")["f-1"].text == "" and disk.embeddings("ann")[0] == ["f-2"]

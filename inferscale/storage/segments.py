@@ -66,10 +66,9 @@ def next_version(user_id: str, current: UserIndex | None, fresh: kvfile.UserFile
     for fact_id in fresh.facts:
         entries.setdefault(fact_id, _fresh_entry(fresh, fact_id, segment_name))
     moved = [f for f, e in entries.items() if e.segment == segment_name]
-    source = {**carried.facts, **fresh.facts}
-    vectors = {**carried.embeddings, **fresh.embeddings}
-    segment = kvfile.UserFile(fresh.layout, {f: source[f] for f in moved},
-                              embeddings={f: vectors[f] for f in moved if f in vectors})
+    source = {f: fresh if f in fresh.facts else carried for f in moved}  # a replaced fact is replaced whole
+    segment = kvfile.UserFile(fresh.layout, {f: source[f].facts[f] for f in moved},
+                              embeddings={f: source[f].embeddings[f] for f in moved if f in source[f].embeddings})
     return entries, segment
 
 
