@@ -454,3 +454,21 @@ def test_deleting_a_format_2_user_removes_the_file(disk):
     legacy = write_legacy(disk.root, "alice", make_facts(2), "2")
     disk.delete("alice")
     assert not legacy.exists() and disk.users() == [] and disk.generation("alice") is None
+
+
+def test_benchmark_script_runs(tmp_path):
+    """benchmarks/disk_store.py, tiny, against the commit before format 3 (from git)."""
+    import shutil
+
+    if shutil.which("git") is None or subprocess.run(["git", "-C", str(REPO), "cat-file", "-e", "2de794e"],
+                                                     capture_output=True).returncode:
+        pytest.skip("needs the git history (the 'before' side is git archive of a commit)")
+    out = tmp_path / "bench.json"
+    cmd = [sys.executable, str(REPO / "benchmarks" / "disk_store.py"), "--plan-facts", "12", "--plan-tokens", "6",
+           "--plan-shape", "qwen2.5-0.5b", "--add-facts", "30", "--add-tokens", "4", "--reps", "2",
+           "--root", str(tmp_path / "work"), "--out", str(out)]
+    proc = subprocess.run(cmd, capture_output=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr.decode()
+    result = json.loads(out.read_text())
+    assert set(result["sides"]) == {"before", "after"} and set(result["ratios"]) == {"plan", "add"}
+    assert "planner, cold user" in proc.stdout.decode()

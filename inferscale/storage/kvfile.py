@@ -8,9 +8,8 @@ all of a user's facts (still read, :mod:`inferscale.storage.legacy`). See
 dtype), ``<fact_id>/token_ids`` (int64 ``[T]``) and, where the fact has one,
 ``<fact_id>/embedding`` (float32 ``[dim]``) per fact, and metadata
 ``format``, ``format_version``, ``user_id``, ``layout``, ``fact_ids``,
-``records`` (each fact's text and source turn) and ``sha256`` (see
-:func:`checksum`). Everything a fact is travels in one file, so one atomic
-write commits it whole.
+``records`` (each fact's text and source turn; empty in a segment, whose
+records live in the index) and ``sha256`` (see :func:`checksum`).
 """
 
 from __future__ import annotations
@@ -41,8 +40,9 @@ EMBEDDING = "embedding"
 
 @dataclass
 class UserFile:
-    """A user's verified facts: K/V with token ids, and each fact's record
-    (``{"text", "source_turn"}``) and embedding where it has them."""
+    """Facts of one file (a segment, or a whole user in format 1/2), verified: K/V
+    with token ids, and each fact's record (``{"text", "source_turn"}``) and
+    embedding where it has them."""
 
     layout: KVLayout
     facts: dict[str, FactKV]
@@ -50,13 +50,6 @@ class UserFile:
     embeddings: dict[str, torch.Tensor] = field(default_factory=dict)
     #: the file's checksum (set when decoded)
     sha256: str = ""
-
-    def only(self, fact_ids) -> UserFile:
-        """The same file restricted to ``fact_ids`` (in that order)."""
-        keep = [f for f in fact_ids if f in self.facts]
-        return UserFile(self.layout, {f: self.facts[f] for f in keep},
-                        {f: self.records[f] for f in keep if f in self.records},
-                        {f: self.embeddings[f] for f in keep if f in self.embeddings})
 
 
 def tensor_name(fact_id: str, part: str) -> str:
