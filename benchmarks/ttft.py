@@ -181,7 +181,8 @@ def main() -> None:
         text_ms, _ = time_generate(llm, {"prompt_token_ids": segment + question, "cache_salt": "text"},
                                    None, args.reps)
         for budget in budgets:
-            prompt = {"prompt_token_ids": segment + question, "cache_salt": salts.segment("bench", epoch, segment, budget)}
+            salt = salts.segment("bench", epoch, segment, budget)
+            prompt = {"prompt_token_ids": segment + question, "cache_salt": salt}
             kv_ms, injected = time_generate(llm, prompt, make_params("bench", ids, budget), args.reps)
             claim = injected_length(lengths, budget)
             cached_ms, hit = time_generate(llm, {"prompt_token_ids": segment + question, "cache_salt": "warm"},
