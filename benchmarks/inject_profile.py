@@ -86,6 +86,21 @@ def annotate() -> list[str]:
     return found
 
 
+def bench_salt(config, segment: list[int]) -> str:
+    """The cache salt of user "bench"'s segment: keyed with the data directory's secret, or
+    (the code before keyed salts) the plain hash."""
+    try:
+        from inferscale.compose.salt import CacheSalts
+    except ImportError:
+        from inferscale.compose.request import segment_salt
+
+        return segment_salt("bench", segment, 0)
+    from inferscale.storage.disk import DiskStore
+
+    epoch = DiskStore(DiskStore.Options(root=str(config.kv_path))).generation("bench")
+    return CacheSalts.from_file(config.secret_path).segment("bench", epoch, segment, 0)
+
+
 def one(llm, prompt: dict, params: dict | None) -> float:
     from inferscale.connector.compat import greedy_sampling
 
@@ -161,7 +176,7 @@ def main() -> None:
     from vllm import LLM
     from vllm.config import KVTransferConfig
 
-    from inferscale.compose.request import make_params, segment_salt
+    from inferscale.compose.request import make_params
     from inferscale.config import BackendSpec, Config
     from inferscale.connector.engine import kv_transfer_config
 
@@ -180,7 +195,7 @@ def main() -> None:
     ids = [f"f{i}" for i in range(args.k)]
     segment = prefix + [t for i in ids for t in facts[i].token_ids]
     question = torch.randint(1000, 100000, (args.question_tokens,)).tolist()
-    kv_prompt = {"prompt_token_ids": segment + question, "cache_salt": segment_salt("bench", segment, 0)}
+    kv_prompt = {"prompt_token_ids": segment + question, "cache_salt": bench_salt(config, segment)}
     params = make_params("bench", ids, 0)
     times = {
         "none_ms": median_ms(llm, {"prompt_token_ids": question}, None, args.reps),

@@ -315,9 +315,9 @@ class Prompts:
         return self.formats[closing].query_ids(self.tokenizer, question)
 
 
-def request(method: Method, item: Item, k: int, prompts: Prompts, fact_ids: dict, nonce: str):
-    """(prompt dict, kv_transfer_params or None) for one question."""
-    from inferscale.compose.request import make_params, segment_salt
+def request(method: Method, item: Item, k: int, prompts: Prompts, fact_ids: dict, nonce: str, salt_of):
+    """(prompt dict, kv_transfer_params or None) for one question; ``salt_of`` is :func:`cache_salts`'."""
+    from inferscale.compose.request import make_params
 
     order = item.retrieved[:k][::-1]  # the most relevant fact last, as the relevance composer does
     segment = list(prompts.prefix)
@@ -328,18 +328,30 @@ def request(method: Method, item: Item, k: int, prompts: Prompts, fact_ids: dict
         return {"prompt_token_ids": ids, "cache_salt": f"text:{nonce}"}, None
     user = user_of(item.conv, method.encoding)
     facts = [fact_ids[(item.conv, method.encoding)][j] for j in order]
-    salt = segment_salt(user, segment, method.recompute_tokens, method.key_scale)
+    salt = salt_of(user, segment, method.recompute_tokens, method.key_scale)
     params = make_params(user, facts, method.recompute_tokens, method.key_scale)
     return {"prompt_token_ids": ids, "cache_salt": f"{salt}:{nonce}"}, params
 
 
-def run_method(llm, method: Method, k: int, items, prompts, fact_ids, max_tokens: int) -> list[dict]:
+def cache_salts(data_dir: Path):
+    """``salt_of(user, segment, recompute_tokens, key_scale)``: the salt the connector reading
+    ``data_dir`` expects (keyed with its secret, at the user's epoch)."""
+    from inferscale.compose.salt import CacheSalts
+    from inferscale.config import Config
+    from inferscale.storage.disk import DiskStore
+
+    config = Config(data_dir=str(data_dir))
+    salts, disk = CacheSalts.from_file(config.secret_path), DiskStore(DiskStore.Options(root=str(config.kv_path)))
+    return lambda user, segment, *recipe: salts.segment(user, disk.generation(user), segment, *recipe)
+
+
+def run_method(llm, method: Method, k: int, items, prompts, fact_ids, max_tokens: int, salt_of) -> list[dict]:
     from inferscale.connector.compat import greedy_sampling
 
     nonce = uuid.uuid4().hex
     batch, sampling = [], []
     for item in items:
-        prompt, params = request(method, item, k, prompts, fact_ids, nonce)
+        prompt, params = request(method, item, k, prompts, fact_ids, nonce, salt_of)
         batch.append(prompt)
         sampling.append(greedy_sampling(max_tokens, params))
     outputs = llm.generate(batch, sampling, use_tqdm=False)
@@ -449,6 +461,7 @@ def main(argv=None) -> None:
     if gpu:
         torch.cuda.empty_cache()
     llm = build_engine(args, model, data_dir)
+    salt_of = cache_salts(data_dir)
     rows, timing = [], {}
     device = torch.cuda.get_device_name() if gpu else "cpu"
     meta = {"command": " ".join(["python", *sys.argv]), "device": device, "model": Path(model).name,
@@ -463,7 +476,7 @@ def main(argv=None) -> None:
             break
         for k in ks:
             start = time.perf_counter()
-            rows += run_method(llm, method, k, items, prompts, fact_ids, args.max_tokens)
+            rows += run_method(llm, method, k, items, prompts, fact_ids, args.max_tokens, salt_of)
             timing[f"{method.name}@{k}"] = time.perf_counter() - start
             s = summarize([r for r in rows if r["method"] == method.name and r["k"] == k], items)[method.name][str(k)]
             print(f"{method.name:44s} k={k:2d}  F1 {s['f1.all']:.3f}  contains {s['contains.all']:.3f}  "

@@ -30,6 +30,15 @@ sys.path.insert(0, str(Path(__file__).parent))
 from ttft import SHAPES, write_memory  # noqa: E402
 
 
+def bench_salt(config, segment: list[int]) -> str:
+    """The cache salt of user "bench"'s segment (keyed with the data directory's secret)."""
+    from inferscale.compose.salt import CacheSalts
+    from inferscale.storage.disk import DiskStore
+
+    epoch = DiskStore(DiskStore.Options(root=str(config.kv_path))).generation("bench")
+    return CacheSalts.from_file(config.secret_path).segment("bench", epoch, segment, 0)
+
+
 def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
@@ -79,7 +88,7 @@ def main() -> None:
     parser.add_argument("--out", default="benchmarks/results/serve_start.json")
     args = parser.parse_args()
 
-    from inferscale.compose.request import make_params, segment_salt
+    from inferscale.compose.request import make_params
     from inferscale.config import BackendSpec, Config
     from inferscale.connector.engine import kv_transfer_config
 
@@ -101,7 +110,7 @@ def main() -> None:
         if seconds is not None and extra:
             body = {"model": str(model), "prompt": segment + [1000, 1001, 1002, 1003], "max_tokens": 1,
                     "temperature": 0.0, "kv_transfer_params": make_params("bench", ids, 0),
-                    "cache_salt": segment_salt("bench", segment, 0)}
+                    "cache_salt": bench_salt(config, segment)}
             try:
                 reply = get(f"{url}/v1/completions", body, timeout=120)
                 run["report"] = (reply or {}).get("kv_transfer_params")

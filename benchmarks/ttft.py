@@ -153,10 +153,10 @@ def store_get_times(disk, facts, ks, reps: int) -> dict:
     return out
 
 
-def measure(llm, prefix, facts, ks, budgets, question, reps: int, store: str) -> list[dict]:
+def measure(llm, prefix, facts, ks, budgets, question, reps: int, store: str, salts, epoch: str) -> list[dict]:
     """One engine's rows: the question alone, prompt injection, KV injection per budget, prefix cache."""
     from inferscale.compose.blend import injected_length
-    from inferscale.compose.request import make_params, segment_salt
+    from inferscale.compose.request import make_params
 
     rows = []
     none_ms, _ = time_generate(llm, {"prompt_token_ids": question}, None, reps)
@@ -166,7 +166,7 @@ def measure(llm, prefix, facts, ks, budgets, question, reps: int, store: str) ->
         lengths = [len(prefix)] + [len(facts[i].token_ids) for i in ids]
         text_ms, _ = time_generate(llm, {"prompt_token_ids": segment + question, "cache_salt": "text"}, None, reps)
         for budget in budgets:
-            prompt = {"prompt_token_ids": segment + question, "cache_salt": segment_salt("bench", segment, budget)}
+            prompt = {"prompt_token_ids": segment + question, "cache_salt": salts.segment("bench", epoch, segment, budget)}
             kv_ms, injected = time_generate(llm, prompt, make_params("bench", ids, budget), reps)
             claim = injected_length(lengths, budget)
             cached_ms, hit = time_generate(llm, {"prompt_token_ids": segment + question, "cache_salt": "warm"},
@@ -227,7 +227,8 @@ def main() -> None:
     from vllm.config import KVTransferConfig
 
     from inferscale.config import BackendSpec, Config
-    from inferscale.connector.compat import shutdown
+    from inferscale.compose.salt import CacheSalts
+    from inferscale.connector.compat import set_engine_environment, platform_device_type, shutdown
     from inferscale.connector.engine import kv_transfer_config
 
     work = Path(tempfile.mkdtemp(prefix="inferscale-ttft-"))
@@ -237,6 +238,8 @@ def main() -> None:
     (model / "config.json").write_text(json.dumps(cfg))
     disk, prefix, facts = write_memory(work, cfg, ks, args.fact_tokens, args.prefix_tokens)
     question = torch.randint(1000, 100000, (args.question_tokens,)).tolist()
+    # spawned engine processes: this process has used torch and asked for CUDA (a forked engine hangs)
+    set_engine_environment(platform_device_type(), in_process=os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0")
     memory = {"gpu_memory_utilization": 0.5} if torch.cuda.is_available() else {"kv_cache_memory_bytes": 256 << 20}
     rows = []
     for store in stores:
@@ -244,7 +247,8 @@ def main() -> None:
         llm = LLM(model=str(model), load_format="dummy", skip_tokenizer_init=True, dtype="bfloat16",
                   max_model_len=8192, enforce_eager=not args.cuda_graphs, enable_prefix_caching=True,
                   kv_transfer_config=KVTransferConfig(**kv_transfer_config(config)), **memory)
-        rows += measure(llm, prefix, facts, ks, budgets, question, args.reps, store)
+        salts, epoch = CacheSalts.from_file(config.secret_path), disk.generation("bench")
+        rows += measure(llm, prefix, facts, ks, budgets, question, args.reps, store, salts, epoch)
         shutdown(llm)
         del llm
     gets = store_get_times(disk, facts, ks, args.reps)

@@ -6,6 +6,7 @@ first use.
 
 from inferscale.config import BackendSpec, Config, ModelSpec, build
 from inferscale.errors import (
+    CapacityError,
     ConfigError,
     CorruptDataError,
     InferScaleError,
@@ -21,6 +22,7 @@ from inferscale.kv import FactKV, KVBatch
 
 __all__ = [
     "BackendSpec",
+    "CapacityError",
     "Config",
     "ConfigError",
     "CorruptDataError",

@@ -119,13 +119,15 @@ class Config:
     key_scale: float = 1.0
     #: at most this many facts are kept per conversation turn (Mem0 extraction or given facts)
     max_facts_per_turn: int = 5
+    #: the server secret that keys cache salts (created, mode 0600, on first use); "" = <data_dir>/secret
+    secret_file: str = ""
 
     def __post_init__(self):
         for name in ("top_k", "max_facts_per_turn"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ConfigError(f"{name} must be a positive integer, got {value!r}")
-        for name in ("instruction", "closing"):
+        for name in ("instruction", "closing", "secret_file"):
             if not isinstance(getattr(self, name), str):
                 raise ConfigError(f"{name} must be a string")
         if self.fact_style not in FACT_STYLES:
@@ -149,6 +151,11 @@ class Config:
     def kv_path(self) -> Path:
         """Where the disk store keeps the users' files."""
         return self.data_path / "kv"
+
+    @property
+    def secret_path(self) -> Path:
+        """The server secret every cache salt is keyed with (:mod:`inferscale.secret`)."""
+        return Path(os.path.expanduser(self.secret_file)) if self.secret_file else self.data_path / "secret"
 
     @property
     def mem0_path(self) -> Path:
@@ -184,7 +191,7 @@ class Config:
         """``INFERSCALE_CONFIG`` (a TOML file) then per-key overrides:
         ``INFERSCALE_RETRIEVER``, ``INFERSCALE_KV_STORE``, ``INFERSCALE_WINDOW``,
         ``INFERSCALE_COMPOSER``, ``INFERSCALE_EMBEDDER`` (backend names),
-        ``INFERSCALE_DATA_DIR``, ``INFERSCALE_TOP_K``, ``INFERSCALE_MODEL``."""
+        ``INFERSCALE_DATA_DIR``, ``INFERSCALE_TOP_K``, ``INFERSCALE_MODEL``, ``INFERSCALE_SECRET_FILE``."""
         env = os.environ if environ is None else environ
         base = cls.from_toml(env["INFERSCALE_CONFIG"]) if env.get("INFERSCALE_CONFIG") else cls()
         data = base.to_dict()
@@ -193,6 +200,8 @@ class Config:
                 data[key] = {"name": name, "options": {}}
         if value := env.get("INFERSCALE_DATA_DIR"):
             data["data_dir"] = value
+        if value := env.get("INFERSCALE_SECRET_FILE"):
+            data["secret_file"] = value
         if value := env.get("INFERSCALE_MODEL"):
             data["model"] = {**data["model"], "path": value}
         if value := env.get("INFERSCALE_TOP_K"):

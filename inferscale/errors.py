@@ -57,5 +57,9 @@ class CorruptDataError(InferScaleError):
     """Stored data failed its integrity check; it is never returned as KV."""
 
 
+class CapacityError(InferScaleError):
+    """A user's K/V does not fit in a memory store's byte budget (``max_bytes``)."""
+
+
 class ModelMismatchError(InferScaleError, ValueError):
     """Stored KV does not fit the model it is asked to serve (layers, heads, head size)."""

@@ -38,7 +38,7 @@ def main(model_dir: str, data_dir: str, dtype: str) -> dict:
     llm = make_llm(model_dir, config, in_process=False, max_model_len=1024, enforce_eager=True,
                    kv_cache_memory_bytes=128 << 20, seed=0)
     plain, _, _ = vh.greedy(llm, prompt)
-    params, salt = vh.memory_request("alice", ["f0", "f1"], segment)
+    params, salt = vh.memory_request(Path(data_dir), "alice", ["f0", "f1"], segment)
     tokens, _, out = vh.greedy(llm, prompt, params, salt)
     shutdown(llm)
     return {"injected_tokens": vh.report(out).get("injected_tokens"), "segment_tokens": len(segment),

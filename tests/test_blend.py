@@ -12,12 +12,15 @@ from inferscale.compose.rope import RotaryEmbedding
 from inferscale.compose.segment import PREFIX_FACT, SYSTEM_USER
 from inferscale.config import Config
 from inferscale.connector.loader import LoadSpec, SegmentLoader, kv_head_range
-from inferscale.compose.request import SegmentRequest, make_params, segment_salt
+from inferscale.compose.request import SegmentRequest, make_params
+from inferscale.compose.salt import CacheSalts
 from inferscale.connector.planner import plan_request
 from inferscale.errors import ConfigError
 from inferscale.kv import FactKV
 from inferscale.storage.disk import DiskStore
 from inferscale.storage.pinned import PinnedHostStore
+
+SALTS = CacheSalts(b"s" * 32)
 
 
 @given(parts=st.lists(st.integers(1, 40), min_size=1, max_size=30), budget=st.integers(0, 600))
@@ -88,29 +91,46 @@ def _segment(disk: DiskStore, facts) -> list[int]:
     return [*prefix, *(t for ids in disk.token_ids("ann", facts) for t in ids)]
 
 
+def _salt(disk: DiskStore, segment, recompute_tokens=None, salts=SALTS) -> str:
+    return salts.segment("ann", disk.generation("ann"), segment, recompute_tokens)
+
+
 def test_planner_claims_the_head_and_leaves_the_tail(disk):
     order = ["a", "b", "c"]
     segment = _segment(disk, order)
     prompt = segment + [7, 8, 9]
-    plan = plan_request(disk, prompt, make_params("ann", order), segment_salt("ann", segment), 0, Blend(8))
+    plan = plan_request(disk, SALTS, prompt, make_params("ann", order), _salt(disk, segment), 0, Blend(8))
     assert (plan.fallback, plan.segment_len, plan.claim_len) == (None, 18, 10)  # b and c (8 tokens) recomputed
     assert plan.num_external == 10 and plan.recomputed == 8
     # a request's own budget wins, and its salt must say so
     params = make_params("ann", order, recompute_tokens=0)
-    plan = plan_request(disk, prompt, params, segment_salt("ann", segment, 0), 0, Blend(8))
+    plan = plan_request(disk, SALTS, prompt, params, _salt(disk, segment, 0), 0, Blend(8))
     assert (plan.fallback, plan.claim_len, plan.recomputed) == (None, 18, 0)
     # ... a salt made without the request's recipe is refused: other K/V must not share its cache
-    plan = plan_request(disk, prompt, params, segment_salt("ann", segment), 0, Blend(8))
+    plan = plan_request(disk, SALTS, prompt, params, _salt(disk, segment), 0, Blend(8))
     assert plan.fallback is not None and plan.num_external == 0
     # vLLM's prefix cache already holds part of the claim: load only the rest
-    plan = plan_request(disk, prompt, make_params("ann", order), segment_salt("ann", segment), 4, Blend(8))
+    plan = plan_request(disk, SALTS, prompt, make_params("ann", order), _salt(disk, segment), 4, Blend(8))
     assert (plan.claim_len, plan.num_external) == (10, 6)
+    # a nonce after the salt is accepted (no prefix-cache reuse); anything else is not
+    plan = plan_request(disk, SALTS, prompt, make_params("ann", order), _salt(disk, segment) + ":n1", 0, Blend(8))
+    assert plan.fallback is None
+    for salt in (_salt(disk, segment) + "x", _salt(disk, segment)[:-1], None, 7):
+        assert plan_request(disk, SALTS, prompt, make_params("ann", order), salt, 0, Blend(8)).fallback is not None
 
 
-def test_salt_tells_apart_every_recipe():
-    salts = {segment_salt("ann", [1, 2, 3], b, c) for b in (None, 0, 32) for c in (None, 1.0, 1.25)}
-    assert len(salts) == 9
-    assert SegmentRequest("ann", ("a",), 32, 1.25).salt([1, 2, 3]) == segment_salt("ann", [1, 2, 3], 32, 1.25)
+def test_planner_refuses_salts_it_did_not_key(disk):
+    """Another key, or the same key before the user's memory changed: refused."""
+    order = ["a", "b", "c"]
+    segment = _segment(disk, order)
+    prompt, params = segment + [7, 8, 9], make_params("ann", order)
+    assert plan_request(disk, SALTS, prompt, params, _salt(disk, segment), 0).fallback is None
+    foreign = _salt(disk, segment, salts=CacheSalts(b"t" * 32))
+    assert plan_request(disk, SALTS, prompt, params, foreign, 0).fallback == "missing_cache_salt"
+    stale = _salt(disk, segment)
+    disk.put("ann", {"d": _fact(2, 4)})  # any write renews the user's epoch
+    plan = plan_request(disk, SALTS, prompt, params, stale, 0)
+    assert plan.fallback == "missing_cache_salt" and plan.num_external == 0
 
 
 # ---------------------------------------------------------------- the worker's loader
@@ -119,13 +139,14 @@ def test_salt_tells_apart_every_recipe():
 def _loader(disk: DiskStore) -> SegmentLoader:
     rope = RotaryEmbedding(1.0 / (10_000 ** (torch.arange(0, 8, 2).float() / 8)), 8)
     return SegmentLoader(PinnedHostStore(PinnedHostStore.Options()), disk, rope,
-                         kv_head_range(2, 1, 0), "cpu", torch.float32)
+                         kv_head_range(2, 1, 0), "cpu", torch.float32, SALTS)
 
 
 def _spec(disk, order, start, end, key_scale=1.0, recompute=None) -> LoadSpec:
     segment = _segment(disk, order)
     memory = SegmentRequest("ann", tuple(order), recompute, None)
-    return LoadSpec("r1", memory, start, end, len(segment), tuple(range(start, end)), memory.salt(segment), key_scale)
+    salt = memory.salt(SALTS, disk.generation("ann"), segment)
+    return LoadSpec("r1", memory, start, end, len(segment), tuple(range(start, end)), salt, key_scale)
 
 
 def test_key_scale_multiplies_only_the_facts_keys(disk):
@@ -150,3 +171,21 @@ def test_loader_writes_only_the_claimed_head(disk):
     torch.testing.assert_close(head.keys, whole.keys[:, :10])
     with pytest.raises(ValueError):
         loader.load(_spec(disk, order, 0, 19), num_layers=2, head_size=8)
+
+
+def test_loader_never_writes_another_version_of_the_memory(disk):
+    """A fact re-encoded under the same token ids after a request was scheduled: that
+    request is refused (its salt names the old version); the next one gets the new K/V."""
+    order = ["a", "b", "c"]
+    loader = _loader(disk)
+    scheduled = _spec(disk, order, 0, 18)
+    loader.load(scheduled, num_layers=2, head_size=8)  # the memory tier now holds this version
+    a = disk.load_user("ann")["a"]
+    disk.put("ann", {"a": FactKV(a.token_ids, a.keys + 1, a.values)})
+    with pytest.raises(ValueError, match="changed"):
+        loader.load(scheduled, num_layers=2, head_size=8)
+    now = _spec(disk, order, 0, 18)
+    assert now.salt != scheduled.salt
+    segment = loader.load(now, num_layers=2, head_size=8)
+    expected = _loader(disk).load(now, num_layers=2, head_size=8)
+    assert torch.equal(segment.keys, expected.keys)

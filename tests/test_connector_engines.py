@@ -7,6 +7,7 @@ import pytest
 
 import tiny_models
 import vllm_harness as vh
+from inferscale.compose.request import make_params
 
 pytestmark = pytest.mark.slow
 
@@ -26,15 +27,15 @@ def test_injection_in_engine_setups(tmp_path, multiprocess, prefix_caching):
     llm = vh.make_engine(path, tmp_path, "float32", multiprocess=multiprocess, prefix_caching=prefix_caching)
     try:
         plain_tokens, _, plain = vh.greedy(llm, prompt)
-        params, salt = vh.memory_request("alice", ["f0", "f1"], segment)
+        params, salt = vh.memory_request(tmp_path, "alice", ["f0", "f1"], segment)
         tokens, _, out = vh.greedy(llm, prompt, params, salt)
         assert vh.report(out)["injected_tokens"] == len(segment)
         assert out.num_cached_tokens == len(segment)
         assert tokens == plain_tokens
         assert vh.logprob_gap(out, plain)[0] < 1e-3
         # a failure in this set-up still falls back cleanly
-        tokens, _, out = vh.greedy(llm, prompt, vh.memory_request("bob", ["f0"], segment)[0], salt)
-        assert vh.report(out)["fallback"] == "unknown_user" and tokens == plain_tokens
+        tokens, _, out = vh.greedy(llm, prompt, make_params("bob", ["f0"]), salt)
+        assert vh.report(out)["fallback"] == "refused" and tokens == plain_tokens
     finally:
         vh.close_engine(llm)
 
@@ -47,7 +48,7 @@ def test_injection_under_tensor_parallelism(tmp_path):
                              distributed_executor_backend="mp")
     try:
         plain_tokens, _, plain = vh.greedy(llm, prompt)
-        params, salt = vh.memory_request("alice", ["f0", "f1"], segment)
+        params, salt = vh.memory_request(tmp_path, "alice", ["f0", "f1"], segment)
         tokens, _, out = vh.greedy(llm, prompt, params, salt)
         assert vh.report(out)["injected_tokens"] == len(segment)
         assert tokens == plain_tokens

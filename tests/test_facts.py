@@ -28,14 +28,18 @@ def test_render_fact_is_one_bullet_line():
     assert render_fact("  Ann   has\na cat. ") == "- Ann has a cat.\n"
 
 
+def _segments(root, user):
+    return sorted((root / "users" / user).glob("seg-*.safetensors"))
+
+
 def _kv(ids, seed=0):
     gen = torch.Generator().manual_seed(seed)
     kv = torch.randn((2, 2, len(ids), 1, 4), generator=gen)
     return FactKV(ids, kv[0], kv[1])
 
 
-def test_a_fact_is_stored_whole_in_one_file(tmp_path):
-    """Text, source turn, token ids, embedding and K/V: one put, one file, one reader."""
+def test_a_fact_is_stored_whole_in_one_commit(tmp_path):
+    """Text, source turn, token ids, embedding and K/V: one put, one index write, one reader."""
     disk = DiskStore(DiskStore.Options(root=str(tmp_path)))
     facts = [Fact("f-1", "ann", "Ann has a cat.", "D1:2", (5, 6)), Fact("f-2", "ann", "Ann runs.", None, (7,))]
     disk.put("ann", {f.fact_id: _kv(f.token_ids, i) for i, f in enumerate(facts)}, {f.fact_id: f for f in facts},
@@ -43,17 +47,23 @@ def test_a_fact_is_stored_whole_in_one_file(tmp_path):
     assert disk.facts("ann") == {f.fact_id: f for f in facts}
     ids, vectors = disk.embeddings("ann")
     assert ids == ["f-1", "f-2"] and torch.equal(vectors, torch.eye(2, 3))
-    assert sorted(p.name for p in tmp_path.iterdir()) == [".lock", "ann.safetensors"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".lock", "users"]
+    first = _segments(tmp_path, "ann")
+    assert len(first) == 1 and sorted(p.name for p in (tmp_path / "users" / "ann").iterdir()) == [
+        "index.json", first[0].name]
     # replacing a fact replaces all of it
     new = Fact("f-2", "ann", "Ann runs fast.", "D2:1", (8, 9))
     disk.put("ann", {"f-2": _kv(new.token_ids, 5)}, {"f-2": new}, {"f-2": torch.ones(3)})
     assert disk.facts("ann")["f-2"] == new and disk.token_ids("ann", ["f-2"]) == [(8, 9)]
     assert torch.equal(disk.embeddings("ann")[1][1], torch.ones(3))
+    assert b"Ann runs." not in b"".join(p.read_bytes() for p in (tmp_path / "users" / "ann").iterdir())
     # deleting a fact deletes all of it
     disk.delete("ann", ["f-1"])
     assert list(disk.facts("ann")) == ["f-2"] and disk.embeddings("ann")[0] == ["f-2"]
+    assert all(b"f-1/" not in p.read_bytes() for p in _segments(tmp_path, "ann"))
     disk.delete("ann")
     assert disk.facts("ann") == {} and disk.embeddings("ann")[0] == [] and disk.users() == []
+    assert list((tmp_path / "users").iterdir()) == []
 
 
 def test_records_must_belong_to_the_facts_put(tmp_path):
@@ -66,7 +76,7 @@ def test_records_must_belong_to_the_facts_put(tmp_path):
 def test_a_damaged_record_is_detected(tmp_path):
     disk = DiskStore(DiskStore.Options(root=str(tmp_path)))
     disk.put("ann", {"f-1": _kv((1, 2))}, {"f-1": Fact("f-1", "ann", "Ann has a cat.")}, {"f-1": torch.ones(3)})
-    path = tmp_path / "ann.safetensors"
+    path = tmp_path / "users" / "ann" / "index.json"
     raw = path.read_bytes()
     path.write_bytes(raw.replace(b"Ann has a cat.", b"Ann has a dog."))
     with pytest.raises(CorruptDataError, match="checksum"):
@@ -79,7 +89,7 @@ def test_embeddings_are_read_without_the_kv(tmp_path):
     disk = DiskStore(DiskStore.Options(root=str(tmp_path)))
     kv = _kv((1, 2))
     disk.put("ann", {"f-1": kv}, {"f-1": Fact("f-1", "ann", "Ann has a cat.")}, {"f-1": torch.ones(3)})
-    path = tmp_path / "ann.safetensors"
+    (path,) = _segments(tmp_path, "ann")
     raw = path.read_bytes()
     key_bytes = kv.keys.contiguous().numpy().tobytes()
     assert raw.count(key_bytes) == 1
@@ -89,8 +99,17 @@ def test_embeddings_are_read_without_the_kv(tmp_path):
     assert ids == ["f-1"] and torch.equal(vectors, torch.ones(1, 3))
     with pytest.raises(CorruptDataError, match="checksum"):
         fresh.get("ann", ["f-1"])
-    (tmp_path / "ann.safetensors").rename(tmp_path / "bob.safetensors")
+    (tmp_path / "users" / "ann").rename(tmp_path / "users" / "bob")
     with pytest.raises(CorruptDataError, match="'ann'"):
         fresh.embeddings("bob")
     ids, vectors = fresh.embeddings("nobody")
     assert ids == [] and vectors.numel() == 0
+
+
+def test_a_fact_put_again_without_text_or_embedding_loses_both(tmp_path):
+    """A put replaces a fact whole: what it does not give, the fact no longer has."""
+    disk = DiskStore(DiskStore.Options(root=str(tmp_path)))
+    disk.put("ann", {"f-1": _kv((1, 2)), "f-2": _kv((3,))}, {"f-1": Fact("f-1", "ann", "Ann has a cat.")},
+             {"f-1": torch.ones(3), "f-2": torch.zeros(3)})
+    disk.put("ann", {"f-1": _kv((1, 2), seed=1)})
+    assert disk.facts("ann")["f-1"].text == "" and disk.embeddings("ann")[0] == ["f-2"]

@@ -4,7 +4,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from inferscale.compose.request import MAX_FACTS, InvalidParams, SegmentRequest, make_params, parse_params, segment_salt
+from inferscale.compose.request import MAX_FACTS, InvalidParams, SegmentRequest, make_params, parse_params
 
 ids = st.from_regex(r"[A-Za-z0-9][A-Za-z0-9_.:-]{0,30}", fullmatch=True)
 json_values = st.recursive(
@@ -59,9 +59,3 @@ def test_requests_without_memory():
     assert parse_params({}) is None
     assert parse_params({"other_connector": {"x": 1}}) is None
 
-
-def test_salt_depends_on_user_and_tokens():
-    a = segment_salt("alice", [1, 2, 3])
-    assert a == segment_salt("alice", [1, 2, 3])
-    assert a != segment_salt("bob", [1, 2, 3]) and a != segment_salt("alice", [1, 2, 4])
-    assert segment_salt("alice", [12, 3]) != segment_salt("alice", [1, 23])

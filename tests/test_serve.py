@@ -8,6 +8,7 @@ import pytest
 
 import tiny_models
 import vllm_harness as vh
+from inferscale.compose.request import make_params
 from inferscale.connector.engine import kv_transfer_config
 from vllm_server import serve
 
@@ -30,13 +31,13 @@ def test_vllm_serve_injects_memory_from_request_params(tmp_path):
                                              extra_body=extra)
 
         plain = complete()
-        params, salt = vh.memory_request("alice", ["f0", "f1"], segment)
+        params, salt = vh.memory_request(tmp_path, "alice", ["f0", "f1"], segment)
         injected = complete(kv_transfer_params=params, cache_salt=salt)
-        foreign = complete(kv_transfer_params=vh.memory_request("bob", ["f0"], segment)[0], cache_salt=salt)
+        foreign = complete(kv_transfer_params=make_params("bob", ["f0"]), cache_salt=salt)
     assert injected.choices[0].text == plain.choices[0].text
     report = (injected.model_extra or {}).get("kv_transfer_params", {}).get("inferscale", {})
     assert report.get("injected_tokens") == len(segment), injected.model_extra
     assert injected.usage.prompt_tokens_details is None or injected.usage.prompt_tokens_details.cached_tokens in (
         None, len(segment))
     assert foreign.choices[0].text == plain.choices[0].text
-    assert (foreign.model_extra or {})["kv_transfer_params"]["inferscale"]["fallback"] == "unknown_user"
+    assert (foreign.model_extra or {})["kv_transfer_params"]["inferscale"]["fallback"] == "refused"

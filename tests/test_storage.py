@@ -1,4 +1,5 @@
-"""KV stores: exact round trips, bookkeeping, errors, disk durability and corruption."""
+"""KV stores: exact round trips, bookkeeping and errors for every store; the memory
+stores; tiering. The disk store's format, durability and corruption: test_disk.py."""
 
 from __future__ import annotations
 
@@ -6,7 +7,6 @@ import json
 import os
 import subprocess
 import sys
-import textwrap
 from pathlib import Path
 
 import pytest
@@ -17,7 +17,6 @@ from hypothesis import strategies as st
 from inferscale.config import BackendSpec, build
 from inferscale.errors import (
     ConfigError,
-    CorruptDataError,
     MissingFactError,
     ModelMismatchError,
     UnknownBackendError,
@@ -26,7 +25,6 @@ from inferscale.errors import (
 from inferscale.kv import FactKV
 from inferscale.plugins import backends
 from inferscale.storage import DiskStore, HBMStore, KVStore, PinnedHostStore
-from inferscale.storage import kvfile
 from inferscale.storage.tiered import ensure_user
 
 REPO = Path(__file__).resolve().parents[1]
@@ -251,203 +249,6 @@ def test_pinned_copies_in_flight_survive_a_repack():
     assert_batch(batch, facts, list(facts), "cuda")
 
 
-# -- the disk store ------------------------------------------------------------------
-
-
-@pytest.fixture
-def disk(tmp_path) -> DiskStore:
-    return DiskStore(DiskStore.Options(root=str(tmp_path / "kv")))
-
-
-def read_file(path: Path) -> tuple[dict, dict, int]:
-    """(header, metadata, data offset) of a safetensors file, read by hand."""
-    raw = path.read_bytes()
-    size = int.from_bytes(raw[:8], "little")
-    header = json.loads(raw[8 : 8 + size])
-    return header, header["__metadata__"], 8 + size
-
-
-def test_disk_file_format(disk):
-    facts = make_facts(3, torch.bfloat16)
-    disk.put("alice", facts)
-    path = disk.root / "alice.safetensors"
-    header, meta, _ = read_file(path)
-    assert meta["format"] == "inferscale-kv" and meta["format_version"] == "2" and meta["user_id"] == "alice"
-    assert json.loads(meta["fact_ids"]) == ["f0", "f1", "f2"]
-    assert json.loads(meta["layout"]) == {"num_layers": 3, "num_kv_heads": 2, "head_size": 8, "dtype": "bfloat16"}
-    assert header["f1/keys"]["dtype"] == "BF16" and header["f1/keys"]["shape"] == [3, 4, 2, 8]
-    assert header["f1/token_ids"]["dtype"] == "I64" and header["f1/token_ids"]["shape"] == [4]
-    assert meta["sha256"] == checksum_as_documented(path)
-    assert sorted(p.name for p in disk.root.iterdir()) == [".lock", "alice.safetensors"]
-
-
-def checksum_as_documented(path: Path) -> str:
-    """docs/storage-format.md's checksum, re-implemented from the raw file (not from kvfile)."""
-    import hashlib
-
-    import numpy as np
-
-    header, meta, start = read_file(path)
-    raw = path.read_bytes()
-    names = {"BF16": "bfloat16", "F32": "float32", "F16": "float16", "I64": "int64"}
-    digest = hashlib.sha256()
-    for key in sorted(k for k in meta if k != "sha256"):
-        digest.update(key.encode() + b"\0" + meta[key].encode() + b"\0")
-    for name in sorted(k for k in header if k != "__metadata__"):
-        info = header[name]
-        shape = ",".join(str(s) for s in info["shape"])
-        digest.update(f"{name}\0{names[info['dtype']]}\0{shape}\0".encode())
-        lo, hi = info["data_offsets"]
-        digest.update(np.frombuffer(raw, dtype=np.uint8, count=hi - lo, offset=start + lo))
-    return digest.hexdigest()
-
-
-def test_load_user_and_two_stores_on_one_root(disk):
-    other = DiskStore(DiskStore.Options(root=str(disk.root)))
-    facts = make_facts(3, torch.float16)
-    disk.put("alice", facts)
-    assert other.list("alice") == ["f0", "f1", "f2"]
-    loaded = other.load_user("alice")
-    assert list(loaded) == list(facts)
-    for f, kv in facts.items():
-        assert loaded[f].token_ids == kv.token_ids
-        assert torch.equal(loaded[f].keys, kv.keys) and torch.equal(loaded[f].values, kv.values)
-    other.put("alice", {"f7": make_fact(2, dtype=torch.float16, seed=70)})
-    assert disk.list("alice") == ["f0", "f1", "f2", "f7"]  # cache sees the replaced file
-    disk.delete("alice", ["f0"])
-    assert other.list("alice") == ["f1", "f2", "f7"] and other.token_ids("alice", ["f7"]) == [(70000, 70001)]
-    with pytest.raises(UnknownUserError):
-        disk.load_user("nobody")
-
-
-def assert_old_state(root: Path, facts: dict[str, FactKV]) -> None:
-    fresh = DiskStore(DiskStore.Options(root=str(root)))
-    assert fresh.users() == ["alice"]
-    assert_batch(fresh.get("alice", list(facts)), facts, list(facts))
-
-
-@pytest.mark.parametrize("step", ["replace", "fsync", "write"])
-def test_failed_write_keeps_old_state(disk, monkeypatch, step):
-    facts = make_facts(3)
-    disk.put("alice", facts)
-
-    def fail(*args, **kwargs):
-        raise OSError(f"injected {step} failure")
-
-    target = {"replace": (os, "replace"), "fsync": (os, "fsync"), "write": (kvfile, "encode")}[step]
-    with monkeypatch.context() as patch:
-        patch.setattr(*target, fail)
-        with pytest.raises(OSError, match="injected"):
-            disk.put("alice", {"f1": make_fact(6, seed=60), "new": make_fact(2, seed=61)})
-    assert sorted(p.name for p in disk.root.iterdir()) == [".lock", "alice.safetensors"]
-    assert_old_state(disk.root, facts)
-
-
-CRASH = textwrap.dedent(
-    """
-    import os, sys, torch
-    from inferscale.kv import FactKV
-    from inferscale.storage.disk import DiskStore
-
-    def crash(fd):  # the process dies after writing the temp file, before the rename
-        os._exit(17)
-
-    os.fsync = crash
-    store = DiskStore(DiskStore.Options(root=sys.argv[1]))
-    kv = FactKV([1, 2], torch.ones(3, 2, 2, 8), torch.ones(3, 2, 2, 8))
-    store.put("alice", {"f0": kv, "crash": kv})
-    """
-)
-
-
-def test_process_killed_mid_write(disk):
-    facts = make_facts(3)
-    disk.put("alice", facts)
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
-    proc = subprocess.run([sys.executable, "-c", CRASH, str(disk.root)], env=env, capture_output=True, timeout=120)
-    assert proc.returncode == 17, proc.stderr.decode()
-    temps = [p.name for p in disk.root.glob("*.tmp")]
-    assert len(temps) == 1 and temps[0].startswith(".alice.safetensors#")
-    assert_old_state(disk.root, facts)
-    disk.put("alice", {"f9": make_fact(1, seed=90)})  # the next writer cleans up
-    assert list(disk.root.glob("*.tmp")) == []
-    assert disk.list("alice") == ["f0", "f1", "f2", "f9"]
-
-
-def corrupt_payload(path: Path) -> None:
-    raw = bytearray(path.read_bytes())
-    raw[-5] ^= 0x01  # one bit of the last tensor's data
-    path.write_bytes(bytes(raw))
-
-
-def corrupt_dtype(path: Path) -> None:
-    raw = path.read_bytes()
-    assert b'"BF16"' in raw
-    path.write_bytes(raw.replace(b'"BF16"', b'"F16" ', 1))  # still valid JSON, same sizes
-
-
-def truncate(path: Path) -> None:
-    raw = path.read_bytes()
-    path.write_bytes(raw[: len(raw) - 100])
-
-
-def garbage_header(path: Path) -> None:
-    raw = bytearray(path.read_bytes())
-    raw[8:40] = b"\xff" * 32
-    path.write_bytes(bytes(raw))
-
-
-def huge_header_length(path: Path) -> None:
-    raw = bytearray(path.read_bytes())
-    raw[:8] = (2**40).to_bytes(8, "little")
-    path.write_bytes(bytes(raw))
-
-
-@pytest.mark.parametrize("damage", [corrupt_payload, corrupt_dtype, truncate, garbage_header, huge_header_length])
-def test_corrupt_file_never_returns_kv(disk, damage):
-    disk.put("alice", make_facts(3, torch.bfloat16))
-    path = disk.root / "alice.safetensors"
-    damage(path)
-    fresh = DiskStore(DiskStore.Options(root=str(disk.root)))  # no cached index
-    for call in (
-        lambda: fresh.get("alice", ["f0"]),
-        lambda: fresh.load_user("alice"),
-        lambda: fresh.list("alice"),
-        lambda: fresh.token_ids("alice", ["f0"]),
-        lambda: disk.get("alice", ["f1"]),  # the cached index does not bypass verification
-        lambda: disk.put("alice", {"f5": make_fact(1, dtype=torch.bfloat16)}),
-    ):
-        with pytest.raises(CorruptDataError, match="alice.safetensors"):
-            call()
-    disk.delete("alice")  # a corrupt user can still be removed
-    assert disk.users() == []
-
-
-def test_file_of_another_user_is_corrupt(disk):
-    disk.put("alice", make_facts(1))
-    (disk.root / "alice.safetensors").rename(disk.root / "bob.safetensors")
-    with pytest.raises(CorruptDataError, match="'alice'"):
-        disk.get("bob", ["f0"])
-
-
-def test_unknown_format_version(disk, monkeypatch):
-    monkeypatch.setattr(kvfile, "FORMAT_VERSION", "9")
-    disk.put("alice", make_facts(1))
-    monkeypatch.setattr(kvfile, "FORMAT_VERSION", "2")
-    with pytest.raises(CorruptDataError, match="format_version '9'"):
-        disk.get("alice", ["f0"])
-
-
-def test_version_1_files_still_read(disk, monkeypatch):
-    """Files written before records and embeddings existed read as K/V with no records."""
-    monkeypatch.setattr(kvfile, "FORMAT_VERSION", "1")
-    facts = make_facts(2)
-    disk.put("alice", facts)
-    monkeypatch.undo()
-    assert_batch(disk.get("alice", ["f1", "f0"], "cpu"), facts, ["f1", "f0"])
-    assert [f.text for f in disk.facts("alice").values()] == ["", ""] and disk.embeddings("alice")[0] == []
-
-
 # -- selection by name, and tiering ----------------------------------------------------
 
 
@@ -476,6 +277,28 @@ def test_tiered_loads_user_on_first_use(tmp_path, memory_name):
     assert ensure_user(memory, disk, "alice") is False
     assert ensure_user(memory, disk, "nobody") is False and memory.users() == ["alice"]
     assert_batch(memory.get("alice", ["f3", "f1"], "cpu"), facts, ["f3", "f1"])
+    assert memory.generation("alice") == disk.generation("alice")
+    assert ensure_user(disk, disk, "alice") is False  # the disk store needs no loading
+
+
+@pytest.mark.parametrize("memory_name", ["hbm", "pinned"])
+def test_stale_memory_is_told_by_generation_not_by_token_ids(tmp_path, memory_name):
+    """Another process re-encodes a fact under the same token ids: the memory tier
+    notices (the user's generation changed) and serves the new K/V."""
+    disk = DiskStore(DiskStore.Options(root=str(tmp_path)))
+    memory = make_store(memory_name, tmp_path)
+    facts = make_facts(3)
+    disk.put("alice", facts)
+    ensure_user(memory, disk, "alice")
+    other = DiskStore(DiskStore.Options(root=str(tmp_path)))  # as another process would
+    again = {"f1": FactKV(facts["f1"].token_ids, facts["f1"].keys + 1, facts["f1"].values - 1)}
+    other.put("alice", again)
+    assert ensure_user(memory, disk, "alice") is True
+    assert_batch(memory.get("alice", ["f0", "f1"], "cpu"), {**facts, **again}, ["f0", "f1"])
+    other.delete("alice", ["f2"])
+    assert ensure_user(memory, disk, "alice") is True and memory.list("alice") == ["f0", "f1"]
+    other.delete("alice")  # a user gone from disk leaves the memory tier too
+    assert ensure_user(memory, disk, "alice") is False and memory.users() == []
 
 
 def test_benchmark_script_runs(tmp_path):

@@ -15,9 +15,10 @@ from typing import Any
 
 import torch
 
+from inferscale.compose.request import make_params
+from inferscale.compose.salt import CacheSalts
 from inferscale.compose.segment import PREFIX_FACT, SYSTEM_USER
 from inferscale.config import BackendSpec, Config, ModelSpec
-from inferscale.compose.request import make_params, segment_salt
 from inferscale.connector.engine import kv_transfer_config
 from inferscale.storage.disk import DiskStore
 
@@ -122,11 +123,33 @@ def report(out) -> dict:
     return (out.kv_transfer_params or {}).get("inferscale") or {}
 
 
-def memory_request(user_id: str, fact_ids: list[str], segment_ids: list[int], recompute_tokens: int | None = None,
-                   key_scale: float | None = None) -> tuple[dict, str]:
-    """kv_transfer_params and the cache salt a request for this memory carries."""
-    return (make_params(user_id, fact_ids, recompute_tokens, key_scale),
-            segment_salt(user_id, segment_ids, recompute_tokens, key_scale))
+def memory_request(data_dir: Path, user_id: str, fact_ids: list[str], segment_ids: list[int],
+                   recompute_tokens: int | None = None, key_scale: float | None = None) -> tuple[dict, str]:
+    """kv_transfer_params and the cache salt the server gives a request for this memory:
+    keyed with the secret of ``data_dir`` (the engine's), at the user's current epoch."""
+    config = Config(data_dir=str(data_dir))
+    epoch = DiskStore(DiskStore.Options(root=str(config.kv_path))).generation(user_id)
+    salt = CacheSalts.from_file(config.secret_path).segment(user_id, epoch, segment_ids, recompute_tokens, key_scale)
+    return make_params(user_id, fact_ids, recompute_tokens, key_scale), salt
+
+
+@contextlib.contextmanager
+def connector_log():
+    """The messages the connector logs (in this process: an in-process engine's scheduler)."""
+    import logging
+
+    messages: list[str] = []
+
+    class Collect(logging.Handler):
+        def emit(self, record):
+            messages.append(record.getMessage())
+
+    logger, handler = logging.getLogger("vllm.inferscale.connector"), Collect(logging.DEBUG)
+    logger.addHandler(handler)
+    try:
+        yield messages
+    finally:
+        logger.removeHandler(handler)
 
 
 def write_prefix(disk: DiskStore, encoder, prefix_ids: list[int]) -> None:

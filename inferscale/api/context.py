@@ -1,8 +1,9 @@
 """What both sides of the API share: the config and the pieces built from it, lazily.
 
 A :class:`Context` builds nothing until asked: the tokenizer, the prompt layout,
-the disk store (the one home of every fact), the embedder and the retrieval
-index (rebuilt from the stored embeddings). The memory side and the generation
+the disk store (the one home of every fact), the cache salts (keyed with the
+server secret), the embedder and the retrieval index (rebuilt from the stored
+embeddings). The memory side and the generation
 side each take one, so a server can run either alone or both over one context.
 """
 
@@ -14,6 +15,7 @@ from functools import cached_property
 from pathlib import Path
 
 from inferscale.compose.prompt import PromptFormat
+from inferscale.compose.salt import CacheSalts
 from inferscale.config import Config, build
 from inferscale.storage.disk import DiskStore
 
@@ -63,6 +65,11 @@ class Context:
     @cached_property
     def disk(self) -> DiskStore:
         return DiskStore(DiskStore.Options(root=str(self.config.kv_path)))
+
+    @cached_property
+    def salts(self) -> CacheSalts:
+        """Cache salts keyed with the server secret (``config.secret_path``, created on first use)."""
+        return CacheSalts.from_file(self.config.secret_path)
 
     @cached_property
     def embedder(self):

@@ -1,7 +1,10 @@
 """The generation side: retrieve a user's facts, lay out the prompt, answer.
 
 ``prompt`` builds what vLLM takes (token ids, cache salt, ``kv_transfer_params``)
-and needs no engine, so a server can send it to its own ``vllm serve``;
+and needs no engine, so a server can send it to its own ``vllm serve``. The
+cache salt is keyed with the server secret and the user's epoch
+(:mod:`inferscale.compose.salt`): only a holder of the secret can build a
+request the connector injects memory into, and users never share cached blocks;
 ``generate`` runs it on an in-process ``vllm.LLM`` built on first use.
 """
 
@@ -15,7 +18,7 @@ from functools import cached_property
 from typing import Any, Literal
 
 from inferscale.api.context import Context
-from inferscale.compose.request import make_params, segment_salt
+from inferscale.compose.request import make_params
 from inferscale.config import build
 from inferscale.errors import UnknownUserError
 from inferscale.facts import Hit
@@ -86,6 +89,7 @@ class GenerationAPI:
 
         ``recompute_tokens`` and ``key_scale`` override the connector's
         configured blend for this request (None: the configured one).
+        ``fresh_cache`` adds a nonce to the salt: no prefix-cache reuse at all.
         """
         ctx = self.context
         question = ctx.prompt_format.query_ids(ctx.tokenizer, query)
@@ -94,11 +98,15 @@ class GenerationAPI:
         segment = list(ctx.prefix_ids)
         for ids in ctx.disk.token_ids(user_id, list(fact_order)):
             segment.extend(ids)
+        epoch = ctx.disk.generation(user_id)
+        if epoch is None:  # deleted since its token ids were read
+            raise UnknownUserError(user_id)
         ids, order = segment + question, list(fact_order)
         nonce = f":{uuid.uuid4().hex}" if fresh_cache else ""
         if mode == "prompt":
-            return PromptRequest({"prompt_token_ids": ids, "cache_salt": f"text{nonce}"}, None, order, len(segment))
-        salt = segment_salt(user_id, segment, recompute_tokens, key_scale) + nonce
+            salt = ctx.salts.text(user_id, epoch) + nonce
+            return PromptRequest({"prompt_token_ids": ids, "cache_salt": salt}, None, order, len(segment))
+        salt = ctx.salts.segment(user_id, epoch, segment, recompute_tokens, key_scale) + nonce
         params = make_params(user_id, order, recompute_tokens, key_scale)
         return PromptRequest({"prompt_token_ids": ids, "cache_salt": salt}, params, order, len(segment))
 

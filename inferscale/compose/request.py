@@ -11,15 +11,18 @@ connector's configured defaults for this request (see
 :mod:`inferscale.compose.blend`). Anything else — wrong types, too many facts,
 duplicate or malformed ids, out-of-range values — is rejected with a reason;
 the request is then prefilled normally.
+
+The request's ``cache_salt`` is computed apart, with the server secret
+(:mod:`inferscale.compose.salt`): :meth:`SegmentRequest.salt`.
 """
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from inferscale.compose.salt import CacheSalts
 from inferscale.facts import check_id
 
 PARAMS_KEY = "inferscale"
@@ -39,9 +42,10 @@ class SegmentRequest:
     recompute_tokens: int | None = None  # None: the connector's default
     key_scale: float | None = None  # None: the connector's default
 
-    def salt(self, segment_token_ids: Sequence[int]) -> str:
-        """The cache salt this request must carry for a segment of these tokens."""
-        return segment_salt(self.user_id, segment_token_ids, self.recompute_tokens, self.key_scale)
+    def salt(self, salts: CacheSalts, epoch: str, segment_token_ids: Sequence[int]) -> str:
+        """The cache salt this request must carry for a segment of these tokens,
+        made from the user's memory at ``epoch`` (:meth:`KVStore.generation`)."""
+        return salts.segment(self.user_id, epoch, segment_token_ids, self.recompute_tokens, self.key_scale)
 
 
 def parse_params(params: Any) -> SegmentRequest | None:
@@ -109,31 +113,3 @@ def make_params(user_id: str, fact_ids: Sequence[str], recompute_tokens: int | N
     if key_scale is not None:
         body["key_scale"] = key_scale
     return {PARAMS_KEY: body}
-
-
-def _recipe(recompute_tokens: int | None, key_scale: float | None) -> str:
-    parts = []
-    if recompute_tokens is not None:
-        parts.append(f"r{recompute_tokens}")
-    if key_scale is not None:
-        parts.append(f"s{float(key_scale)!r}")
-    return ",".join(parts)
-
-
-def segment_salt(user_id: str, segment_token_ids: Sequence[int], recompute_tokens: int | None = None,
-                 key_scale: float | None = None) -> str:
-    """The ``cache_salt`` a request with injected memory must carry.
-
-    Injected KV is approximate (facts were encoded apart), so vLLM's prefix
-    cache must never serve it to a plain request with the same tokens. The
-    salt keys the cache by user and exact segment, so identical memory still
-    hits the prefix cache while plain requests never do. A request that sets
-    ``recompute_tokens`` or ``key_scale`` passes the same values here: K/V
-    made another way is cached apart.
-    """
-    digest = hashlib.sha256(user_id.encode())
-    digest.update(b"\x00")
-    digest.update(",".join(map(str, segment_token_ids)).encode())
-    if recipe := _recipe(recompute_tokens, key_scale):
-        digest.update(b"\x00" + recipe.encode())
-    return f"inferscale-{digest.hexdigest()[:32]}"

@@ -14,6 +14,7 @@ import torch
 from inferscale.compose.rope import RotaryEmbedding
 from inferscale.compose.segment import SYSTEM_USER, Segment, gather_segment
 from inferscale.compose.request import SegmentRequest
+from inferscale.compose.salt import CacheSalts
 from inferscale.errors import MissingFactError, ModelMismatchError
 from inferscale.kv import KVBatch
 from inferscale.storage.base import KVStore
@@ -26,8 +27,9 @@ class LoadSpec:
 
     Tokens ``start..end-1`` of the ``segment_len``-token segment go to
     ``slots`` (one slot per token); ``salt`` is the segment's cache salt: the
-    worker re-derives it from the token ids it gathered, so K/V is never
-    written under other tokens. The facts' keys are multiplied by
+    worker re-derives it from the token ids it gathered and the epoch of the
+    memory it gathered them from, so K/V is never written under other tokens
+    or from another version of the user's memory. The facts' keys are multiplied by
     ``key_scale`` (:mod:`inferscale.compose.blend`).
     """
 
@@ -58,8 +60,8 @@ def kv_head_range(num_kv_heads: int, tp_size: int, tp_rank: int) -> slice:
 
 class SegmentLoader:
     def __init__(self, store: KVStore, disk: KVStore, rope: RotaryEmbedding, heads: slice,
-                 device: torch.device | str, dtype: torch.dtype):
-        self.store, self.disk, self.rope = store, disk, rope
+                 device: torch.device | str, dtype: torch.dtype, salts: CacheSalts):
+        self.store, self.disk, self.rope, self.salts = store, disk, rope, salts
         self.heads, self.device, self.dtype = heads, torch.device(device), dtype
 
     def load(self, spec: LoadSpec, num_layers: int, head_size: int) -> Segment:
@@ -104,7 +106,9 @@ class SegmentLoader:
             batch = gather_segment(self.store, spec.user_id, spec.request.fact_ids, self.device)
         except MissingFactError:
             return None
-        return batch if spec.request.salt(batch.flat_token_ids()) == spec.salt else None
+        epoch = self.store.generation(spec.user_id)
+        salt = epoch and spec.request.salt(self.salts, epoch, batch.flat_token_ids())
+        return batch if salt == spec.salt else None
 
     def _refresh(self, user_id: str) -> None:
         for user in (SYSTEM_USER, user_id):

@@ -27,12 +27,14 @@ from typing import Any
 import torch
 
 from inferscale.compose.rope import RotaryEmbedding
+from inferscale.compose.salt import CacheSalts
 from inferscale.config import Config, build
 from inferscale.connector import compat
 from inferscale.compose.segment import Segment
 from inferscale.connector.layer_loads import LayerLoads
 from inferscale.connector.loader import LoadSpec, SegmentLoader, kv_head_range, slots_for
 from inferscale.connector.planner import NO_MEMORY, Plan, plan_request
+from inferscale.connector.report import client_report
 from inferscale.connector.stats import ConnectorStats, Fallback
 from inferscale.storage.disk import DiskStore
 
@@ -64,6 +66,7 @@ class InferScaleConnector(compat.KVConnectorBase_V1):
         self.config = config_from_extra(vllm_config.kv_transfer_config.kv_connector_extra_config)
         self.block_size = vllm_config.cache_config.block_size
         self.disk = disk_store(self.config)
+        self.salts = CacheSalts.from_file(self.config.secret_path)
         self.stats = ConnectorStats()
         if role == compat.KVConnectorRole.SCHEDULER:
             self.blend = self.config.blend(compat.device_type(vllm_config))
@@ -77,7 +80,7 @@ class InferScaleConnector(compat.KVConnectorBase_V1):
     # ---------------- scheduler side ----------------
 
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int, bool]:
-        plan = plan_request(self.disk, request.prompt_token_ids or [], request.kv_transfer_params,
+        plan = plan_request(self.disk, self.salts, request.prompt_token_ids or [], request.kv_transfer_params,
                             request.cache_salt, num_computed_tokens, self.blend)
         if plan is not NO_MEMORY:
             self._plans[request.request_id] = plan
@@ -122,13 +125,7 @@ class InferScaleConnector(compat.KVConnectorBase_V1):
                            fallback.value, plan.detail or "the worker could not load the memory")
         elif loaded:
             self.stats.record_injection(plan.num_external)
-        report = {
-            "segment_tokens": plan.segment_len,
-            "injected_tokens": plan.num_external if loaded and fallback is None else 0,
-            "recomputed_tokens": plan.recomputed if fallback is None else plan.segment_len,
-            "fallback": fallback.value if fallback else None,
-            "detail": plan.detail,
-        }
+        report = client_report(fallback, plan.num_external if loaded else 0, plan.recomputed)
         return False, {"inferscale": report}
 
     # ---------------- worker side ----------------
@@ -152,7 +149,8 @@ class InferScaleConnector(compat.KVConnectorBase_V1):
         self.layer_names = sorted(kv_caches, key=compat.layer_index)
         self._layer_of = {name: index for index, name in enumerate(self.layer_names)}
         first = kv_caches[self.layer_names[0]]
-        self.loader = SegmentLoader(self.store, self.disk, self.rope, self.heads, first.device, first.dtype)
+        self.loader = SegmentLoader(self.store, self.disk, self.rope, self.heads, first.device, first.dtype,
+                                    self.salts)
         self.layer_loads = LayerLoads(first.device, len(self.layer_names))
 
     def start_load_kv(self, forward_context, **kwargs: Any) -> None:

@@ -49,6 +49,12 @@ class KVStore(ABC):
     def nbytes(self, user_id: str) -> int:
         """Bytes of K/V held for the user."""
 
+    @abstractmethod
+    def generation(self, user_id: str) -> str | None:
+        """The version of the user's facts this store holds: an id that changes
+        whenever they change and is never reused (None: the store holds no facts
+        of the user). It is the user's epoch in cache salts (:mod:`inferscale.compose.salt`)."""
+
     def token_ids(self, user_id: str, fact_ids: Sequence[str]) -> list[tuple[int, ...]]:
         """The facts' token ids (no K/V moved); default goes through :meth:`get`."""
         return self.get(user_id, fact_ids, "cpu").token_ids

@@ -1,32 +1,37 @@
-"""DiskStore: one checksummed safetensors file per user, replaced atomically.
+"""DiskStore: each user's facts as a small index plus append-only K/V segment files.
 
-``<root>/<user_id>.safetensors`` holds all of a user's facts (format:
-:mod:`inferscale.storage.kvfile`, ``docs/storage-format.md``). Every write
-goes to a temp file in ``root`` (``.<user_id>.safetensors#<random>.tmp``),
-is flushed and fsynced, ``os.replace``d over the old file, and the directory
-is fsynced: a crash leaves either the old or the new file, never a mix.
-Writers (``put``/``delete``, which read-merge-rewrite) take an exclusive
-``flock`` on ``<root>/.lock``, so stores in several threads or processes
-sharing a root do not lose each other's updates. Readers take no lock.
+Format 3 (``docs/storage-format.md``)::
 
-The file holds everything a fact is — K/V, token ids, text, source turn and
-embedding — so one ``put`` commits a fact whole and every reader reads it from
-here. Every read of K/V verifies the file's checksum; ``embeddings`` (the
-index rebuild at start-up) reads the embedding tensors alone. ``list``/``token_ids``/
-``facts``/``nbytes`` use a small cache of verified indexes keyed by the file's
-(path, inode, mtime_ns, size), so they re-read a file only after it changed.
+    <root>/users/<user_id>/index.json             facts, token ids, records, segments, generation
+    <root>/users/<user_id>/seg-<hex>.safetensors  K/V (and embeddings), never modified once written
+    <root>/<user_id>.safetensors                  a format 1/2 file: read; its first write converts it
+    <root>/.lock                                  writers' lock
+
+Adding facts writes them as one new segment and replaces the index; it does
+not rewrite what is stored, except the few newest small segments it merges
+(:mod:`inferscale.storage.compaction`). Deleting or replacing a fact rewrites
+the segments that held it, so its bytes leave the disk. Every file is written
+to a temp file, fsynced and renamed (:mod:`inferscale.storage.files`); the
+index's rename is the commit: a crash leaves the old or the new version, and
+files it left behind are removed by the next write. Writers take an exclusive
+``flock`` on ``<root>/.lock``; readers take none (a segment removed under a
+reader sends it back to the new index).
+
+``list``/``token_ids``/``facts``/``nbytes``/``generation`` read only the
+index (verified by its own checksum; cached by the file's identity). Reads
+that return K/V (``get``, ``load_user``, ``read_user``) verify every segment
+they read, whole, against its checksum and the index.
 """
 
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import glob
 import os
-import tempfile
+import shutil
 import threading
 from collections import OrderedDict
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
@@ -34,35 +39,23 @@ from typing import Any, ClassVar
 import torch
 
 from inferscale.devices import resolve_device
-from inferscale.errors import UnknownUserError
+from inferscale.errors import CorruptDataError, UnknownUserError
 from inferscale.facts import Fact
 from inferscale.kv import FactKV, KVBatch
-from inferscale.storage import kvfile
+from inferscale.storage import files, kvfile, legacy
 from inferscale.storage.base import KVStore
 from inferscale.storage.blocks import empty_batch
-from inferscale.storage.layout import KVLayout, check_ids, check_layout, require_facts
+from inferscale.storage.compaction import segments_to_rewrite
+from inferscale.storage.index import INDEX_NAME, UserIndex, new_segment_name
+from inferscale.storage.layout import check_ids, check_layout, require_facts
+from inferscale.storage.segments import make_index, next_version, read_segments
 
 SUFFIX = ".safetensors"
-TEMP_SUFFIX = ".tmp"
+USERS_DIR = "users"
 LOCK_NAME = ".lock"
 CACHE_SIZE = 256
-
-
-@dataclass(frozen=True)
-class _Index:
-    """What ``list``/``token_ids``/``facts``/``nbytes`` need from a verified file."""
-
-    layout: KVLayout
-    token_ids: Mapping[str, tuple[int, ...]]
-    records: Mapping[str, dict]
-
-    @classmethod
-    def of(cls, user: kvfile.UserFile) -> _Index:
-        return cls(user.layout, {f: kv.token_ids for f, kv in user.facts.items()}, user.records)
-
-    @property
-    def nbytes(self) -> int:
-        return sum(len(ids) for ids in self.token_ids.values()) * self.layout.token_nbytes()
+#: reads that find a segment gone (a writer replaced it) retry with the new index this often
+READ_ATTEMPTS = 3
 
 
 class DiskStore(KVStore):
@@ -84,14 +77,14 @@ class DiskStore(KVStore):
         """Runtime keywords are accepted and ignored (the root comes from the options)."""
         self.root = Path(os.path.expanduser(options.root))
         self.root.mkdir(parents=True, exist_ok=True)
-        self._cache: OrderedDict[tuple, _Index] = OrderedDict()
+        self._cache: OrderedDict[tuple, UserIndex] = OrderedDict()
         self._cache_lock = threading.Lock()
 
     # -- the KVStore interface -------------------------------------------------
 
     def put(self, user_id: str, facts: Mapping[str, FactKV], records: Mapping[str, Fact] | None = None,
             embeddings: Mapping[str, torch.Tensor] | None = None) -> None:
-        """Merge ``facts`` into the user's file (read, verify, merge, rewrite atomically).
+        """Add or replace facts: appended as one new segment, committed by one index write.
 
         ``records`` (text and source turn) and ``embeddings`` of those facts, when
         given, are committed in the same write: a fact is stored whole or not at all.
@@ -99,22 +92,17 @@ class DiskStore(KVStore):
         check_ids(user_id, facts)
         if not facts:
             return
-        check_layout(user_id, facts, None)
+        layout = check_layout(user_id, facts, None)
         records, embeddings = dict(records or {}), dict(embeddings or {})
         if not set(records) | set(embeddings) <= set(facts):
             raise ValueError("records and embeddings must belong to the facts being put")
+        fresh = kvfile.UserFile(layout, dict(facts),
+                                {f: {"text": r.text, "source_turn": r.source_turn} for f, r in records.items()},
+                                {f: e.detach().to("cpu", torch.float32).reshape(-1) for f, e in embeddings.items()})
         with self._writer():
-            self._remove_temps(user_id)
-            old = self._read(user_id)
-            layout = check_layout(user_id, facts, old.layout if old else None)
-            merged = old or kvfile.UserFile(layout, {})
-            for fact_id, kv in facts.items():
-                merged.facts[fact_id] = kv
-                merged.records.pop(fact_id, None)
-                merged.embeddings.pop(fact_id, None)
-            merged.records.update({f: {"text": r.text, "source_turn": r.source_turn} for f, r in records.items()})
-            merged.embeddings.update({f: e.detach().to("cpu", torch.float32).reshape(-1) for f, e in embeddings.items()})
-            self._write(user_id, merged)
+            current = self._clean(user_id)
+            check_layout(user_id, facts, current.layout if current else None)
+            self._commit(user_id, current, fresh, set(facts))
 
     def get(self, user_id: str, fact_ids: Sequence[str], device: torch.device | str | None = None) -> KVBatch:
         target = resolve_device(device, torch.device("cpu"))
@@ -122,178 +110,228 @@ class DiskStore(KVStore):
         if not fact_ids:
             index = self._index(user_id)
             return empty_batch(index.layout if index else None, target)
-        user = self._require(user_id)
-        require_facts(user_id, fact_ids, user.facts)
+        _, user = self._read(user_id, fact_ids)
         kvs = [user.facts[f] for f in fact_ids]
         keys = torch.cat([kv.keys for kv in kvs], dim=1).to(target)
         values = torch.cat([kv.values for kv in kvs], dim=1).to(target)
         return KVBatch(fact_ids, [kv.token_ids for kv in kvs], keys, values)
 
     def delete(self, user_id: str, fact_ids: Sequence[str] | None = None) -> None:
-        """Idempotent. Deleting a whole user removes the file even if it is corrupt."""
-        path = self.path(user_id)
+        """Idempotent. Deleting a whole user removes their files even if they are corrupt."""
+        check_ids(user_id, ())
         with self._writer():
-            self._remove_temps(user_id)
             if fact_ids is None:
-                self._unlink(path)
+                self._remove_user(user_id)
                 return
-            old = self._read(user_id)
-            if old is None:
-                return
-            drop = set(fact_ids)
-            keep = [f for f in old.facts if f not in drop]
-            if len(keep) == len(old.facts):
-                return
-            if keep:
-                self._write(user_id, old.only(keep))
-            else:
-                self._unlink(path)
+            current = self._clean(user_id)
+            drop = set(fact_ids) & set(current.facts if current else ())
+            if drop:
+                self._commit(user_id, current, kvfile.UserFile(current.layout, {}), drop)
 
     def list(self, user_id: str) -> list[str]:
         index = self._index(user_id)
-        return list(index.token_ids) if index else []
+        return list(index.facts) if index else []
 
     def users(self) -> list[str]:
-        """Users with a data file (temp and lock files are never mistaken for one)."""
-        names = (p.name for p in self.root.iterdir() if p.name.endswith(SUFFIX) and p.is_file())
-        return sorted(name[: -len(SUFFIX)] for name in names)
+        """Users with an index or a format 1/2 file (temp and lock files are never mistaken for one)."""
+        users_dir = self.root / USERS_DIR
+        found = {d.name for d in users_dir.iterdir() if (d / INDEX_NAME).is_file()} if users_dir.is_dir() else set()
+        found |= {p.name[: -len(SUFFIX)] for p in self.root.iterdir() if p.name.endswith(SUFFIX) and p.is_file()}
+        return sorted(found)
 
     def nbytes(self, user_id: str) -> int:
-        """Bytes of K/V (not of the file) stored for the user."""
+        """Bytes of K/V (not of the files) stored for the user."""
         index = self._index(user_id)
         return index.nbytes if index else 0
 
     def token_ids(self, user_id: str, fact_ids: Sequence[str]) -> list[tuple[int, ...]]:
+        index = self._require_index(user_id)
+        require_facts(user_id, fact_ids, index.facts)
+        return [index.facts[f].token_ids for f in fact_ids]
+
+    def generation(self, user_id: str) -> str | None:
+        """The user's epoch: a random id renewed on every write (None: no such user)."""
         index = self._index(user_id)
-        if index is None:
-            raise UnknownUserError(user_id)
-        require_facts(user_id, fact_ids, index.token_ids)
-        return [index.token_ids[f] for f in fact_ids]
+        return index.generation if index else None
 
     # -- beyond the interface --------------------------------------------------
 
     def load_user(self, user_id: str) -> dict[str, FactKV]:
-        """All of the user's facts on the CPU, verified (to fill a memory tier)."""
-        return self._require(user_id).facts
+        """All of the user's facts on the CPU, verified."""
+        return self.read_user(user_id)[1]
+
+    def read_user(self, user_id: str) -> tuple[str, dict[str, FactKV]]:
+        """(generation, all facts verified, in order) of one version of the user (to fill a memory tier)."""
+        index, user = self._read(user_id, None)
+        return index.generation, {f: user.facts[f] for f in index.facts}
 
     def facts(self, user_id: str) -> dict[str, Fact]:
-        """The user's facts (text, source turn, token ids), no K/V moved; a fact
+        """The user's facts (text, source turn, token ids), no K/V read; a fact
         stored without a record has empty text."""
         index = self._index(user_id)
         if index is None:
             return {}
         out = {}
-        for fact_id, ids in index.token_ids.items():
-            record = index.records.get(fact_id, {})
-            out[fact_id] = Fact(fact_id, user_id, record.get("text", ""), record.get("source_turn"), ids)
+        for fact_id, entry in index.facts.items():
+            record = entry.record or {}
+            out[fact_id] = Fact(fact_id, user_id, record.get("text", ""), record.get("source_turn"), entry.token_ids)
         return out
 
     def embeddings(self, user_id: str) -> tuple[list[str], torch.Tensor]:
         """The fact_ids with an embedding and their vectors (``[n, dim]`` float32),
         read without the K/V (see :func:`kvfile.read_embeddings`)."""
         try:
-            vectors = kvfile.read_embeddings(str(self.path(user_id)), user_id)
-        except FileNotFoundError:
+            vectors = self._retrying(user_id, self._read_embeddings)
+        except UnknownUserError:
             return [], torch.empty(0, 0)
-        if not vectors:
-            return [], torch.empty(0, 0)
-        return list(vectors), torch.stack(list(vectors.values()))
+        ids = list(vectors)
+        return (ids, torch.stack([vectors[f] for f in ids])) if ids else ([], torch.empty(0, 0))
 
-    def path(self, user_id: str) -> Path:
-        """The user's data file."""
+    def user_dir(self, user_id: str) -> Path:
+        """The user's directory (format 3)."""
+        check_ids(user_id, ())
+        return self.root / USERS_DIR / user_id
+
+    def legacy_path(self, user_id: str) -> Path:
+        """Where a format 1/2 file of the user would be."""
         check_ids(user_id, ())
         return self.root / f"{user_id}{SUFFIX}"
 
     # -- reading ---------------------------------------------------------------
 
-    def _require(self, user_id: str) -> kvfile.UserFile:
-        user = self._read(user_id)
-        if user is None:
+    def _read(self, user_id: str, fact_ids: Sequence[str] | None) -> tuple[UserIndex, kvfile.UserFile]:
+        """The index and the verified facts of the segments holding ``fact_ids`` (None: all)."""
+        def read(index: UserIndex):
+            wanted = list(index.facts) if fact_ids is None else fact_ids
+            require_facts(user_id, wanted, index.facts)
+            names = dict.fromkeys(index.facts[f].segment for f in wanted)
+            return index, read_segments(index, {n: self._segment_path(index, n) for n in names})
+
+        return self._retrying(user_id, read)
+
+    def _read_embeddings(self, index: UserIndex) -> dict[str, torch.Tensor]:
+        vectors: dict[str, torch.Tensor] = {}
+        for name in index.segments:
+            vectors.update(kvfile.read_embeddings(str(self._segment_path(index, name)), index.user_id))
+        return {f: vectors[f] for f in index.facts if f in vectors}
+
+    def _retrying(self, user_id: str, read: Callable[[UserIndex], Any]) -> Any:
+        """``read(index)``, again with the new index when a writer removed a segment meanwhile."""
+        for _ in range(READ_ATTEMPTS):
+            with contextlib.suppress(FileNotFoundError):
+                return read(self._require_index(user_id))
+        raise CorruptDataError(f"{self.user_dir(user_id)}: a segment the index lists is missing")
+
+    def _require_index(self, user_id: str) -> UserIndex:
+        index = self._index(user_id)
+        if index is None:
             raise UnknownUserError(user_id)
-        return user
+        return index
 
-    def _read(self, user_id: str) -> kvfile.UserFile | None:
-        """The verified file, or None when there is none; remembers its index."""
-        path = self.path(user_id)
-        try:
-            fh = open(path, "rb")
-        except FileNotFoundError:
-            return None
-        with fh:
-            stat = os.fstat(fh.fileno())
-            data = fh.read()
-        user = kvfile.decode(data, user_id, str(path))
-        self._remember(_cache_key(path, stat), _Index.of(user))
-        return user
+    def _index(self, user_id: str) -> UserIndex | None:
+        """The user's index (format 3, else a format 1/2 file's), cached while the file is unchanged."""
+        current = self.user_dir(user_id) / INDEX_NAME
+        return (self._cached(current, user_id, _read_index)
+                or self._cached(self.legacy_path(user_id), user_id, legacy.read_index)
+                or self._cached(current, user_id, _read_index))  # converted meanwhile
 
-    def _index(self, user_id: str) -> _Index | None:
-        """The user's verified index, from the cache while the file is unchanged."""
-        path = self.path(user_id)
+    def _cached(self, path: Path, user_id: str, read: Callable[[Path, str], UserIndex]) -> UserIndex | None:
         try:
-            stat = os.stat(path)
+            key = (str(path), *files.identity(os.stat(path)))
         except FileNotFoundError:
             return None
         with self._cache_lock:
-            cached = self._cache.get(_cache_key(path, stat))
-        if cached is not None:
-            return cached
-        user = self._read(user_id)
-        return None if user is None else _Index.of(user)
-
-    def _remember(self, key: tuple, index: _Index) -> None:
+            if (hit := self._cache.get(key)) is not None:
+                return hit
+        try:
+            index = read(path, user_id)
+        except FileNotFoundError:
+            return None
         with self._cache_lock:
             self._cache[key] = index
             while len(self._cache) > CACHE_SIZE:
                 self._cache.popitem(last=False)
+        return index
+
+    def _segment_path(self, index: UserIndex, name: str) -> Path:
+        return self.legacy_path(index.user_id) if index.legacy else self.user_dir(index.user_id) / name
 
     # -- writing ---------------------------------------------------------------
 
     @contextlib.contextmanager
     def _writer(self) -> Iterator[None]:
-        """Exclusive across threads and processes sharing ``root`` (released on close)."""
-        with open(self.root / LOCK_NAME, "ab") as lock:
-            fcntl.flock(lock.fileno(), fcntl.LOCK_EX)
+        """Exclusive across threads and processes sharing ``root``."""
+        with files.exclusive_lock(self.root / LOCK_NAME):
             yield
 
-    def _write(self, user_id: str, user: kvfile.UserFile) -> None:
-        _atomic_write(self.path(user_id), kvfile.encode(user_id, user))
+    def _commit(self, user_id: str, current: UserIndex | None, fresh: kvfile.UserFile, drop: set[str]) -> None:
+        """Write the next version: one new segment (if it holds anything), then the index."""
+        rewritten = self._to_rewrite(current, fresh, drop)
+        carried = read_segments(current, {n: self._segment_path(current, n) for n in rewritten}) \
+            if rewritten else kvfile.UserFile(fresh.layout, {})
+        name = new_segment_name()
+        entries, segment = next_version(user_id, current, fresh, drop, carried, rewritten, name)
+        if not entries:
+            self._remove_user(user_id)
+            return
+        files.make_dir(self.user_dir(user_id))
+        written = self._write_segment(user_id, name, segment) if segment.facts else None
+        index = make_index(user_id, current, fresh.layout, entries, rewritten, written)
+        files.atomic_write(self.user_dir(user_id) / INDEX_NAME, index.encode())
+        for old in rewritten:
+            files.remove(self._segment_path(current, old))
+        self._sync_after_removal(user_id, current)
 
-    def _unlink(self, path: Path) -> None:
-        with contextlib.suppress(FileNotFoundError):
-            path.unlink()
-            _fsync_dir(path.parent)
+    @staticmethod
+    def _to_rewrite(current: UserIndex | None, fresh: kvfile.UserFile, drop: set[str]) -> list[str]:
+        if current is None:
+            return []
+        holding = {current.facts[f].segment for f in drop if f in current.facts}
+        new_bytes = sum(kv.nbytes for kv in fresh.facts.values())
+        return segments_to_rewrite(current.segment_kv_bytes(), holding, new_bytes, current.legacy)
+
+    def _write_segment(self, user_id: str, name: str, segment: kvfile.UserFile) -> tuple[str, str, int]:
+        data, sha256 = kvfile.encode(user_id, segment)
+        files.atomic_write(self.user_dir(user_id) / name, data)
+        return name, sha256, len(data)
+
+    def _sync_after_removal(self, user_id: str, current: UserIndex | None) -> None:
+        files.fsync_dir(self.user_dir(user_id))
+        if current is not None and current.legacy:
+            files.fsync_dir(self.root)
+
+    def _remove_user(self, user_id: str) -> None:
+        """Remove the format 1/2 file, then the index (the commit), then the rest."""
+        if files.remove(self.legacy_path(user_id)):
+            files.fsync_dir(self.root)
+        directory = self.user_dir(user_id)
+        if files.remove(directory / INDEX_NAME):
+            files.fsync_dir(directory)
+        if directory.is_dir():
+            shutil.rmtree(directory)
+            files.fsync_dir(directory.parent)
+
+    def _clean(self, user_id: str) -> UserIndex | None:
+        """The user's current index, after removing what crashed or superseded writes
+        left behind (we hold the write lock)."""
+        index = self._index(user_id)
+        self._remove_temps(user_id)
+        directory = self.user_dir(user_id)
+        if index is not None and not index.legacy and files.remove(self.legacy_path(user_id)):
+            files.fsync_dir(self.root)  # a format 1/2 file left by a crash right after its conversion
+        if directory.is_dir():
+            live = set() if index is None or index.legacy else set(index.segments)
+            for path in directory.iterdir():
+                if path.name != INDEX_NAME and path.name not in live:
+                    files.remove(path)
+        return index
 
     def _remove_temps(self, user_id: str) -> None:
-        """Drop temp files a crashed writer of this user left (we hold the write lock)."""
-        pattern = glob.escape(f".{user_id}{SUFFIX}") + "#*" + TEMP_SUFFIX
+        """Temp files of the format 1/2 writer that a crash left in the root."""
+        pattern = glob.escape(f".{user_id}{SUFFIX}") + "#*" + files.TEMP_SUFFIX
         for stale in self.root.glob(pattern):
-            with contextlib.suppress(FileNotFoundError):
-                stale.unlink()
+            files.remove(stale)
 
 
-def _atomic_write(path: Path, data: bytes) -> None:
-    """Temp file in the same directory, flush + fsync, ``os.replace``, fsync the directory."""
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}#", suffix=TEMP_SUFFIX)
-    try:
-        with os.fdopen(fd, "wb") as fh:
-            fh.write(data)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp)
-        raise
-    _fsync_dir(path.parent)
-
-
-def _fsync_dir(directory: Path) -> None:
-    fd = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _cache_key(path: Path, stat: os.stat_result) -> tuple:
-    return (str(path), stat.st_ino, stat.st_mtime_ns, stat.st_size)
+def _read_index(path: Path, user_id: str) -> UserIndex:
+    return UserIndex.decode(path.read_bytes(), user_id, str(path))

@@ -1,13 +1,15 @@
-"""The on-disk encoding of one user's facts: a checksummed safetensors file.
+"""The on-disk encoding of facts' K/V: a checksummed safetensors file.
 
-See ``docs/storage-format.md`` for the specification. In short, tensors
+In format 3 each file is one *segment* of a user's facts (the user's index,
+:mod:`inferscale.storage.index`, lists them); in formats 1 and 2 one file held
+all of a user's facts (still read, :mod:`inferscale.storage.legacy`). See
+``docs/storage-format.md`` for the specification. In short, tensors
 ``<fact_id>/keys`` and ``<fact_id>/values`` (``[L, T, H, D]``, the user's
 dtype), ``<fact_id>/token_ids`` (int64 ``[T]``) and, where the fact has one,
 ``<fact_id>/embedding`` (float32 ``[dim]``) per fact, and metadata
 ``format``, ``format_version``, ``user_id``, ``layout``, ``fact_ids``,
-``records`` (each fact's text and source turn) and ``sha256`` (see
-:func:`checksum`). Everything a fact is travels in one file, so one atomic
-write commits it whole.
+``records`` (each fact's text and source turn; empty in a segment, whose
+records live in the index) and ``sha256`` (see :func:`checksum`).
 """
 
 from __future__ import annotations
@@ -27,9 +29,10 @@ from inferscale.kv import FactKV
 from inferscale.storage.layout import KVLayout
 
 FORMAT = "inferscale-kv"
-FORMAT_VERSION = "2"
-#: versions this code reads (version 1 files have no records or embeddings)
-READABLE_VERSIONS = ("1", "2")
+FORMAT_VERSION = "3"
+#: versions this code reads (version 1 files have no records or embeddings; version 3
+#: files are segments, whose records live in the user's index)
+READABLE_VERSIONS = ("1", "2", "3")
 CHECKSUM_KEY = "sha256"
 PARTS = ("keys", "values", "token_ids")
 EMBEDDING = "embedding"
@@ -37,20 +40,16 @@ EMBEDDING = "embedding"
 
 @dataclass
 class UserFile:
-    """A user's verified facts: K/V with token ids, and each fact's record
-    (``{"text", "source_turn"}``) and embedding where it has them."""
+    """Facts of one file (a segment, or a whole user in format 1/2), verified: K/V
+    with token ids, and each fact's record (``{"text", "source_turn"}``) and
+    embedding where it has them."""
 
     layout: KVLayout
     facts: dict[str, FactKV]
     records: dict[str, dict] = field(default_factory=dict)
     embeddings: dict[str, torch.Tensor] = field(default_factory=dict)
-
-    def only(self, fact_ids) -> UserFile:
-        """The same file restricted to ``fact_ids`` (in that order)."""
-        keep = [f for f in fact_ids if f in self.facts]
-        return UserFile(self.layout, {f: self.facts[f] for f in keep},
-                        {f: self.records[f] for f in keep if f in self.records},
-                        {f: self.embeddings[f] for f in keep if f in self.embeddings})
+    #: the file's checksum (set when decoded)
+    sha256: str = ""
 
 
 def tensor_name(fact_id: str, part: str) -> str:
@@ -80,8 +79,9 @@ def checksum(metadata: Mapping[str, str], tensors: Mapping[str, torch.Tensor]) -
     return digest.hexdigest()
 
 
-def encode(user_id: str, user: UserFile) -> bytes:
-    """The file's bytes for a user's facts (all of ``user.layout``), in their order."""
+def encode(user_id: str, user: UserFile) -> tuple[bytes, str]:
+    """The file's bytes for a user's facts (all of ``user.layout``), in their order,
+    and its checksum."""
     tensors: dict[str, torch.Tensor] = {}
     for fact_id, kv in user.facts.items():
         tensors[tensor_name(fact_id, "keys")] = _owned_cpu(kv.keys)
@@ -98,21 +98,21 @@ def encode(user_id: str, user: UserFile) -> bytes:
         "records": json.dumps({f: user.records[f] for f in user.facts if f in user.records}, sort_keys=True),
     }
     metadata[CHECKSUM_KEY] = checksum(metadata, tensors)
-    return st_save(tensors, metadata)
+    return st_save(tensors, metadata), metadata[CHECKSUM_KEY]
 
 
 def decode(data: bytes, user_id: str, where: str) -> UserFile:
     """Parse and verify a file's bytes; any defect raises CorruptDataError naming ``where``."""
     metadata, tensors = _parse(data, where)
-    _check_header(metadata, user_id, where)
+    check_header(metadata, user_id, where)
     if metadata[CHECKSUM_KEY] != checksum(metadata, tensors):
         raise CorruptDataError(f"{where}: checksum mismatch (the file was altered or damaged)")
     try:
         layout = KVLayout.from_dict(json.loads(metadata["layout"]))
         fact_ids = json.loads(metadata["fact_ids"])
-        records = _records(json.loads(metadata.get("records", "{}")), fact_ids)
+        records = check_records(json.loads(metadata.get("records", "{}")), fact_ids)
         embeddings = _embeddings(tensors, fact_ids)
-        return UserFile(layout, _facts(layout, fact_ids, tensors), records, embeddings)
+        return UserFile(layout, _facts(layout, fact_ids, tensors), records, embeddings, metadata[CHECKSUM_KEY])
     except (ValueError, TypeError, KeyError) as exc:
         raise CorruptDataError(f"{where}: inconsistent contents ({exc})") from exc
 
@@ -124,7 +124,7 @@ def read_embeddings(path: str, user_id: str) -> dict[str, torch.Tensor]:
     try:
         with safe_open(path, framework="pt") as fh:
             metadata = fh.metadata() or {}
-            _check_header(metadata, user_id, path)
+            check_header(metadata, user_id, path)
             names = set(fh.keys())
             wanted = [f for f in json.loads(metadata["fact_ids"]) if tensor_name(f, EMBEDDING) in names]
             tensors = {tensor_name(f, EMBEDDING): fh.get_tensor(tensor_name(f, EMBEDDING)) for f in wanted}
@@ -151,7 +151,7 @@ def _parse(data: bytes, where: str) -> tuple[dict[str, str], dict[str, torch.Ten
     return metadata, tensors
 
 
-def _check_header(metadata: Mapping[str, str], user_id: str, where: str) -> None:
+def check_header(metadata: Mapping[str, str], user_id: str, where: str) -> None:
     if metadata.get("format") != FORMAT:
         raise CorruptDataError(f"{where}: not an {FORMAT} file (format={metadata.get('format')!r})")
     if metadata.get("format_version") not in READABLE_VERSIONS:
@@ -174,7 +174,7 @@ def _embeddings(tensors: dict[str, torch.Tensor], fact_ids: list) -> dict[str, t
     return out
 
 
-def _records(records, fact_ids: list) -> dict[str, dict]:
+def check_records(records, fact_ids: list) -> dict[str, dict]:
     if not isinstance(records, dict) or not set(records) <= set(fact_ids):
         raise ValueError("records name facts the file does not hold")
     for record in records.values():

@@ -67,11 +67,22 @@ class KVLayout:
         return cls(*dims, dtype)
 
 
+#: users whose id starts with this are the library's own (the instruction prefix's ``_system``);
+#: requests cannot name them (:func:`inferscale.compose.request.parse_params`)
+INTERNAL_PREFIX = "_"
+
+
 def check_ids(user_id: str, fact_ids: Iterable[str]) -> None:
-    """User and fact ids are short ASCII names (they become file and tensor names)."""
+    """User and fact ids are short ASCII names (they become directory, file and tensor names)."""
     check_id(user_id, "user_id")
+    if user_id in (".", ".."):
+        raise ValueError(f"user_id {user_id!r} is not a usable name")
     for fact_id in fact_ids:
         check_id(fact_id, "fact_id")
+
+
+def is_internal(user_id: str) -> bool:
+    return user_id.startswith(INTERNAL_PREFIX)
 
 
 def check_layout(user_id: str, facts: Mapping[str, FactKV], expected: KVLayout | None) -> KVLayout | None:

@@ -1,10 +1,21 @@
-"""What the in-process (volatile) stores share: users' facts held as blocks.
+"""What the in-process (volatile) stores share: users' facts held as blocks, within a byte budget.
 
 A subclass decides only *where* blocks live (:meth:`ResidentStore._place`); the
-bookkeeping, the errors and the gather are here. Each user's state is one
-immutable :class:`UserKV` swapped in whole, so ``get`` reads a consistent
-snapshot without taking a lock while writers (serialised by a lock) build
-the next one.
+bookkeeping, the budget, the errors and the gather are here. Each user's
+state is one immutable :class:`UserKV` swapped in whole, so ``get`` reads a
+consistent snapshot without taking a lock while writers (serialised by a
+lock) build the next one.
+
+**Budget.** The store holds at most ``max_bytes`` of K/V. Making room for a
+user evicts whole users, least recently used first (``get`` counts as a
+use); the users the library keeps for itself (ids starting with ``_``, i.e.
+the instruction prefix every request reads) are never evicted. A user larger
+than the room that can be made is refused (:class:`CapacityError`). While a
+user is replaced, its old and new copies briefly coexist.
+
+**Generation.** Each user's copy carries the generation of the version it
+holds: the disk's, when it was loaded from there (:meth:`load`,
+:func:`inferscale.storage.tiered.ensure_user`), or a new one at every ``put``.
 """
 
 from __future__ import annotations
@@ -18,14 +29,18 @@ from typing import Any
 import torch
 
 from inferscale.devices import auto_device, check_device, resolve_device, runtime_device
-from inferscale.errors import UnknownUserError
+from inferscale.errors import CapacityError, UnknownUserError
 from inferscale.kv import FactKV, KVBatch
 from inferscale.storage.base import KVStore
 from inferscale.storage.blocks import batch_from_blocks, empty_batch, gather_blocks
-from inferscale.storage.layout import KVLayout, check_ids, check_layout, require_facts
+from inferscale.storage.index import new_generation
+from inferscale.storage.layout import KVLayout, check_ids, check_layout, is_internal, require_facts
+from inferscale.storage.lru import UsageOrder
 
 #: what :meth:`ResidentStore._place` receives per fact: a block it already holds, or a new fact
 Source = torch.Tensor | FactKV
+#: the default budget of a memory store (bytes of K/V)
+DEFAULT_MAX_BYTES = 4 << 30
 
 
 @dataclass(frozen=True)
@@ -35,10 +50,11 @@ class UserKV:
     layout: KVLayout
     blocks: Mapping[str, torch.Tensor]
     token_ids: Mapping[str, tuple[int, ...]]
+    generation: str
 
     @property
     def nbytes(self) -> int:
-        return sum(len(ids) for ids in self.token_ids.values()) * self.layout.token_nbytes()
+        return _nbytes(self.layout, self.token_ids.values())
 
 
 class ResidentStore(KVStore):
@@ -51,16 +67,23 @@ class ResidentStore(KVStore):
         #: the device ``get`` delivers to by default (for hbm, also where K/V live);
         #: None: the current CUDA device if there is one, else the CPU
         device: str | None = None
+        #: bytes of K/V held at most; least recently used users are evicted past it (None: no limit)
+        max_bytes: int | None = DEFAULT_MAX_BYTES
 
         def __post_init__(self):
             check_device(self.device)
+            value = self.max_bytes
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
+                raise ValueError(f"max_bytes must be an integer >= 0 or None, got {value!r}")
 
     def __init__(self, options: Options | None = None, **runtime: Any):
         """``runtime["device"]`` is used when the options name none; other runtime keys are ignored."""
         options = options or self.Options()
         #: where ``get`` puts the batch when the caller names no device
         self.device = auto_device(options.device or runtime_device(runtime))
+        self.max_bytes = options.max_bytes
         self._users: dict[str, UserKV] = {}
+        self._order = UsageOrder()
         self._write_lock = threading.Lock()
 
     @abstractmethod
@@ -68,6 +91,7 @@ class ResidentStore(KVStore):
         """Blocks for every fact in ``sources`` (same order), in this store's memory."""
 
     def put(self, user_id: str, facts: Mapping[str, FactKV]) -> None:
+        """Add or replace facts of one user (a new generation)."""
         check_ids(user_id, facts)
         if not facts:
             return
@@ -79,7 +103,21 @@ class ResidentStore(KVStore):
             token_ids = dict(old.token_ids) if old else {}
             sources.update(facts)
             token_ids.update((fact_id, kv.token_ids) for fact_id, kv in facts.items())
-            self._users[user_id] = UserKV(layout, self._place(layout, sources), token_ids)
+            self._make_room(user_id, _nbytes(layout, token_ids.values()))
+            self._install(user_id, UserKV(layout, self._place(layout, sources), token_ids, new_generation()))
+
+    def load(self, user_id: str, facts: Mapping[str, FactKV], generation: str) -> None:
+        """Hold exactly ``facts`` for the user, as version ``generation`` of another tier.
+        Raises :class:`CapacityError` (holding nothing for the user) when they do not fit."""
+        check_ids(user_id, facts)
+        layout = check_layout(user_id, facts, None)
+        with self._write_lock:
+            self._drop(user_id)
+            if layout is None:
+                return
+            token_ids = {fact_id: kv.token_ids for fact_id, kv in facts.items()}
+            self._make_room(user_id, _nbytes(layout, token_ids.values()))
+            self._install(user_id, UserKV(layout, self._place(layout, facts), token_ids, generation))
 
     def get(self, user_id: str, fact_ids: Sequence[str], device: torch.device | str | None = None) -> KVBatch:
         target = resolve_device(device, self.device)
@@ -89,6 +127,7 @@ class ResidentStore(KVStore):
             return empty_batch(user.layout if user else None, target)
         user = self._require(user_id, user)
         require_facts(user_id, fact_ids, user.blocks)
+        self._order.touch(user_id)
         stacked = gather_blocks([user.blocks[f] for f in fact_ids], target)
         return batch_from_blocks(fact_ids, [user.token_ids[f] for f in fact_ids], stacked)
 
@@ -108,10 +147,10 @@ class ResidentStore(KVStore):
             if len(keep) == len(old.blocks):
                 return
             if not keep:
-                del self._users[user_id]
+                self._drop(user_id)
                 return
             token_ids = {f: old.token_ids[f] for f in keep}
-            self._users[user_id] = UserKV(old.layout, self._place(old.layout, keep), token_ids)
+            self._install(user_id, UserKV(old.layout, self._place(old.layout, keep), token_ids, new_generation()))
 
     def list(self, user_id: str) -> list[str]:
         user = self._users.get(user_id)
@@ -124,8 +163,45 @@ class ResidentStore(KVStore):
         user = self._users.get(user_id)
         return user.nbytes if user else 0
 
+    def generation(self, user_id: str) -> str | None:
+        user = self._users.get(user_id)
+        return user.generation if user else None
+
+    def resident_bytes(self) -> int:
+        """Bytes of K/V held for every user (at most ``max_bytes``)."""
+        return sum(user.nbytes for user in list(self._users.values()))
+
+    # -- internals (the write lock is held) -------------------------------------------
+
+    def _make_room(self, user_id: str, need: int) -> None:
+        """Evict least recently used users until ``need`` more bytes fit beside the others."""
+        if self.max_bytes is None:
+            return
+        others = self.resident_bytes() - self.nbytes(user_id)
+        while others + need > self.max_bytes:
+            victim = self._order.oldest(spare=lambda u: u == user_id or is_internal(u))
+            if victim is None:
+                raise CapacityError(
+                    f"kv_store {self.name!r}: user {user_id!r} needs {need} bytes of K/V; at most "
+                    f"{self.max_bytes - others} of max_bytes={self.max_bytes} can be freed "
+                    f"(users whose id starts with '_' are never evicted)")
+            others -= self.nbytes(victim)
+            self._drop(victim)
+
+    def _install(self, user_id: str, user: UserKV) -> None:
+        self._users[user_id] = user
+        self._order.add(user_id)
+
+    def _drop(self, user_id: str) -> None:
+        self._users.pop(user_id, None)
+        self._order.forget(user_id)
+
     @staticmethod
     def _require(user_id: str, user: UserKV | None) -> UserKV:
         if user is None:
             raise UnknownUserError(user_id)
         return user
+
+
+def _nbytes(layout: KVLayout, token_ids) -> int:
+    return sum(len(ids) for ids in token_ids) * layout.token_nbytes()

@@ -1,10 +1,11 @@
 """A volatile store (hbm/pinned) fronted by the disk store.
 
 The disk store is the source of truth and the only one writers write; the
-memory store is a cache of whole users. :func:`ensure_user` loads a user on
-first use. A reader that finds the cached facts differ from what it was asked
-for (another process wrote to disk since) drops the user and loads it again
-(``connector/loader.py``).
+memory store is a cache of whole users. :func:`ensure_user` makes the memory
+store hold the disk's current version of a user, told by the user's
+generation (renewed by every write to the disk, read from the user's index),
+not by comparing facts: a fact re-encoded under the same token ids is a new
+version too.
 """
 
 from __future__ import annotations
@@ -15,16 +16,21 @@ from inferscale.storage.disk import DiskStore
 
 
 def ensure_user(memory: KVStore, disk: DiskStore, user_id: str) -> bool:
-    """Load the user from disk into ``memory`` unless it is there; True if it loaded.
+    """Load the user from disk into ``memory`` unless it holds the disk's current
+    version; True if it loaded. A user gone from disk is dropped from memory.
 
-    A user on neither tier is left alone (False). Two callers racing both load
-    the same facts, which is harmless (``put`` replaces).
+    A store that is not volatile (the disk store itself) is left alone. Two
+    callers racing both load the same version, which is harmless.
     """
-    if memory.has_user(user_id):
+    if not memory.volatile:
+        return False
+    current = disk.generation(user_id)
+    if current is not None and memory.generation(user_id) == current:
         return False
     try:
-        facts = disk.load_user(user_id)
+        generation, facts = disk.read_user(user_id)
     except UnknownUserError:
+        memory.delete(user_id)
         return False
-    memory.put(user_id, facts)
+    memory.load(user_id, facts, generation)
     return True

@@ -1,0 +1,62 @@
+"""Cache salts: the key of vLLM's prefix cache for a request, which no client can compute.
+
+vLLM reuses cached K/V blocks across requests with the same ``cache_salt`` and
+the same leading tokens. Injected K/V is approximate and belongs to one user,
+so a salt must (1) differ between users and between memories, and (2) be
+unknowable to anyone who could send a request to the engine directly: the
+connector injects memory only into a request carrying the right salt, and
+only that request's salt reads the blocks back from the prefix cache.
+
+A salt is HMAC-SHA256, keyed with the server secret (:mod:`inferscale.secret`),
+over the user, the user's *epoch* (the generation of their stored memory,
+renewed on every write and never reused, :meth:`KVStore.generation`), and, for
+injected memory, the segment's token ids and recipe (recompute budget, key
+scale). Deleting, updating or re-encoding a user's memory changes the epoch,
+so salts issued before never match again; prompt-mode requests (facts as text)
+are salted per user and epoch too, so users never share cached blocks.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import json
+import os
+from collections.abc import Sequence
+
+PREFIX = "inferscale-"
+#: hex digits kept from the HMAC (128 bits)
+DIGITS = 32
+
+
+class CacheSalts:
+    """Computes cache salts with one secret key."""
+
+    def __init__(self, secret: bytes):
+        if not isinstance(secret, bytes) or not secret:
+            raise ValueError("a cache salt key must be non-empty bytes")
+        self._key = secret
+
+    @classmethod
+    def from_file(cls, path: str | os.PathLike) -> CacheSalts:
+        """Keyed with the server secret in ``path`` (created on first use), e.g. ``config.secret_path``."""
+        from inferscale.secret import load_secret
+
+        return cls(load_secret(path))
+
+    def segment(self, user_id: str, epoch: str, token_ids: Sequence[int], recompute_tokens: int | None = None,
+                key_scale: float | None = None) -> str:
+        """The salt of a request with injected memory: this user, epoch, segment and recipe."""
+        recipe = [recompute_tokens, None if key_scale is None else float(key_scale)]
+        return self._mac(["segment", user_id, epoch, [int(t) for t in token_ids], recipe])
+
+    def text(self, user_id: str, epoch: str) -> str:
+        """The salt of a prompt-mode request (the user's facts as text)."""
+        return self._mac(["text", user_id, epoch])
+
+    def _mac(self, fields: list) -> str:
+        message = json.dumps(fields, separators=(",", ":")).encode()
+        return PREFIX + hmac.new(self._key, message, hashlib.sha256).hexdigest()[:DIGITS]
+
+    def __repr__(self) -> str:  # never print the key
+        return "CacheSalts(<secret>)"

@@ -1,0 +1,43 @@
+"""What a client is told about its request's memory, and what only the server log gets.
+
+The report returned in the request's output (``kv_transfer_params["inferscale"]``)
+must not help anyone who can reach the engine learn about other users' memory:
+whether a user or a fact exists, how long a memory segment is, where a prompt
+first differs from it, or where files live. So a request that got no memory
+is told one coarse code, whatever the reason:
+
+* ``invalid_params``: its ``kv_transfer_params`` are malformed (a property of
+  the request alone);
+* ``refused``: anything about the stored memory or the salt (unknown user or
+  fact, another user's fact, wrong or stale salt, token mismatch, prompt too
+  short, unreadable index);
+* ``load_error``: the worker could not load memory the scheduler had accepted
+  (only a request carrying the right salt gets this far); vLLM recomputed it.
+
+The precise reason (:class:`~inferscale.connector.stats.Fallback`) and its
+detail go to the server log and the connector's counters.
+"""
+
+from __future__ import annotations
+
+from inferscale.connector.stats import Fallback
+
+INVALID_PARAMS = "invalid_params"
+REFUSED = "refused"
+LOAD_ERROR = "load_error"
+
+
+def client_code(fallback: Fallback) -> str:
+    """The coarse code a client sees for a fallback."""
+    if fallback is Fallback.INVALID_PARAMS:
+        return INVALID_PARAMS
+    if fallback is Fallback.LOAD_ERROR:
+        return LOAD_ERROR
+    return REFUSED
+
+
+def client_report(fallback: Fallback | None, injected_tokens: int, recomputed_tokens: int) -> dict:
+    """``{"injected_tokens", "recomputed_tokens", "fallback"}``; a fallback reports no token counts."""
+    if fallback is not None:
+        return {"injected_tokens": 0, "recomputed_tokens": 0, "fallback": client_code(fallback)}
+    return {"injected_tokens": injected_tokens, "recomputed_tokens": recomputed_tokens, "fallback": None}
