@@ -47,6 +47,8 @@ STEPS = [
     ("inferscale.compose.rope", "RotaryEmbedding.rotate", "worker: RoPE"),
     ("inferscale.compose.rope", "RotaryEmbedding.rotate_range", "worker: RoPE"),
     ("inferscale.connector.compat", "write_kv", "worker: cache writes"),
+    ("inferscale.connector.loader", "SegmentLoader.sources", "worker: sources + salt check"),
+    ("inferscale.connector.fused_write", "write_segment", "worker: fused cache write"),
     ("inferscale.connector.vllm_adapter", "InferScaleConnector.wait_for_layer_load", "worker: wait_for_layer_load"),
     ("inferscale.connector.vllm_adapter", "InferScaleConnector.request_finished", "scheduler: request_finished"),
 ]
@@ -156,6 +158,11 @@ def profile(llm, prompt: dict, params: dict | None, n: int) -> dict:
     return {"ranges": ranges, "cuda_calls": calls, "top_kernels": kernels[:15]}
 
 
+def fused(args) -> dict:
+    """Config.fused_write when asked for (absent from code that predates it)."""
+    return {"fused_write": True} if args.fused_write else {}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shape", default="llama-3.1-8b", choices=sorted(SHAPES))
@@ -166,6 +173,7 @@ def main() -> None:
     parser.add_argument("--kv-store", default="hbm", choices=("pinned", "hbm"))
     parser.add_argument("--reps", type=int, default=20)
     parser.add_argument("--profiled", type=int, default=5)
+    parser.add_argument("--fused-write", action="store_true", help="Config.fused_write: one kernel per request")
     parser.add_argument("--cuda-graphs", action="store_true")
     parser.add_argument("--label", default="", help="what code this is (goes into the JSON)")
     parser.add_argument("--out", default="benchmarks/results/inject_profile.json")
@@ -187,7 +195,8 @@ def main() -> None:
     model.mkdir()
     (model / "config.json").write_text(json.dumps(cfg))
     _, prefix, facts = write_memory(work, cfg, [args.k], args.fact_tokens, args.prefix_tokens)
-    config = Config(model=str(model), data_dir=str(work), kv_store=BackendSpec(args.kv_store), recompute_tokens=0)
+    config = Config(model=str(model), data_dir=str(work), kv_store=BackendSpec(args.kv_store), recompute_tokens=0,
+                    **fused(args))
     memory = {"gpu_memory_utilization": 0.5} if torch.cuda.is_available() else {"kv_cache_memory_bytes": 256 << 20}
     llm = LLM(model=str(model), load_format="dummy", skip_tokenizer_init=True, dtype="bfloat16",
               max_model_len=8192, enforce_eager=not args.cuda_graphs, enable_prefix_caching=True,
@@ -204,7 +213,8 @@ def main() -> None:
     }
     result = {
         "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
-        "label": args.label, "command": " ".join(["python", *sys.argv]), "shape": args.shape, "k": args.k,
+        "label": args.label, "fused_write": args.fused_write, "command": " ".join(["python", *sys.argv]),
+        "shape": args.shape, "k": args.k,
         "memory_tokens": len(segment), "kv_store": args.kv_store, "cuda_graphs": args.cuda_graphs,
         "annotated": annotated, **times,
         "kv_host_ms": host_times(llm, kv_prompt, params, args.reps),

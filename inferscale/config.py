@@ -119,6 +119,9 @@ class Config:
     key_scale: float = 1.0
     #: at most this many facts are kept per conversation turn (Mem0 extraction or given facts)
     max_facts_per_turn: int = 5
+    #: on CUDA, write a request's memory into the paged cache with one fused kernel per request
+    #: (connector/fused_write.py) instead of whole-tensor ops and one backend write per layer
+    fused_write: bool = False
     #: the server secret that keys cache salts (created, mode 0600, on first use); "" = <data_dir>/secret
     secret_file: str = ""
 
@@ -130,6 +133,8 @@ class Config:
         for name in ("instruction", "closing", "secret_file"):
             if not isinstance(getattr(self, name), str):
                 raise ConfigError(f"{name} must be a string")
+        if not isinstance(self.fused_write, bool):
+            raise ConfigError(f"fused_write must be true or false, got {self.fused_write!r}")
         if self.fact_style not in FACT_STYLES:
             raise ConfigError(f"fact_style must be one of {', '.join(FACT_STYLES)}, got {self.fact_style!r}")
         try:

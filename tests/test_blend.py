@@ -189,3 +189,33 @@ def test_loader_never_writes_another_version_of_the_memory(disk):
     segment = loader.load(now, num_layers=2, head_size=8)
     expected = _loader(disk).load(now, num_layers=2, head_size=8)
     assert torch.equal(segment.keys, expected.keys)
+
+
+def test_fused_sources_point_at_the_segments_stored_rows(disk):
+    """What the fused kernel reads (raw addresses into the store's blocks) is the segment's
+    pre-RoPE K/V, token for token, layer for layer; and it is checked as load() is."""
+    import ctypes
+
+    from inferscale.compose.segment import gather_segment
+
+    order = ["a", "b", "c"]
+    loader = _loader(disk)
+    spec = _spec(disk, order, 6, 18, key_scale=1.25)
+    sources, first_fact = loader.sources(spec, num_layers=2, head_size=8)
+    batch = gather_segment(loader.store, "ann", order)
+    assert first_fact == batch.offsets[1] - 6
+    row = batch.keys.shape[2] * batch.keys.shape[3]
+
+    def read(address: int) -> torch.Tensor:
+        return torch.tensor(list((ctypes.c_float * row).from_address(address))).view(batch.keys.shape[2:])
+
+    for t in range(12):
+        for layer in range(2):
+            step = int(sources.layer_stride[t]) * layer * 4
+            assert torch.equal(read(int(sources.k_addr[t]) + step), batch.keys[layer, 6 + t])
+            assert torch.equal(read(int(sources.v_addr[t]) + step), batch.values[layer, 6 + t])
+    with pytest.raises(ValueError):
+        loader.sources(_spec(disk, order, 0, 19), num_layers=2, head_size=8)
+    forged = LoadSpec("r1", spec.request, 6, 18, spec.segment_len, spec.slots, "0" * 64, 1.25)
+    with pytest.raises(ValueError, match="changed since"):
+        loader.sources(forged, num_layers=2, head_size=8)

@@ -26,6 +26,8 @@ GREEDY_TOKENS = 8
 #: INFERSCALE_TEST_CUDA_GRAPHS=1 (GPU machine): engines capture CUDA graphs, so injection is
 #: also checked under piecewise and full graph replay
 EAGER = os.environ.get("INFERSCALE_TEST_CUDA_GRAPHS") != "1"
+#: INFERSCALE_TEST_FUSED_WRITE=1 (GPU machine): the connector writes with the fused kernel
+FUSED_WRITE = os.environ.get("INFERSCALE_TEST_FUSED_WRITE") == "1"
 TOP_LOGPROBS = 5
 
 
@@ -33,7 +35,7 @@ def engine_config(model_dir: Path, data_dir: Path, dtype: str, recompute_tokens:
     """The connector's config; by default every memory token is injected (no tail recompute),
     so a test compares injected K/V with plain prefill token for token."""
     return Config(model=ModelSpec(path=str(model_dir), dtype=dtype), data_dir=str(data_dir),
-                  kv_store=BackendSpec("pinned"), recompute_tokens=recompute_tokens)
+                  kv_store=BackendSpec("pinned"), recompute_tokens=recompute_tokens, fused_write=FUSED_WRITE)
 
 
 @contextlib.contextmanager

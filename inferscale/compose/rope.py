@@ -130,7 +130,7 @@ class RotaryEmbedding:
             raise ModelMismatchError(f"expected x of shape [..., T, H, {self.head_size}], got {tuple(x.shape)}")
         if start < 0:
             raise ValueError(f"positions must be non-negative, got start={start}")
-        cos, sin = self._table(x.device, start + x.shape[-3])
+        cos, sin = self.table(x.device, start + x.shape[-3])
         cos, sin = cos[start:start + x.shape[-3], None, :], sin[start:start + x.shape[-3], None, :]
         xf = x.to(torch.float32)
         rot = xf[..., : self.rotary_dim]
@@ -182,7 +182,7 @@ class RotaryEmbedding:
             self._inv_freq_on[device] = self.inv_freq.to(device)
         return self._inv_freq_on[device]
 
-    def _table(self, device: torch.device, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def table(self, device: torch.device, length: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Per-position ``[cos, cos]`` and ``[-sin, sin]`` rows over the rotary dims (neox;
         interleaved for gptj), float32, times attention_scaling, for at least ``length`` positions."""
         table = self._tables.get(device)

@@ -109,6 +109,25 @@ def layer_kv_cache(layer: torch.nn.Module, forward_context) -> torch.Tensor:
     return kv_cache
 
 
+def kv_cache_views(layer: torch.nn.Module, forward_context) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The K and V views ``[num_blocks, block_size, kv_heads, head_size]`` of a layer's paged
+    cache, exactly as its backend's own cache-write op addresses them; None for a layout or
+    a cache dtype not known here (the caller then writes through :func:`write_kv`).
+
+    Known: FlashAttention in vLLM 0.26 (CUDA), whose cache is ``[blocks, heads, slots,
+    2 * head_size]`` with K and V side by side in the last dim.
+    """
+    impl = getattr(layer, "impl", None)
+    kv_cache = layer_kv_cache(layer, forward_context)
+    head_size = getattr(impl, "head_size", None)
+    if type(impl).__name__ != "FlashAttentionImpl" or VLLM_VERSION != (0, 26) or kv_cache.device.type != "cuda" \
+            or getattr(layer, "kv_cache_dtype", "auto") not in ("auto", "bfloat16", "float16") or kv_cache.dim() != 4 \
+            or kv_cache.shape[-1] != 2 * (head_size or 0):
+        return None
+    key, value = kv_cache.transpose(1, 2).split(head_size, dim=-1)
+    return key, value
+
+
 def write_kv(layer: torch.nn.Module, key: torch.Tensor, value: torch.Tensor,
              kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
     """Write K/V ``[tokens, kv_heads, head_size]`` into the paged cache through the

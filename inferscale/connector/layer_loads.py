@@ -23,9 +23,12 @@ import torch
 class LayerLoads:
     def __init__(self, device: torch.device, num_layers: int):
         self.device = device
+        self.num_layers = num_layers
         self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self.events = [torch.cuda.Event() for _ in range(num_layers)] if self.stream else []
-        self._pending: set[int] = set()
+        self._pending: dict[int, torch.cuda.Event] = {}
+        self._waited: set[int] = set()  # ids of events the forward stream already waits for
+        self._kept: list[tuple[torch.cuda.Event, list]] = []  # tensors in use by queued work
 
     @contextlib.contextmanager
     def issuing(self) -> Iterator[None]:
@@ -36,6 +39,8 @@ class LayerLoads:
             yield
             return
         self.wait_all()
+        self._waited.clear()
+        self._kept = [(event, refs) for event, refs in self._kept if not event.query()]
         self.stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(self.stream):
             yield
@@ -44,13 +49,24 @@ class LayerLoads:
         """Layer ``index``'s cache writes are queued (call inside :meth:`issuing`)."""
         if self.stream is not None:
             self.events[index].record(self.stream)
-            self._pending.add(index)
+            self._pending[index] = self.events[index]
+
+    def all_queued(self, keep: list) -> None:
+        """Every layer's writes are queued, by one kernel (call inside :meth:`issuing`);
+        ``keep`` stays referenced until that work has run (the tensors it reads)."""
+        if self.stream is None:
+            return
+        event = torch.cuda.Event()
+        event.record(self.stream)
+        self._pending = dict.fromkeys(range(self.num_layers), event)
+        self._kept.append((event, keep))
 
     def wait_layer(self, index: int) -> None:
         """Make the forward stream wait for layer ``index``'s writes (no host wait)."""
-        if index in self._pending:
-            torch.cuda.current_stream(self.device).wait_event(self.events[index])
-            self._pending.discard(index)
+        event = self._pending.pop(index, None)
+        if event is not None and id(event) not in self._waited:
+            torch.cuda.current_stream(self.device).wait_event(event)
+            self._waited.add(id(event))
 
     def wait_all(self) -> None:
         """Make the forward stream wait for every layer still pending."""

@@ -12,7 +12,8 @@ from dataclasses import dataclass
 import torch
 
 from inferscale.compose.rope import RotaryEmbedding
-from inferscale.compose.segment import SYSTEM_USER, Segment, gather_segment
+from inferscale.compose.segment import PREFIX_FACT, SYSTEM_USER, Segment, gather_segment
+from inferscale.connector.fused_write import Sources, token_sources
 from inferscale.compose.request import SegmentRequest
 from inferscale.compose.salt import CacheSalts
 from inferscale.errors import MissingFactError, ModelMismatchError
@@ -91,6 +92,44 @@ class SegmentLoader:
         token_ids = batch.flat_token_ids()[spec.start:spec.end]
         return Segment(batch.fact_ids, spec.start, token_ids, keys.to(self.dtype), values)
 
+    def sources(self, spec: LoadSpec, num_layers: int, head_size: int) -> tuple[Sources, int]:
+        """Where the spec's tokens lie in the store (for the fused write, :mod:`fused_write`) and
+        the first fact token's index relative to ``spec.start``; checked as :meth:`load` checks."""
+        held = self._held(spec)
+        if held is None:  # the memory tier is stale: another process wrote to disk since
+            self._refresh(spec.user_id)
+            held = self._held(spec)
+        if held is None:
+            raise ValueError("stored facts changed since the request was scheduled (token ids differ)")
+        blocks, prefix_len, total = held
+        if total != spec.segment_len or not 0 <= spec.start <= spec.end <= spec.segment_len \
+                or len(spec.slots) != spec.end - spec.start:
+            raise ValueError(f"segment has {total} tokens, request expects {spec.segment_len}")
+        _check_shape(blocks[0][0], num_layers, head_size)
+        return token_sources(blocks, spec.start, spec.end), prefix_len - spec.start
+
+    def _held(self, spec: LoadSpec) -> tuple[list[torch.Tensor], int, int] | None:
+        """(the segment's blocks on the device, prefix tokens, segment tokens); None when the
+        cached facts are not the scheduled ones."""
+        for user in (SYSTEM_USER, spec.user_id):
+            ensure_user(self.store, self.disk, user)
+        try:
+            prefix_ids = self.store.token_ids(SYSTEM_USER, [PREFIX_FACT])
+            fact_ids = self.store.token_ids(spec.user_id, spec.request.fact_ids)
+            blocks = self.store.blocks(SYSTEM_USER, [PREFIX_FACT], self.device)
+            if spec.request.fact_ids:
+                blocks += self.store.blocks(spec.user_id, spec.request.fact_ids, self.device)
+        except MissingFactError:
+            return None
+        tokens = [t for ids in (*prefix_ids, *fact_ids) for t in ids]
+        if not self._salt_matches(spec, tokens):
+            return None
+        return blocks, len(prefix_ids[0]), len(tokens)
+
+    def _salt_matches(self, spec: LoadSpec, tokens: list[int]) -> bool:
+        epoch = self.store.generation(spec.user_id)
+        return bool(epoch) and spec.request.salt(self.salts, epoch, tokens) == spec.salt
+
     def slot_mapping(self, spec: LoadSpec) -> torch.Tensor:
         """The spec's cache slots on the loader's device, copied without a host sync."""
         slots = torch.tensor(spec.slots, dtype=torch.long)
@@ -106,9 +145,7 @@ class SegmentLoader:
             batch = gather_segment(self.store, spec.user_id, spec.request.fact_ids, self.device)
         except MissingFactError:
             return None
-        epoch = self.store.generation(spec.user_id)
-        salt = epoch and spec.request.salt(self.salts, epoch, batch.flat_token_ids())
-        return batch if salt == spec.salt else None
+        return batch if self._salt_matches(spec, batch.flat_token_ids()) else None
 
     def _refresh(self, user_id: str) -> None:
         for user in (SYSTEM_USER, user_id):

@@ -29,7 +29,7 @@ import torch
 from inferscale.compose.rope import RotaryEmbedding
 from inferscale.compose.salt import CacheSalts
 from inferscale.config import Config, build
-from inferscale.connector import compat
+from inferscale.connector import compat, fused_write
 from inferscale.compose.segment import Segment
 from inferscale.connector.layer_loads import LayerLoads
 from inferscale.connector.loader import LoadSpec, SegmentLoader, kv_head_range, slots_for
@@ -143,6 +143,7 @@ class InferScaleConnector(compat.KVConnectorBase_V1):
         self._layer_of: dict[str, int] = {}
         self.loader: SegmentLoader | None = None
         self.layer_loads: LayerLoads | None = None
+        self._cache_views: fused_write.CacheViews | bool | None = None  # None: not looked at yet
         self._load_errors: set[int] = set()
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
@@ -162,9 +163,42 @@ class InferScaleConnector(compat.KVConnectorBase_V1):
         if self.loader is None:
             raise RuntimeError("KV caches were never registered with the connector")
         with self.layer_loads.issuing():
-            self._write(forward_context, self._prepare(loads))
+            if self._fused_views(forward_context) is not None:
+                self._write_fused(loads)
+            else:
+                self._write(forward_context, self._prepare(loads))
         if getattr(forward_context, "attn_metadata", None) is None:
             self.layer_loads.wait_all()
+
+    def _fused_views(self, forward_context) -> fused_write.CacheViews | None:
+        """The paged caches as the fused kernel addresses them; None when it is off
+        (``Config.fused_write``) or cannot run (no Triton, the CPU, a store that cannot hand
+        out its blocks, a cache layout or dtype it does not know): then each layer is
+        written through the backend's op."""
+        if self._cache_views is None:
+            self._cache_views = False
+            views = [compat.kv_cache_views(forward_context.no_compile_layers[name], forward_context)
+                     for name in self.layer_names]
+            if self.config.fused_write and fused_write.available() and hasattr(self.store, "blocks") and all(views):
+                self._cache_views = fused_write.CacheViews.of(views)
+        return self._cache_views or None
+
+    def _write_fused(self, loads) -> None:
+        """One kernel per request writes every layer; the forward waits once, at layer 0."""
+        views, keep = self._cache_views, []
+        cos, sin = self.rope.table(self.loader.device, max(spec.end for spec in loads))
+        for spec in loads:
+            try:
+                sources, first_fact = self.loader.sources(spec, len(self.layer_names), self.head_size)
+                sources = sources.to(self.loader.device)
+                slots = self.loader.slot_mapping(spec)
+                fused_write.write_segment(views, sources, slots, cos, sin, spec.start, self.heads.start,
+                                          self.rope.rotary_dim, self.rope.style == "neox", spec.key_scale, first_fact)
+                keep += [sources, slots]
+                self.stats.record_injection(spec.end - spec.start)
+            except Exception as exc:  # never crash the engine: report the blocks, vLLM recomputes
+                self._load_failed(spec, exc)
+        self.layer_loads.all_queued(keep)
 
     def _prepare(self, loads) -> list[tuple[LoadSpec, Segment, torch.Tensor]]:
         ready = []

@@ -131,6 +131,21 @@ class ResidentStore(KVStore):
         stacked = gather_blocks([user.blocks[f] for f in fact_ids], target)
         return batch_from_blocks(fact_ids, [user.token_ids[f] for f in fact_ids], stacked)
 
+    def blocks(self, user_id: str, fact_ids: Sequence[str], device: torch.device | str | None = None
+               ) -> list[torch.Tensor]:
+        """The facts' ``[2, L, T, H, D]`` blocks on ``device``, for a reader that takes them as
+        they are (the fused cache write): the held blocks themselves when they already lie
+        there (no copy; the caller must not write to them), else the facts gathered into one
+        block there (one copy per fact, as :meth:`get`)."""
+        target = resolve_device(device, self.device)
+        user = self._require(user_id, self._users.get(user_id))
+        require_facts(user_id, fact_ids, user.blocks)
+        self._order.touch(user_id)
+        held = [user.blocks[f] for f in fact_ids]
+        if not held or all(block.device == target for block in held):
+            return held
+        return [gather_blocks(held, target)]
+
     def token_ids(self, user_id: str, fact_ids: Sequence[str]) -> list[tuple[int, ...]]:
         user = self._require(user_id, self._users.get(user_id))
         require_facts(user_id, fact_ids, user.token_ids)

