@@ -1,6 +1,6 @@
 """DiskStore: one checksummed safetensors file per user, replaced atomically.
 
-``<root>/<user_id>.safetensors`` holds all of a user's facts (format:
+``<root>/<user_id>.safetensors`` (``/`` and ``%`` in the id escaped) holds all of a user's facts (format:
 :mod:`inferscale.storage.kvfile`, ``docs/storage-format.md``). Every write
 goes to a temp file in ``root`` (``.<user_id>.safetensors#<random>.tmp``),
 is flushed and fsynced, ``os.replace``d over the old file, and the directory
@@ -35,7 +35,7 @@ import torch
 
 from inferscale.devices import resolve_device
 from inferscale.errors import UnknownUserError
-from inferscale.facts import Fact
+from inferscale.facts import Fact, user_file_stem, user_from_file_stem
 from inferscale.kv import FactKV, KVBatch
 from inferscale.storage import kvfile
 from inferscale.storage.base import KVStore
@@ -156,7 +156,7 @@ class DiskStore(KVStore):
     def users(self) -> list[str]:
         """Users with a data file (temp and lock files are never mistaken for one)."""
         names = (p.name for p in self.root.iterdir() if p.name.endswith(SUFFIX) and p.is_file())
-        return sorted(name[: -len(SUFFIX)] for name in names)
+        return sorted(user_from_file_stem(name[: -len(SUFFIX)]) for name in names)
 
     def nbytes(self, user_id: str) -> int:
         """Bytes of K/V (not of the file) stored for the user."""
@@ -200,9 +200,9 @@ class DiskStore(KVStore):
         return list(vectors), torch.stack(list(vectors.values()))
 
     def path(self, user_id: str) -> Path:
-        """The user's data file."""
+        """The user's data file (its name escapes ``/`` and ``%``: :func:`~inferscale.facts.user_file_stem`)."""
         check_ids(user_id, ())
-        return self.root / f"{user_id}{SUFFIX}"
+        return self.root / f"{user_file_stem(user_id)}{SUFFIX}"
 
     # -- reading ---------------------------------------------------------------
 
@@ -265,7 +265,7 @@ class DiskStore(KVStore):
 
     def _remove_temps(self, user_id: str) -> None:
         """Drop temp files a crashed writer of this user left (we hold the write lock)."""
-        pattern = glob.escape(f".{user_id}{SUFFIX}") + "#*" + TEMP_SUFFIX
+        pattern = glob.escape(f".{user_file_stem(user_id)}{SUFFIX}") + "#*" + TEMP_SUFFIX
         for stale in self.root.glob(pattern):
             with contextlib.suppress(FileNotFoundError):
                 stale.unlink()
