@@ -28,6 +28,7 @@ from inferscale.compose.rope import RotaryEmbedding
 from inferscale.config import Config, build
 from inferscale.connector import compat
 from inferscale.connector.loader import LoadSpec, SegmentLoader, kv_head_range, slots_for
+from inferscale.connector.metrics import InferScalePromMetrics, InferScaleStats, stats_or_none
 from inferscale.connector.planner import NO_MEMORY, Plan, plan_request
 from inferscale.connector.stats import ConnectorStats, Fallback
 from inferscale.storage.disk import DiskStore
@@ -136,6 +137,7 @@ class InferScaleConnector(compat.KVConnectorBase_V1):
         num_kv_heads = vllm_config.model_config.get_total_num_kv_heads()
         rank, world = compat.tensor_parallel()
         self.heads = kv_head_range(num_kv_heads, world, rank)
+        self._counts_hits = rank == 0  # every rank loads the same users: count them once
         self.head_size = vllm_config.model_config.get_head_size()
         self.store = build("kv_store", self.config.kv_store)
         self.layer_names: list[str] = []
@@ -155,19 +157,20 @@ class InferScaleConnector(compat.KVConnectorBase_V1):
             except Exception as exc:  # never crash the engine: report the blocks, vLLM recomputes
                 logger.warning("inferscale: loading memory for %s failed (%s: %s); it will be recomputed",
                                spec.req_id, type(exc).__name__, exc)
-                self.stats.record_fallback(Fallback.LOAD_ERROR)
                 self._load_errors.update(s // self.block_size for s in spec.slots)
 
     def _load(self, spec: LoadSpec, forward_context) -> None:
         if self.loader is None:
             raise RuntimeError("KV caches were never registered with the connector")
+        tier = self.store.name if self.store.has_user(spec.user_id) else self.disk.name
         segment = self.loader.load(spec, len(self.layer_names), self.head_size)
         slots = torch.tensor(spec.slots, dtype=torch.long, device=self.loader.device)
         for index, name in enumerate(self.layer_names):
             layer = forward_context.no_compile_layers[name]
             kv_cache = compat.layer_kv_cache(layer, forward_context)
             compat.write_kv(layer, segment.keys[index], segment.values[index], kv_cache, slots)
-        self.stats.record_injection(spec.end - spec.start)
+        if self._counts_hits:
+            self.stats.record_hit(tier)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return None
@@ -177,6 +180,21 @@ class InferScaleConnector(compat.KVConnectorBase_V1):
 
     def wait_for_save(self) -> None:
         return None
+
+    # ---------------- stats (both sides) ----------------
+
+    def get_kv_connector_stats(self) -> InferScaleStats | None:
+        """What this side counted since vLLM last asked (the scheduler side: requests
+        and fallbacks; the worker side: store hits); shown on ``/metrics``."""
+        return stats_or_none(self.stats.take())
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> InferScaleStats:
+        return InferScaleStats(data=dict(data or {}))
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config, metric_types, labelnames, per_engine_labelvalues):
+        return InferScalePromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         errors, self._load_errors = self._load_errors, set()
