@@ -86,6 +86,8 @@ def validation_message(errors) -> str:
         where = ".".join(str(p) for p in err.get("loc", ()) if p != "body") or "body"
         if err.get("type") == "json_invalid":
             return f"the request body is not valid JSON ({err.get('msg', '')})"
+        if tuple(err.get("loc", ())) == ("body",) and err.get("type") in ("model_attributes_type", "dict_type"):
+            return "the request body must be a JSON object (Content-Type: application/json)"
         parts.append(f"{where}: {err.get('msg', 'invalid')}")
     return "; ".join(parts) or "invalid request"
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import ipaddress
 import logging
 import os
+import signal
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -45,6 +46,7 @@ def serve(options: ServeOptions) -> int:
     from inferscale.connector import compat
 
     compat.check_release()
+    signal.signal(signal.SIGTERM, _stop_on_sigterm)  # so the engine is stopped and memory closed on the way out
     launch.check_vllm_args(options.vllm_args)
     launch.check_port_free(options.host, options.port)
     context = Context(options.config)
@@ -63,6 +65,11 @@ def serve(options: ServeOptions) -> int:
         engine.stop()
         if state is not None:
             state.close()
+
+
+def _stop_on_sigterm(signum, frame) -> None:
+    logger.info("SIGTERM: shutting down")
+    raise SystemExit(0)
 
 
 def _engine(options: ServeOptions, context: Context, device_type: str) -> tuple[launch.EngineProcess, str]:
