@@ -194,6 +194,15 @@ def cmd_forget(args) -> int:
     return 0
 
 
+def _user_id(value: str) -> str:
+    from inferscale.facts import check_user_id
+
+    try:
+        return check_user_id(value)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 def cmd_convert(args) -> int:
     """Convert a known offline model (or a GGUF file) to a Hugging Face directory for vLLM."""
     from inferscale.encode import weights as models
@@ -264,7 +273,7 @@ def build_parser() -> argparse.ArgumentParser:
     def memory_cmd(name, func, user: bool = True):
         p = sub.add_parser(name, help=func.__doc__)
         if user:
-            p.add_argument("user")
+            p.add_argument("user", type=_user_id)
         p.add_argument("--config", help="TOML config file (default: INFERSCALE_* environment)")
         p.add_argument("--data-dir", help="where memory is stored")
         p.add_argument("--server", help="a running `inferscale serve` (e.g. http://127.0.0.1:8000) instead of "
