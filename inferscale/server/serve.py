@@ -13,6 +13,7 @@ import logging
 import os
 import signal
 import threading
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -79,11 +80,19 @@ def _engine(options: ServeOptions, context: Context, device_type: str) -> tuple[
     served = launch.arg_value(args, "--served-model-name") or options.served_name or str(context.model_dir)
     if options.encoder_device.startswith("cuda") and launch.arg_value(args, "--gpu-memory-utilization") is None:
         args += ["--gpu-memory-utilization", str(_shared_gpu_utilization(context, options.encoder_device))]
-    length = launch.arg_value(args, "--max-model-len")
-    max_len = int(length) if length else launch.context_length(options.config, max_positions(str(context.model_dir)))
+    max_len = None if launch.arg_value(args, "--max-model-len") else \
+        launch.context_length(options.config, max_positions(str(context.model_dir)))
     port = options.engine_port or launch.free_port()
     cmd = launch.engine_command(context.model_dir, served, options.config, port, max_len, args, device_type)
-    return launch.EngineProcess(cmd, port, dict(os.environ)), served
+    return launch.EngineProcess(cmd, port, _engine_environment()), served
+
+
+def _engine_environment() -> dict[str, str]:
+    """The engine on loopback takes no API key (the front checks --api-key); a VLLM_API_KEY
+    left in the environment would lock the front out of its own engine."""
+    if "VLLM_API_KEY" in os.environ:
+        logger.warning("VLLM_API_KEY is not passed to the engine; use --api-key to protect the front")
+    return {k: v for k, v in os.environ.items() if k != "VLLM_API_KEY"}
 
 
 def _shared_gpu_utilization(context: Context, device: str) -> float:
@@ -123,7 +132,7 @@ def _watch(engine: launch.EngineProcess, server, died: threading.Event) -> None:
             died.set()
             server.should_exit = True
             return
-        threading.Event().wait(1.0)
+        time.sleep(1.0)
 
 
 def _announce(state: ServerState, options: ServeOptions) -> None:
