@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 
 from inferscale.api import Context
 from inferscale.config import Config
+from inferscale.errors import ConfigError
 from inferscale.server import gpu, launch
 from inferscale.server.state import ServerState
 
@@ -52,6 +53,8 @@ def serve(options: ServeOptions) -> int:
     launch.check_port_free(options.host, options.port)
     context = Context(options.config)
     device_type = "cuda" if torch.cuda.is_available() else "cpu"
+    if options.encoder_device != "cpu" and device_type == "cpu":
+        raise ConfigError(f"--encoder-device {options.encoder_device}: this machine has no CUDA device")
     compat.set_engine_environment(device_type)
     engine, served_name = _engine(options, context, device_type)
     state = None
