@@ -20,7 +20,11 @@ prefix cache never helps:
 It also times the store's ``get`` of the k facts onto the GPU against one
 pinned host→device copy of the same bytes (the PCIe floor).
 
-    python benchmarks/ttft.py --cuda-graphs --recompute 0,128,256,512 --out benchmarks/results/ttft_h200.json
+    python benchmarks/ttft.py --cuda-graphs --kv-stores hbm,pinned --out benchmarks/results/ttft_h200.json
+
+Each store gets its own engine, one after the other, in the same run (the
+multiprocess engine unless ``VLLM_ENABLE_V1_MULTIPROCESSING=0``); a PNG plot
+is written next to the JSON.
 """
 
 from __future__ import annotations
@@ -46,10 +50,25 @@ LLAMA_31_8B = {
                      "original_max_position_embeddings": 8192},
 }
 
+QWEN25_7B = {
+    "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "hidden_size": 3584,
+    "intermediate_size": 18944, "num_hidden_layers": 28, "num_attention_heads": 28,
+    "num_key_value_heads": 4, "vocab_size": 152064, "max_position_embeddings": 32768,
+    "rms_norm_eps": 1e-6, "hidden_act": "silu", "tie_word_embeddings": False, "rope_theta": 1000000.0,
+    "bos_token_id": 151643, "eos_token_id": 151645, "torch_dtype": "bfloat16", "use_sliding_window": False,
+}
+QWEN3_14B = {
+    "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "hidden_size": 5120,
+    "intermediate_size": 17408, "num_hidden_layers": 40, "num_attention_heads": 40,
+    "num_key_value_heads": 8, "head_dim": 128, "vocab_size": 151936, "max_position_embeddings": 40960,
+    "rms_norm_eps": 1e-6, "hidden_act": "silu", "attention_bias": False, "tie_word_embeddings": False,
+    "rope_theta": 1000000.0, "bos_token_id": 151643, "eos_token_id": 151645, "torch_dtype": "bfloat16",
+}
+
 #: the same architecture, tiny, to check the script on a CPU machine
 SMOKE = {**LLAMA_31_8B, "hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 2,
          "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64, "vocab_size": 128256}
-SHAPES = {"llama-3.1-8b": LLAMA_31_8B, "smoke": SMOKE}
+SHAPES = {"llama-3.1-8b": LLAMA_31_8B, "qwen2.5-7b": QWEN25_7B, "qwen3-14b": QWEN3_14B, "smoke": SMOKE}
 
 
 def write_memory(data: Path, cfg: dict, ks: list[int], fact_tokens: int, prefix_tokens: int, seed: int = 0):
@@ -59,7 +78,8 @@ def write_memory(data: Path, cfg: dict, ks: list[int], fact_tokens: int, prefix_
     from inferscale.kv import FactKV
     from inferscale.storage.disk import DiskStore
 
-    shape = (cfg["num_hidden_layers"], cfg["num_key_value_heads"], cfg["head_dim"])
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    shape = (cfg["num_hidden_layers"], cfg["num_key_value_heads"], head_dim)
     gen = torch.Generator().manual_seed(seed)
 
     def fact(n: int) -> FactKV:
@@ -133,14 +153,66 @@ def store_get_times(disk, facts, ks, reps: int) -> dict:
     return out
 
 
+def measure(llm, prefix, facts, ks, budgets, question, reps: int, store: str) -> list[dict]:
+    """One engine's rows: the question alone, prompt injection, KV injection per budget, prefix cache."""
+    from inferscale.compose.blend import injected_length
+    from inferscale.compose.request import make_params, segment_salt
+
+    rows = []
+    none_ms, _ = time_generate(llm, {"prompt_token_ids": question}, None, reps)
+    for k in ks:
+        ids = [f"f{i}" for i in range(k)]
+        segment = prefix + [t for i in ids for t in facts[i].token_ids]
+        lengths = [len(prefix)] + [len(facts[i].token_ids) for i in ids]
+        text_ms, _ = time_generate(llm, {"prompt_token_ids": segment + question, "cache_salt": "text"}, None, reps)
+        for budget in budgets:
+            prompt = {"prompt_token_ids": segment + question, "cache_salt": segment_salt("bench", segment, budget)}
+            kv_ms, injected = time_generate(llm, prompt, make_params("bench", ids, budget), reps)
+            claim = injected_length(lengths, budget)
+            cached_ms, hit = time_generate(llm, {"prompt_token_ids": segment + question, "cache_salt": "warm"},
+                                           None, reps, warm_tokens=claim)
+            rows.append({"kv_store": store, "k": k, "recompute_tokens": budget, "memory_tokens": len(segment),
+                         "recomputed_tokens": len(segment) - claim, "injected_tokens": injected,
+                         "none_ms": none_ms, "kv_ms": kv_ms, "cached_ms": cached_ms, "cached_tokens": hit,
+                         "prompt_ms": text_ms, "kv_vs_none": kv_ms / none_ms, "cached_vs_none": cached_ms / none_ms,
+                         "prompt_vs_none": text_ms / none_ms, "kv_vs_prompt": kv_ms / text_ms})
+    return rows
+
+
+def plot(result: dict, path: Path) -> None:
+    """TTFT against k: the question alone, KV injection per store, prompt injection."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    rows = [r for r in result["rows"] if r["recompute_tokens"] == min(x["recompute_tokens"] for x in result["rows"])]
+    stores = sorted({r["kv_store"] for r in rows})
+    first = [r for r in rows if r["kv_store"] == stores[0]]
+    ks = [r["k"] for r in first]
+    ax.plot(ks, [r["none_ms"] for r in first], "k--", label="question alone")
+    ax.plot(ks, [r["prompt_ms"] for r in first], "o-", color="tab:red", label="prompt injection")
+    for store, color in zip(stores, ("tab:blue", "tab:green")):
+        mine = [r for r in rows if r["kv_store"] == store]
+        ax.plot([r["k"] for r in mine], [r["kv_ms"] for r in mine], "s-", color=color, label=f"KV injection ({store})")
+    ax.set_xlabel("facts k")
+    ax.set_ylabel("TTFT, ms (median)")
+    ax.set_title(result["model"], fontsize=9)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--ks", default="1,10,25,50")
+    parser.add_argument("--ks", default="1,5,10,25,50,100")
     parser.add_argument("--fact-tokens", type=int, default=20)
     parser.add_argument("--prefix-tokens", type=int, default=32)
     parser.add_argument("--question-tokens", type=int, default=16)
-    parser.add_argument("--reps", type=int, default=7)
-    parser.add_argument("--kv-store", default="pinned", choices=("pinned", "hbm"))
+    parser.add_argument("--reps", type=int, default=20)
+    parser.add_argument("--kv-stores", default="hbm,pinned", help="one engine per store, in this order")
     parser.add_argument("--recompute", default="0", help="recompute budgets (tokens) to time KV injection with")
     parser.add_argument("--cuda-graphs", action="store_true", help="capture CUDA graphs (default: eager)")
     parser.add_argument("--shape", default="llama-3.1-8b", choices=sorted(SHAPES))
@@ -148,14 +220,14 @@ def main() -> None:
     args = parser.parse_args()
     ks = [int(k) for k in args.ks.split(",")]
     budgets = [int(b) for b in args.recompute.split(",")]
+    stores = args.kv_stores.split(",")
 
     import torch
     from vllm import LLM
     from vllm.config import KVTransferConfig
 
-    from inferscale.compose.blend import injected_length
     from inferscale.config import BackendSpec, Config
-    from inferscale.compose.request import make_params, segment_salt
+    from inferscale.connector.compat import shutdown
     from inferscale.connector.engine import kv_transfer_config
 
     work = Path(tempfile.mkdtemp(prefix="inferscale-ttft-"))
@@ -164,48 +236,39 @@ def main() -> None:
     model.mkdir()
     (model / "config.json").write_text(json.dumps(cfg))
     disk, prefix, facts = write_memory(work, cfg, ks, args.fact_tokens, args.prefix_tokens)
-    config = Config(model=str(model), data_dir=str(work), kv_store=BackendSpec(args.kv_store), recompute_tokens=0)
-    memory = {"gpu_memory_utilization": 0.5} if torch.cuda.is_available() else {"kv_cache_memory_bytes": 256 << 20}
-    llm = LLM(model=str(model), load_format="dummy", skip_tokenizer_init=True, dtype="bfloat16",
-              max_model_len=8192, enforce_eager=not args.cuda_graphs, enable_prefix_caching=True,
-              kv_transfer_config=KVTransferConfig(**kv_transfer_config(config)), **memory)
     question = torch.randint(1000, 100000, (args.question_tokens,)).tolist()
+    memory = {"gpu_memory_utilization": 0.5} if torch.cuda.is_available() else {"kv_cache_memory_bytes": 256 << 20}
     rows = []
-    none_ms, _ = time_generate(llm, {"prompt_token_ids": question}, None, args.reps)
-    for k in ks:
-        ids = [f"f{i}" for i in range(k)]
-        segment = prefix + [t for i in ids for t in facts[i].token_ids]
-        lengths = [len(prefix)] + [len(facts[i].token_ids) for i in ids]
-        text_ms, _ = time_generate(llm, {"prompt_token_ids": segment + question, "cache_salt": "text"},
-                                   None, args.reps)
-        for budget in budgets:
-            prompt = {"prompt_token_ids": segment + question, "cache_salt": segment_salt("bench", segment, budget)}
-            kv_ms, injected = time_generate(llm, prompt, make_params("bench", ids, budget), args.reps)
-            claim = injected_length(lengths, budget)
-            cached_ms, hit = time_generate(llm, {"prompt_token_ids": segment + question, "cache_salt": "warm"},
-                                           None, args.reps, warm_tokens=claim)
-            rows.append({"k": k, "recompute_tokens": budget, "memory_tokens": len(segment),
-                         "recomputed_tokens": len(segment) - claim, "injected_tokens": injected,
-                         "none_ms": none_ms, "kv_ms": kv_ms, "cached_ms": cached_ms, "cached_tokens": hit,
-                         "prompt_ms": text_ms, "kv_vs_none": kv_ms / none_ms, "cached_vs_none": cached_ms / none_ms,
-                         "prompt_vs_none": text_ms / none_ms})
+    for store in stores:
+        config = Config(model=str(model), data_dir=str(work), kv_store=BackendSpec(store), recompute_tokens=0)
+        llm = LLM(model=str(model), load_format="dummy", skip_tokenizer_init=True, dtype="bfloat16",
+                  max_model_len=8192, enforce_eager=not args.cuda_graphs, enable_prefix_caching=True,
+                  kv_transfer_config=KVTransferConfig(**kv_transfer_config(config)), **memory)
+        rows += measure(llm, prefix, facts, ks, budgets, question, args.reps, store)
+        shutdown(llm)
+        del llm
     gets = store_get_times(disk, facts, ks, args.reps)
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
     mode = "CUDA graphs" if args.cuda_graphs else "eager"
-    result = {"device": device, "model": f"{args.shape} shape, random weights, bf16, {mode}",
-              "command": " ".join(["python", *sys.argv]), "engine": "in-process"
-              if os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0" else "multiprocess",
-              "kv_store": args.kv_store, "fact_tokens": args.fact_tokens, "rows": rows, "store_get": gets}
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=2))
-    print(f"\n{device} — engine TTFT (wall of generate, 1 token, {mode}), median of {args.reps}")
-    print("| k | memory tokens | budget B | recomputed | injected | no memory ms | KV injection ms | head in prefix "
-          "cache ms | prompt injection ms | KV/none | cached/none | prompt/none |")
+    engine = "in-process" if os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0" else "multiprocess"
+    result = {"device": device, "model": f"{args.shape} shape, random weights, bf16, {mode}, {engine} engine",
+              "command": " ".join(["python", *sys.argv]), "engine": engine, "kv_stores": stores,
+              "fact_tokens": args.fact_tokens, "reps": args.reps, "rows": rows, "store_get": gets}
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2))
+    try:
+        plot(result, out.with_suffix(".png"))
+    except ImportError as exc:  # the numbers matter more than the picture
+        print(f"no plot ({exc}); draw it later from the JSON")
+    print(f"\n{device} — engine TTFT (wall of generate, 1 token, {mode}, {engine}), median of {args.reps}")
+    print("| store | k | memory tokens | budget B | injected | no memory ms | KV injection ms | head in prefix "
+          "cache ms | prompt injection ms | KV/none | KV/prompt | prompt/none |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['k']} | {r['memory_tokens']} | {r['recompute_tokens']} | {r['recomputed_tokens']} | "
+        print(f"| {r['kv_store']} | {r['k']} | {r['memory_tokens']} | {r['recompute_tokens']} | "
               f"{r['injected_tokens']} | {r['none_ms']:.2f} | {r['kv_ms']:.2f} | {r['cached_ms']:.2f} | "
-              f"{r['prompt_ms']:.2f} | {r['kv_vs_none']:.2f} | {r['cached_vs_none']:.2f} | {r['prompt_vs_none']:.2f} |")
+              f"{r['prompt_ms']:.2f} | {r['kv_vs_none']:.2f} | {r['kv_vs_prompt']:.2f} | {r['prompt_vs_none']:.2f} |")
     if gets:
         print("\n| k | MiB | PCIe floor ms | pinned get ms | × floor | hbm get ms |\n|---|---|---|---|---|---|")
         for k, g in gets.items():

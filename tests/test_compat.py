@@ -38,3 +38,20 @@ def test_only_compat_and_engine_import_vllm_or_set_its_environment():
         if re.search(r"^\s*(from vllm\b|import vllm\b)", text, re.M) or re.search(r"environ\S*\[?\S*[\"']VLLM_", text):
             offenders.append(str(path.relative_to(PACKAGE)))
     assert offenders == []
+
+
+def test_cuda_engines_are_spawned_unless_the_user_chose(monkeypatch):
+    monkeypatch.delenv("VLLM_WORKER_MULTIPROC_METHOD", raising=False)
+    compat.set_engine_environment("cuda", in_process=False)
+    assert os.environ["VLLM_WORKER_MULTIPROC_METHOD"] == "spawn"
+    monkeypatch.setenv("VLLM_WORKER_MULTIPROC_METHOD", "fork")
+    compat.set_engine_environment("cuda", in_process=False)
+    assert os.environ["VLLM_WORKER_MULTIPROC_METHOD"] == "fork"
+
+
+def test_asking_for_the_device_type_leaves_cuda_uninitialised():
+    """Through NVML, not the CUDA driver: the process can still fork an engine."""
+    import torch
+
+    assert compat.platform_device_type() in ("cuda", "cpu")
+    assert not torch.cuda.is_initialized()

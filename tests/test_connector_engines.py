@@ -54,3 +54,25 @@ def test_injection_under_tensor_parallelism(tmp_path):
         assert vh.logprob_gap(out, plain)[0] < 1e-3
     finally:
         vh.close_engine(llm)
+
+
+def test_multiprocess_engine_starts_after_torch_work_in_the_parent(tmp_path):
+    """A program that runs torch (and asks for CUDA) before it starts the multiprocess
+    engine through InferScale, with vLLM's default start method, gets an engine that
+    injects memory (this start hung on a GPU machine)."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    path = tiny_models.tiny_model_dir("qwen2", "float32")
+    env = {k: v for k, v in os.environ.items() if k not in ("VLLM_WORKER_MULTIPROC_METHOD",
+                                                              "VLLM_ENABLE_V1_MULTIPROCESSING")}
+    probe = Path(__file__).with_name("engine_start_probe.py")
+    done = subprocess.run([sys.executable, str(probe), str(path), str(tmp_path), "float32"], env=env,
+                          capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stderr[-4000:]
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert result == {"injected_tokens": result["segment_tokens"], "segment_tokens": result["segment_tokens"],
+                      "same_answer": True}

@@ -22,6 +22,9 @@ from inferscale.connector.engine import kv_transfer_config
 from inferscale.storage.disk import DiskStore
 
 GREEDY_TOKENS = 8
+#: INFERSCALE_TEST_CUDA_GRAPHS=1 (GPU machine): engines capture CUDA graphs, so injection is
+#: also checked under piecewise and full graph replay
+EAGER = os.environ.get("INFERSCALE_TEST_CUDA_GRAPHS") != "1"
 TOP_LOGPROBS = 5
 
 
@@ -55,7 +58,7 @@ def make_engine(model_dir: Path, data_dir: Path, dtype: str, *, multiprocess: bo
     if connector:
         ktc["kv_connector"], ktc["kv_connector_module_path"] = connector
     with env(VLLM_ENABLE_V1_MULTIPROCESSING="1" if multiprocess else "0"):
-        return LLM(model=str(model_dir), dtype=dtype, max_model_len=1024, enforce_eager=True,
+        return LLM(model=str(model_dir), dtype=dtype, max_model_len=1024, enforce_eager=EAGER,
                    enable_prefix_caching=prefix_caching, kv_transfer_config=KVTransferConfig(**ktc),
                    kv_cache_memory_bytes=128 << 20, seed=0, disable_log_stats=False, **kwargs)
 

@@ -64,6 +64,7 @@ class RotaryEmbedding:
         self.attention_scaling = float(attention_scaling)
         self.inv_freq = inv_freq.detach().to(device="cpu", dtype=torch.float32)
         self._inv_freq_on: dict[torch.device, torch.Tensor] = {}  # per-device copies (serving hot path)
+        self._tables: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}  # see rotate_range
 
     def __repr__(self) -> str:
         return (
@@ -116,6 +117,29 @@ class RotaryEmbedding:
         cos, sin = self.cos_sin(self._check(x, positions))
         return self._apply(x, cos, sin)
 
+    def rotate_range(self, x: torch.Tensor, start: int) -> torch.Tensor:
+        """:meth:`rotate` at the contiguous positions ``start..start+T-1``, as float32.
+
+        The serving hot path: cos/sin come from a per-device table (built once,
+        grown by doubling) and the rotation is a handful of whole-tensor ops, with
+        no trigonometry per call. The result is bitwise equal to
+        ``rotate(x.float(), arange(start, start+T))``: the table holds the same
+        float32 products, and ``x1*cos + x2*(-sin)`` rounds as ``x1*cos - x2*sin``.
+        """
+        if x.dim() < 3 or x.shape[-1] != self.head_size:
+            raise ModelMismatchError(f"expected x of shape [..., T, H, {self.head_size}], got {tuple(x.shape)}")
+        if start < 0:
+            raise ValueError(f"positions must be non-negative, got start={start}")
+        cos, sin = self._table(x.device, start + x.shape[-3])
+        cos, sin = cos[start:start + x.shape[-3], None, :], sin[start:start + x.shape[-3], None, :]
+        xf = x.to(torch.float32)
+        rot = xf[..., : self.rotary_dim]
+        out = xf.clone() if self.rotary_dim < self.head_size else torch.empty_like(xf)
+        out_rot = out[..., : self.rotary_dim]
+        torch.mul(rot, cos, out=out_rot)
+        out_rot += self._pair_swap(rot) * sin
+        return out
+
     def inverse(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Undo :meth:`rotate`: rotate by ``-positions`` and divide by attention_scaling."""
         cos, sin = self._unit_cos_sin(self._check(x, positions))
@@ -157,6 +181,27 @@ class RotaryEmbedding:
         if device not in self._inv_freq_on:
             self._inv_freq_on[device] = self.inv_freq.to(device)
         return self._inv_freq_on[device]
+
+    def _table(self, device: torch.device, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per-position ``[cos, cos]`` and ``[-sin, sin]`` rows over the rotary dims (neox;
+        interleaved for gptj), float32, times attention_scaling, for at least ``length`` positions."""
+        table = self._tables.get(device)
+        if table is None or table[0].shape[0] < length:
+            size = max(1024, 1 << max(0, length - 1).bit_length())
+            cos, sin = self.cos_sin(torch.arange(size, device=device))
+            if self.style == "neox":
+                table = torch.cat((cos, cos), -1), torch.cat((-sin, sin), -1)
+            else:
+                table = torch.stack((cos, cos), -1).flatten(-2), torch.stack((-sin, sin), -1).flatten(-2)
+            self._tables[device] = table
+        return table
+
+    def _pair_swap(self, rot: torch.Tensor) -> torch.Tensor:
+        """Each rotary dim's partner: halves swapped (neox) or neighbours swapped (gptj)."""
+        if self.style == "neox":
+            return rot.roll(self.rotary_dim // 2, dims=-1)
+        pairs = rot.unflatten(-1, (self.rotary_dim // 2, 2))
+        return pairs.flip(-1).flatten(-2)
 
     def _apply(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """Rotate each pair of the rotary dims by (cos, sin) ``[T, rotary_dim // 2]``."""

@@ -68,11 +68,28 @@ def set_engine_environment(device_type: str, in_process: bool = False) -> None:
     On a CPU, vLLM would take 90 % of RAM for its KV cache without a budget
     (1 GiB here). ``in_process`` runs the engine core in this process (a
     faster start, for the CLI and notebooks; ``vllm serve`` keeps its own).
+
+    On CUDA the multiprocess engine's processes are spawned, not forked. vLLM
+    forks by default and switches to spawn only when torch's CUDA context
+    exists in the parent; but a program that embeds InferScale has usually
+    touched the CUDA driver without one (``torch.cuda.is_available()``, pinned
+    host memory, an encoder run), and a child forked from such a process can
+    hang in CUDA initialisation.
     """
     if device_type == "cpu":
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    elif not in_process:
+        os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
     if in_process:
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+
+
+def platform_device_type() -> str:
+    """This machine's device type as vLLM sees it ("cuda", "cpu", ...), found through
+    NVML rather than the CUDA driver, so asking leaves the process safe to fork."""
+    from vllm.platforms import current_platform
+
+    return str(current_platform.device_type or "cpu")
 
 
 def shutdown(llm) -> None:

@@ -27,12 +27,10 @@ def kv_transfer_config(config: Config) -> dict[str, Any]:
 
 def make_llm(model_dir: str, config: Config, in_process: bool = False, **engine_kwargs: Any):
     """A ``vllm.LLM`` serving ``model_dir`` with memory injection enabled."""
-    import torch
-
     from inferscale.connector import compat
 
     compat.check_release()
-    compat.set_engine_environment("cuda" if torch.cuda.is_available() else "cpu", in_process)
+    compat.set_engine_environment(compat.platform_device_type(), in_process)
     from vllm import LLM
     from vllm.config import KVTransferConfig
 

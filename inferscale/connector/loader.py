@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from inferscale.compose.rope import RotaryEmbedding
-from inferscale.compose.segment import SYSTEM_USER, Segment, gather_segment, rotate_segment
+from inferscale.compose.segment import SYSTEM_USER, Segment, gather_segment
 from inferscale.compose.request import SegmentRequest
 from inferscale.errors import MissingFactError, ModelMismatchError
 from inferscale.kv import KVBatch
@@ -63,7 +63,13 @@ class SegmentLoader:
         self.heads, self.device, self.dtype = heads, torch.device(device), dtype
 
     def load(self, spec: LoadSpec, num_layers: int, head_size: int) -> Segment:
-        """K/V for the spec's tokens, rotated to their positions, this rank's heads, cache dtype."""
+        """K/V for the spec's tokens, rotated to their positions, this rank's heads, cache dtype.
+
+        Every step is a whole-tensor op over all layers (a handful of kernel
+        launches, no host synchronisation): the rank's heads are sliced before
+        RoPE, keys rotate in float32 from the cached cos/sin table, the facts'
+        keys are scaled before the one cast to the cache dtype.
+        """
         batch = self._gather(spec)
         if batch is None:  # the memory tier is stale: another process wrote to disk since
             self._refresh(spec.user_id)
@@ -74,14 +80,21 @@ class SegmentLoader:
                 or len(spec.slots) != spec.end - spec.start:
             raise ValueError(f"segment has {batch.num_tokens} tokens, request expects {spec.segment_len}")
         _check_shape(batch.keys, num_layers, head_size)
-        segment = rotate_segment(batch, self.rope, spec.start, spec.end)
-        keys = segment.keys[:, :, self.heads]
+        keys = self.rope.rotate_range(batch.keys[:, spec.start:spec.end, self.heads], spec.start)
         if spec.key_scale != 1.0:
-            keys = _scale_facts(keys, spec.key_scale, batch.offsets[1] - spec.start)
-        segment.keys = keys.to(self.dtype).contiguous()
-        segment.values = segment.values[:, :, self.heads].to(self.dtype).contiguous()
-        return segment
+            keys[:, max(0, batch.offsets[1] - spec.start):] *= spec.key_scale
+        values = batch.values[:, spec.start:spec.end, self.heads].to(self.dtype)
+        if not values[0].is_contiguous():
+            values = values.contiguous()
+        token_ids = batch.flat_token_ids()[spec.start:spec.end]
+        return Segment(batch.fact_ids, spec.start, token_ids, keys.to(self.dtype), values)
 
+    def slot_mapping(self, spec: LoadSpec) -> torch.Tensor:
+        """The spec's cache slots on the loader's device, copied without a host sync."""
+        slots = torch.tensor(spec.slots, dtype=torch.long)
+        if self.device.type != "cuda":
+            return slots.to(self.device)
+        return slots.pin_memory().to(self.device, non_blocking=True)
 
     def _gather(self, spec: LoadSpec) -> KVBatch | None:
         """The segment's pre-RoPE K/V; None when the cached facts are not the scheduled ones."""
@@ -97,14 +110,6 @@ class SegmentLoader:
         for user in (SYSTEM_USER, user_id):
             self.store.delete(user)
             ensure_user(self.store, self.disk, user)
-
-
-def _scale_facts(keys: torch.Tensor, scale: float, first_fact: int) -> torch.Tensor:
-    """Keys ``[layers, tokens, heads, head_size]`` with tokens from ``first_fact``
-    on (the facts, not the instruction prefix) multiplied by ``scale``."""
-    keys = keys.clone()
-    keys[:, max(0, first_fact):] *= scale
-    return keys
 
 
 def _check_shape(keys: torch.Tensor, num_layers: int, head_size: int) -> None:

@@ -14,7 +14,9 @@ Scheduler side (EngineCore process): :mod:`inferscale.connector.planner` decides
 how many memory tokens each request skips; only a picklable
 :class:`InferScaleMetadata` crosses to the workers. Worker side: the KV store
 lives here; :mod:`inferscale.connector.loader` gathers and rotates the facts'
-K/V, and :func:`compat.write_kv` writes them through the backend's own op.
+K/V, :func:`compat.write_kv` writes them through the backend's own op, and
+:mod:`inferscale.connector.layer_loads` overlaps that work with the forward
+pass, layer by layer.
 """
 
 from __future__ import annotations
@@ -27,6 +29,8 @@ import torch
 from inferscale.compose.rope import RotaryEmbedding
 from inferscale.config import Config, build
 from inferscale.connector import compat
+from inferscale.compose.segment import Segment
+from inferscale.connector.layer_loads import LayerLoads
 from inferscale.connector.loader import LoadSpec, SegmentLoader, kv_head_range, slots_for
 from inferscale.connector.metrics import InferScalePromMetrics, InferScaleStats, stats_or_none
 from inferscale.connector.planner import NO_MEMORY, Plan, plan_request
@@ -141,45 +145,80 @@ class InferScaleConnector(compat.KVConnectorBase_V1):
         self.head_size = vllm_config.model_config.get_head_size()
         self.store = build("kv_store", self.config.kv_store)
         self.layer_names: list[str] = []
+        self._layer_of: dict[str, int] = {}
         self.loader: SegmentLoader | None = None
+        self.layer_loads: LayerLoads | None = None
         self._load_errors: set[int] = set()
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         self.layer_names = sorted(kv_caches, key=compat.layer_index)
+        self._layer_of = {name: index for index, name in enumerate(self.layer_names)}
         first = kv_caches[self.layer_names[0]]
         self.loader = SegmentLoader(self.store, self.disk, self.rope, self.heads, first.device, first.dtype)
+        self.layer_loads = LayerLoads(first.device, len(self.layer_names))
 
     def start_load_kv(self, forward_context, **kwargs: Any) -> None:
-        meta = self._get_connector_metadata()
-        for spec in getattr(meta, "loads", ()):
-            try:
-                self._load(spec, forward_context)
-            except Exception as exc:  # never crash the engine: report the blocks, vLLM recomputes
-                logger.warning("inferscale: loading memory for %s failed (%s: %s); it will be recomputed",
-                               spec.req_id, type(exc).__name__, exc)
-                self._load_errors.update(s // self.block_size for s in spec.slots)
-
-    def _load(self, spec: LoadSpec, forward_context) -> None:
+        """Queue this step's loads; the forward pass waits for each layer in
+        :meth:`wait_for_layer_load`, or for all of them now when it will not ask."""
+        loads = getattr(self._get_connector_metadata(), "loads", ())
+        if not loads:
+            return
         if self.loader is None:
             raise RuntimeError("KV caches were never registered with the connector")
+        with self.layer_loads.issuing():
+            self._write(forward_context, self._prepare(loads))
+        if getattr(forward_context, "attn_metadata", None) is None:
+            self.layer_loads.wait_all()
+
+    def _prepare(self, loads) -> list[tuple[LoadSpec, Segment, torch.Tensor]]:
+        ready = []
+        for spec in loads:
+            try:
+                ready.append((spec, self._segment(spec), self.loader.slot_mapping(spec)))
+            except Exception as exc:  # never crash the engine: report the blocks, vLLM recomputes
+                self._load_failed(spec, exc)
+        return ready
+
+    def _segment(self, spec: LoadSpec) -> Segment:
         tier = self.store.name if self.store.has_user(spec.user_id) else self.disk.name
         segment = self.loader.load(spec, len(self.layer_names), self.head_size)
-        slots = torch.tensor(spec.slots, dtype=torch.long, device=self.loader.device)
+        if self._counts_hits:
+            self.stats.record_hit(tier)
+        return segment
+
+    def _write(self, forward_context, ready: list[tuple[LoadSpec, Segment, torch.Tensor]]) -> None:
+        """Each layer's K/V for every request, then that layer's event."""
+        failed: set[str] = set()
         for index, name in enumerate(self.layer_names):
             layer = forward_context.no_compile_layers[name]
             kv_cache = compat.layer_kv_cache(layer, forward_context)
-            compat.write_kv(layer, segment.keys[index], segment.values[index], kv_cache, slots)
-        if self._counts_hits:
-            self.stats.record_hit(tier)
+            for spec, segment, slots in ready:
+                if spec.req_id in failed:
+                    continue
+                try:
+                    compat.write_kv(layer, segment.keys[index], segment.values[index], kv_cache, slots)
+                except Exception as exc:  # the blocks are reported; vLLM recomputes them
+                    failed.add(spec.req_id)
+                    self._load_failed(spec, exc)
+            self.layer_loads.layer_queued(index)
+
+    def _load_failed(self, spec: LoadSpec, exc: Exception) -> None:
+        logger.warning("inferscale: loading memory for %s failed (%s: %s); it will be recomputed",
+                       spec.req_id, type(exc).__name__, exc)
+        self._load_errors.update(s // self.block_size for s in spec.slots)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        return None
+        index = self._layer_of.get(layer_name)
+        if index is not None:
+            self.layer_loads.wait_layer(index)
 
     def save_kv_layer(self, layer_name: str, kv_layer, attn_metadata, **kwargs: Any) -> None:
         return None
 
     def wait_for_save(self) -> None:
-        return None
+        loads = getattr(self, "layer_loads", None)
+        if loads is not None:  # whatever the forward pass did not wait for, later work does
+            loads.wait_all()
 
     # ---------------- stats (both sides) ----------------
 

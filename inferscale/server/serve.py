@@ -43,8 +43,6 @@ class ServeOptions:
 
 def serve(options: ServeOptions) -> int:
     """Run until interrupted (0) or until the engine dies (1)."""
-    import torch
-
     from inferscale.connector import compat
 
     compat.check_release()
@@ -52,7 +50,7 @@ def serve(options: ServeOptions) -> int:
     launch.check_vllm_args(options.vllm_args)
     launch.check_port_free(options.host, options.port)
     context = Context(options.config)
-    device_type = "cuda" if torch.cuda.is_available() else "cpu"
+    device_type = compat.platform_device_type()
     if options.encoder_device != "cpu" and device_type == "cpu":
         raise ConfigError(f"--encoder-device {options.encoder_device}: this machine has no CUDA device")
     compat.set_engine_environment(device_type)

@@ -1,0 +1,90 @@
+#!/usr/bin/env bash
+# The speed block on the H200 (issue: GPU serving speed). Run from the repository root on the GPU
+# machine once /tmp/parts holds vLLM 0.26.0's site parts (../shared/device: three zstd parts and the
+# zstd binary, carried as .gpu/) and .gpu/before holds the code to compare against
+# (`git archive <commit> inferscale tests benchmarks/ttft.py | tar -x -C .gpu/before`).
+#   RUN=/tmp/run STEPS="start profile tests ttft serve shapes" bash benchmarks/h200_speed.sh
+# Each step appends to $RUN/log and writes its result files into $RUN.
+set -uo pipefail
+RUN=${RUN:-/tmp/run}
+STEPS=${STEPS:-start profile ttft tests serve shapes}
+mkdir -p "$RUN"
+exec > >(tee -a "$RUN/log") 2>&1
+stamp() { echo "== $(date +%T) $*"; }
+has() { [[ " $STEPS " == *" $1 "* ]]; }
+
+if [[ ! -d /tmp/site/vllm ]]; then
+  stamp unpacking
+  mkdir -p /tmp/site && chmod +x .gpu/zstd
+  cat /tmp/parts/vllm-0.26.0-site.tar.zst.* | .gpu/zstd -d -q | tar -x -C /tmp/site
+fi
+export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
+export INFERSCALE_CACHE=/tmp/isc VLLM_CACHE_ROOT=/tmp/isc/vllm
+NOW=/tmp/site:$PWD BEFORE=/tmp/site:$PWD/.gpu/before
+PYTHONPATH=$NOW python3 -c 'import vllm, torch; print("vllm", vllm.__version__, "torch", torch.__version__, torch.cuda.get_device_name())'
+
+# wait for a command; after $2 seconds SIGABRT every process of it (faulthandler prints their stacks)
+watch() {
+  local pid=$1 limit=$2 waited=0
+  while kill -0 "$pid" 2>/dev/null && (( waited < limit )); do sleep 2; waited=$((waited + 2)); done
+  if kill -0 "$pid" 2>/dev/null; then
+    stamp "still running after ${limit}s: SIGABRT to its processes"
+    pkill -ABRT -f engine_start_probe; pkill -ABRT -f 'VLLM::'; sleep 5
+    pkill -KILL -f engine_start_probe; pkill -KILL -f 'VLLM::'
+  fi
+  wait "$pid"; echo "exit status $?"
+}
+
+if has start; then
+  stamp "engine start after torch work, vLLM's default start method, code before"
+  rm -rf /tmp/probe-before && mkdir -p /tmp/probe-before
+  (unset VLLM_WORKER_MULTIPROC_METHOD VLLM_ENABLE_V1_MULTIPROCESSING; PYTHONFAULTHANDLER=1 PYTHONPATH=$BEFORE \
+    PROBE_TIMEOUT=170 python3 tests/engine_start_probe.py "$(PYTHONPATH=$NOW python3 -c 'import sys; sys.path.insert(0, "tests"); import tiny_models; print(tiny_models.tiny_model_dir("qwen2", "bfloat16"))')" \
+    /tmp/probe-before bfloat16) > "$RUN/engine_start_before.log" 2>&1 &
+  watch $! 180
+  grep -v "INFO\|DEBUG" "$RUN/engine_start_before.log" | tail -60
+  stamp "engine start after torch work, code now"
+  rm -rf /tmp/probe-now && mkdir -p /tmp/probe-now
+  (unset VLLM_WORKER_MULTIPROC_METHOD VLLM_ENABLE_V1_MULTIPROCESSING; PYTHONFAULTHANDLER=1 PYTHONPATH=$NOW \
+    python3 -m pytest -q -p no:cacheprovider tests/test_connector_engines.py -k torch_work) > "$RUN/engine_start_now.log" 2>&1 &
+  watch $! 240
+  tail -5 "$RUN/engine_start_now.log"
+fi
+
+if has profile; then
+  for which in before now; do
+    stamp "profile of one injected request ($which)"
+    path=$NOW; [[ $which == before ]] && path=$BEFORE
+    PYTHONPATH=$path timeout 420 python3 benchmarks/inject_profile.py --cuda-graphs --k 50 --kv-store hbm \
+      --label "$which" --out "$RUN/inject_profile_$which.json" 2>&1 | grep -v " INFO \| DEBUG "
+  done
+fi
+
+if has ttft; then
+  stamp "TTFT vs k, Llama-3.1-8B shape, multiprocess engine, CUDA graphs, hbm + pinned"
+  PYTHONPATH=$NOW timeout 600 python3 benchmarks/ttft.py --cuda-graphs --shape llama-3.1-8b --kv-stores hbm,pinned \
+    --ks 1,5,10,25,50,100 --reps 20 --out "$RUN/ttft_llama8b_h200.json" 2>&1 | grep -v " INFO \| DEBUG "
+fi
+
+if has tests; then
+  stamp "connector tests on the GPU (tiny Llama, bf16, CUDA graphs)"
+  PYTHONPATH=$NOW INFERSCALE_TEST_MODELS=llama:bfloat16 INFERSCALE_REPLAY_MODELS=llama:bfloat16 \
+    INFERSCALE_TEST_CUDA_GRAPHS=1 timeout 420 python3 -m pytest tests/test_connector.py -q -p no:cacheprovider \
+    -k "not fuzz" 2>&1 | grep -v " INFO \| DEBUG " | tail -40
+fi
+
+if has serve; then
+  stamp "vllm serve start with and without the connector (smoke shape, CUDA graphs)"
+  SERVE_LOG_DIR=$RUN PYTHONPATH=$NOW timeout 600 python3 benchmarks/serve_start.py --shape smoke --cuda-graphs \
+    --timeout 240 --out "$RUN/serve_start_h200.json" 2>&1 | grep -v " INFO \| DEBUG "
+fi
+
+if has shapes; then
+  for shape in qwen2.5-7b qwen3-14b; do
+    stamp "TTFT vs k, $shape shape"
+    PYTHONPATH=$NOW timeout 500 python3 benchmarks/ttft.py --cuda-graphs --shape $shape --kv-stores hbm,pinned \
+      --ks 1,10,50,100 --reps 20 --out "$RUN/ttft_${shape}_h200.json" 2>&1 | grep -v " INFO \| DEBUG "
+  done
+fi
+stamp done
+touch "$RUN/done"

@@ -1,0 +1,223 @@
+"""Where the time of one injected request goes.
+
+Runs the in-process engine (scheduler, worker and this script in one process,
+so one profiler sees all of it) on a model shape with random weights and
+random memory (as ``ttft.py``), then:
+
+* times ``generate`` (1 output token, median of ``--reps``) for the question
+  alone, KV injection of k facts, and prompt injection of the same tokens;
+* profiles ``--profiled`` KV-injected requests with ``torch.profiler`` and
+  reports, per request, the host and GPU time inside each step of the
+  connector (the ranges are added here, around whatever functions the
+  installed InferScale has, so the same script profiles older code too), the
+  CUDA synchronisations and memcpys the whole request made against the
+  question alone, and the busiest kernels.
+
+    python benchmarks/inject_profile.py --cuda-graphs --k 50 --out benchmarks/results/inject_profile.json
+
+Point ``PYTHONPATH`` at another checkout to profile that code.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import importlib
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+import uuid
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+from ttft import SHAPES, write_memory  # noqa: E402
+
+#: (module, attribute path, range name): the steps of an injected request
+STEPS = [
+    ("inferscale.connector.vllm_adapter", "InferScaleConnector.get_num_new_matched_tokens", "scheduler: plan"),
+    ("inferscale.connector.vllm_adapter", "InferScaleConnector.build_connector_meta", "scheduler: metadata"),
+    ("inferscale.connector.vllm_adapter", "InferScaleConnector.start_load_kv", "worker: start_load_kv (all)"),
+    ("inferscale.connector.loader", "SegmentLoader._gather", "worker: store get + salt check"),
+    ("inferscale.connector.loader", "SegmentLoader.load", "worker: load (get, RoPE, heads, cast)"),
+    ("inferscale.connector.loader", "SegmentLoader.slot_mapping", "worker: slot tensor"),
+    ("inferscale.compose.rope", "RotaryEmbedding.rotate", "worker: RoPE"),
+    ("inferscale.compose.rope", "RotaryEmbedding.rotate_range", "worker: RoPE"),
+    ("inferscale.connector.compat", "write_kv", "worker: cache writes"),
+    ("inferscale.connector.vllm_adapter", "InferScaleConnector.wait_for_layer_load", "worker: wait_for_layer_load"),
+    ("inferscale.connector.vllm_adapter", "InferScaleConnector.request_finished", "scheduler: request_finished"),
+]
+SYNC_EVENTS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy",
+               "cudaMemcpyAsync", "cudaStreamWaitEvent", "cudaLaunchKernel", "cudaGraphLaunch")
+
+
+#: host wall time per range while :data:`TIMING` is on (no profiler: its own overhead inflates host times)
+HOST_MS: dict[str, list[float]] = {}
+TIMING = [False]
+
+
+def annotate() -> list[str]:
+    """Wrap each step that exists in the installed InferScale in a profiler range and a host timer."""
+    import torch
+
+    found = []
+    for module_name, path, label in STEPS:
+        module = importlib.import_module(module_name)
+        owner_name, _, attr = path.rpartition(".")
+        owner = getattr(module, owner_name) if owner_name else module
+        fn = getattr(owner, attr, None)
+        if fn is None:
+            continue
+
+        def wrapped(*args, __fn=fn, __label=label, **kwargs):
+            start = time.perf_counter()
+            try:
+                with torch.profiler.record_function(__label):
+                    return __fn(*args, **kwargs)
+            finally:
+                if TIMING[0]:
+                    HOST_MS.setdefault(__label, []).append((time.perf_counter() - start) * 1e3)
+
+        setattr(owner, attr, functools.wraps(fn)(wrapped))
+        found.append(path)
+    return found
+
+
+def one(llm, prompt: dict, params: dict | None) -> float:
+    from inferscale.connector.compat import greedy_sampling
+
+    p = dict(prompt, cache_salt=prompt.get("cache_salt", "plain") + ":" + uuid.uuid4().hex)
+    start = time.perf_counter()
+    (out,) = llm.generate([p], greedy_sampling(1, params), use_tqdm=False)
+    ms = (time.perf_counter() - start) * 1e3
+    if params is not None and not (out.kv_transfer_params or {}).get("inferscale", {}).get("injected_tokens"):
+        raise RuntimeError(f"nothing was injected: {out.kv_transfer_params}")
+    return ms
+
+
+def median_ms(llm, prompt: dict, params: dict | None, reps: int) -> float:
+    times = [one(llm, prompt, params) for _ in range(reps + 2)]
+    return statistics.median(times[2:])
+
+
+def host_times(llm, prompt: dict, params: dict | None, n: int) -> dict:
+    """Per-request host ms inside each range, without the profiler (``n`` requests)."""
+    HOST_MS.clear()
+    TIMING[0] = True
+    try:
+        for _ in range(n):
+            one(llm, prompt, params)
+    finally:
+        TIMING[0] = False
+    return {label: sum(times) / n for label, times in HOST_MS.items()}
+
+
+def profile(llm, prompt: dict, params: dict | None, n: int) -> dict:
+    """Per-request host/GPU ms of each range and counts of CUDA runtime calls."""
+    import torch
+    from torch.profiler import ProfilerActivity
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    with torch.profiler.profile(activities=activities) as prof:
+        for _ in range(n):
+            one(llm, prompt, params)
+    averages = prof.key_averages()
+    labels = {label for _, _, label in STEPS}
+    ranges, calls, kernels = {}, {}, []
+    for event in averages:
+        device_us = getattr(event, "device_time_total", getattr(event, "cuda_time_total", 0))
+        if event.key in labels:
+            ranges[event.key] = {"host_ms": event.cpu_time_total / 1e3 / n, "gpu_ms": device_us / 1e3 / n,
+                                 "calls": event.count / n}
+        elif event.key in SYNC_EVENTS:
+            calls[event.key] = event.count / n
+        self_device = getattr(event, "self_device_time_total", getattr(event, "self_cuda_time_total", 0))
+        if self_device and getattr(event, "device_type", None) is not None and "cuda" in str(event.device_type).lower():
+            kernels.append({"kernel": event.key[:120], "gpu_ms": self_device / 1e3 / n, "calls": event.count / n})
+    kernels.sort(key=lambda row: -row["gpu_ms"])
+    return {"ranges": ranges, "cuda_calls": calls, "top_kernels": kernels[:15]}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--shape", default="llama-3.1-8b", choices=sorted(SHAPES))
+    parser.add_argument("--k", type=int, default=50)
+    parser.add_argument("--fact-tokens", type=int, default=20)
+    parser.add_argument("--prefix-tokens", type=int, default=32)
+    parser.add_argument("--question-tokens", type=int, default=16)
+    parser.add_argument("--kv-store", default="hbm", choices=("pinned", "hbm"))
+    parser.add_argument("--reps", type=int, default=20)
+    parser.add_argument("--profiled", type=int, default=5)
+    parser.add_argument("--cuda-graphs", action="store_true")
+    parser.add_argument("--label", default="", help="what code this is (goes into the JSON)")
+    parser.add_argument("--out", default="benchmarks/results/inject_profile.json")
+    args = parser.parse_args()
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # one process: one profiler sees everything
+
+    import torch
+    from vllm import LLM
+    from vllm.config import KVTransferConfig
+
+    from inferscale.compose.request import make_params, segment_salt
+    from inferscale.config import BackendSpec, Config
+    from inferscale.connector.engine import kv_transfer_config
+
+    annotated = annotate()
+    work = Path(tempfile.mkdtemp(prefix="inferscale-profile-"))
+    cfg = SHAPES[args.shape]
+    model = work / f"{args.shape}-shape"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps(cfg))
+    _, prefix, facts = write_memory(work, cfg, [args.k], args.fact_tokens, args.prefix_tokens)
+    config = Config(model=str(model), data_dir=str(work), kv_store=BackendSpec(args.kv_store), recompute_tokens=0)
+    memory = {"gpu_memory_utilization": 0.5} if torch.cuda.is_available() else {"kv_cache_memory_bytes": 256 << 20}
+    llm = LLM(model=str(model), load_format="dummy", skip_tokenizer_init=True, dtype="bfloat16",
+              max_model_len=8192, enforce_eager=not args.cuda_graphs, enable_prefix_caching=True,
+              kv_transfer_config=KVTransferConfig(**kv_transfer_config(config)), **memory)
+    ids = [f"f{i}" for i in range(args.k)]
+    segment = prefix + [t for i in ids for t in facts[i].token_ids]
+    question = torch.randint(1000, 100000, (args.question_tokens,)).tolist()
+    kv_prompt = {"prompt_token_ids": segment + question, "cache_salt": segment_salt("bench", segment, 0)}
+    params = make_params("bench", ids, 0)
+    times = {
+        "none_ms": median_ms(llm, {"prompt_token_ids": question}, None, args.reps),
+        "kv_ms": median_ms(llm, kv_prompt, params, args.reps),
+        "prompt_ms": median_ms(llm, {"prompt_token_ids": segment + question, "cache_salt": "text"}, None, args.reps),
+    }
+    result = {
+        "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+        "label": args.label, "command": " ".join(["python", *sys.argv]), "shape": args.shape, "k": args.k,
+        "memory_tokens": len(segment), "kv_store": args.kv_store, "cuda_graphs": args.cuda_graphs,
+        "annotated": annotated, **times,
+        "kv_host_ms": host_times(llm, kv_prompt, params, args.reps),
+        "kv": profile(llm, kv_prompt, params, args.profiled),
+        "none": profile(llm, {"prompt_token_ids": question}, None, args.profiled),
+    }
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(result, indent=2))
+    print_report(result)
+    os._exit(0)
+
+
+def print_report(r: dict) -> None:
+    print(f"\n{r['device']} {r['label']}: {r['shape']}, k={r['k']} ({r['memory_tokens']} memory tokens), "
+          f"{r['kv_store']}, {'CUDA graphs' if r['cuda_graphs'] else 'eager'}, in-process")
+    print(f"generate ms: question alone {r['none_ms']:.2f} | KV injection {r['kv_ms']:.2f} "
+          f"({r['kv_ms'] / r['none_ms']:.2f}x) | prompt injection {r['prompt_ms']:.2f}")
+    print("\n| step (per request) | calls | host ms | host ms, profiled | GPU ms |\n|---|---|---|---|---|")
+    for label, row in r["kv"]["ranges"].items():
+        print(f"| {label} | {row['calls']:.0f} | {r['kv_host_ms'].get(label, 0):.3f} | {row['host_ms']:.3f} | "
+              f"{row['gpu_ms']:.3f} |")
+    print("\n| CUDA runtime call | KV injection | question alone |\n|---|---|---|")
+    for name in SYNC_EVENTS:
+        print(f"| {name} | {r['kv']['cuda_calls'].get(name, 0):.0f} | {r['none']['cuda_calls'].get(name, 0):.0f} |")
+    print("\n| kernel (KV injection) | calls | GPU ms |\n|---|---|---|")
+    for row in r["kv"]["top_kernels"][:10]:
+        print(f"| {row['kernel'][:80]} | {row['calls']:.0f} | {row['gpu_ms']:.3f} |")
+
+
+if __name__ == "__main__":
+    main()
