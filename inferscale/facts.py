@@ -8,9 +8,15 @@ from __future__ import annotations
 
 import hashlib
 import re
+import unicodedata
 from dataclasses import dataclass
 
 _ID_RE = re.compile(r"^[A-Za-z0-9_.:-]{1,128}$")
+MAX_USER_ID_CHARS = 128
+#: a user's file name is its id, escaped (:func:`user_file_stem`), plus a suffix: at most this many bytes
+MAX_USER_FILE_STEM_BYTES = 200
+#: in a user's file name, these characters are written as %XX ("%" first, so decoding is unique)
+_FILE_ESCAPES = {"%": "%25", "/": "%2F", "\\": "%5C"}
 
 
 @dataclass(frozen=True)
@@ -23,7 +29,7 @@ class Fact:
 
     def __post_init__(self):
         check_id(self.fact_id, "fact_id")
-        check_id(self.user_id, "user_id")
+        check_user_id(self.user_id)
         object.__setattr__(self, "token_ids", tuple(int(t) for t in self.token_ids))
 
 
@@ -43,10 +49,52 @@ def make_fact_id(user_id: str, text: str, source_turn: str | None = None) -> str
 
 
 def check_id(value: object, what: str) -> str:
-    """user_ids and fact_ids are short ASCII names (they become file and tensor names)."""
+    """fact_ids (and other internal names) are short ASCII names: they become tensor names."""
     if not isinstance(value, str) or not _ID_RE.match(value):
         raise ValueError(f"{what} must match {_ID_RE.pattern}, got {value!r}")
     return value
+
+
+def check_user_id(value: object) -> str:
+    """A user id is what Mem0 accepts as one, less control characters.
+
+    Mem0 takes any string and trims it, refusing empty ones and ones with
+    whitespace inside; here the id must already be trimmed (``"alice "`` is an
+    error, not ``"alice"``), so both stores name the user alike. Emails,
+    slashes, accents are fine; control and format characters (``"alice\\n"``,
+    a zero-width space, a bidi override) are not, nor ids longer than
+    :data:`MAX_USER_ID_CHARS` characters or whose file name
+    (:func:`user_file_stem`) would pass :data:`MAX_USER_FILE_STEM_BYTES` bytes.
+    """
+    if not isinstance(value, str) or not value:
+        raise ValueError(f"user_id must be a non-empty string, got {value!r}")
+    bad = next((c for c in value if c.isspace() or unicodedata.category(c).startswith(("C", "Z"))), None)
+    if bad is not None:
+        raise ValueError(f"user_id must not contain whitespace or control characters "
+                         f"(found U+{ord(bad):04X}), got {value!r}")
+    if len(value) > MAX_USER_ID_CHARS:
+        raise ValueError(f"user_id is {len(value)} characters long (at most {MAX_USER_ID_CHARS})")
+    size = len(user_file_stem(value, check=False).encode())
+    if size > MAX_USER_FILE_STEM_BYTES:
+        raise ValueError(f"user_id takes {size} bytes as a file name (at most {MAX_USER_FILE_STEM_BYTES})")
+    return value
+
+
+def user_file_stem(user_id: str, check: bool = True) -> str:
+    """The user's id as a file name (without suffix): ``%``, ``/`` and ``\\`` written as
+    ``%XX``, everything else kept (``alice@example.com`` stays as it is)."""
+    if check:
+        check_user_id(user_id)
+    return "".join(_FILE_ESCAPES.get(c, c) for c in user_id)
+
+
+def user_from_file_stem(stem: str) -> str:
+    """The user id a file name (without suffix) stands for: the inverse of :func:`user_file_stem`."""
+    return _ESCAPED.sub(lambda m: _UNESCAPES[m.group(0)], stem)
+
+
+_UNESCAPES = {escape: char for char, escape in _FILE_ESCAPES.items()}
+_ESCAPED = re.compile("|".join(map(re.escape, _UNESCAPES)))
 
 
 def render_fact(text: str, style: str = "bullet") -> str:

@@ -60,3 +60,27 @@ def test_encode_then_ask(tmp_path):
     assert report["facts"] == 3 and report["fallback"] is None
     out = run("ask", "nobody", "Hi?", "--model", model, "--data-dir", str(tmp_path))
     assert out.returncode == 2 and "no memory stored for user 'nobody'" in out.stderr
+
+
+@pytest.mark.slow
+def test_users_facts_forget_on_a_data_directory(tmp_path):
+    from inferscale.api import Context, MemoryAPI
+    from inferscale.config import Config
+
+    model = str(tiny_models.tiny_model_dir("qwen2", "float32"))
+    memory = MemoryAPI(Context(Config.from_dict({"model": model, "data_dir": str(tmp_path)})))
+    memory.add_facts("ann@example.com", [("Ann has a cat named Miso.", "D1:2"), "Ann runs on Sundays."])
+    memory.close()
+    where = ("--data-dir", str(tmp_path))
+    assert run("users", *where).stdout.split() == ["ann@example.com"]
+    out = run("facts", "ann@example.com", *where)
+    assert out.returncode == 0 and out.stdout.count("\n") == 2 and "D1:2  Ann has a cat named Miso." in out.stdout
+    facts = json.loads(run("facts", "ann@example.com", "--json", *where).stdout)
+    assert [f["text"] for f in facts] == ["Ann has a cat named Miso.", "Ann runs on Sundays."]
+    out = run("forget", "ann@example.com", *where)
+    assert out.returncode == 0 and "forgot ann@example.com: 2 fact(s)" in out.stdout
+    assert run("users", *where).stdout == ""
+    out = run("facts", "ann@example.com", *where)
+    assert out.returncode == 2 and "no memory stored for user 'ann@example.com'" in out.stderr
+    out = run("facts", "ann\n", *where)
+    assert out.returncode == 2 and "control characters" in out.stderr

@@ -183,3 +183,35 @@ def test_add_conversation_needs_facts_or_an_llm(tmp_path):
     mem = InferScale.from_config({"data_dir": str(tmp_path)})
     with pytest.raises(ValueError, match="facts or llm_base_url"):
         mem.add_conversation("maya", TURNS)
+
+
+def test_forgetting_a_user_removes_mem0s_memories_history_and_messages(tmp_path):
+    """Mem0's own store after forget_user: nothing of the user's left, other users untouched."""
+    import sqlite3
+
+    from inferscale.encode.extract import forget_user, session_scope
+
+    store = tmp_path / "mem0"
+    options = Mem0Extractor.Options(llm_base_url="http://127.0.0.1:9/v1", store_dir=str(store))
+    with Mem0Extractor(options) as extractor:
+        memory = extractor._open(ServedModel("unused", None))
+        for user, text in (("maya@example.com", "I have a grey cat called Pixel."), ("bob", "I live in Oslo.")):
+            message = {"role": "user", "content": text}
+            memory.add([message], user_id=user, infer=False)
+            memory.db.save_messages([message], session_scope(user))  # what add(infer=True) keeps of a session
+        maya_ids = [str(r.id) for r in memory.vector_store.list(filters={"user_id": "maya@example.com"})[0]]
+    assert maya_ids
+
+    assert forget_user(store, "maya@example.com") == len(maya_ids)
+
+    db = sqlite3.connect(store / "history.db")
+    history = {row[0] for row in db.execute("SELECT memory_id FROM history")}
+    scopes = {row[0] for row in db.execute("SELECT session_scope FROM messages")}
+    db.close()
+    assert not history & set(maya_ids) and history  # bob's history stays
+    assert session_scope("maya@example.com") not in scopes and session_scope("bob") in scopes
+    with Mem0Extractor(options) as extractor:
+        memory = extractor._open(ServedModel("unused", None))
+        assert memory.vector_store.list(filters={"user_id": "maya@example.com"})[0] == []
+        assert len(memory.vector_store.list(filters={"user_id": "bob"})[0]) == 1
+    assert forget_user(store, "maya@example.com") == 0 and forget_user(tmp_path / "none", "bob") == 0

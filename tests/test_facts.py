@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from inferscale import CorruptDataError, Fact, make_fact_id
-from inferscale.facts import render_fact
+from inferscale.facts import render_fact, user_file_stem, user_from_file_stem
 from inferscale.kv import FactKV
 from inferscale.storage.disk import DiskStore
 
@@ -17,11 +17,40 @@ def test_fact_ids_are_stable_and_distinct():
 
 
 @pytest.mark.parametrize("bad", ["", "a/b", "../x", "x" * 200, "sp ace", None, 3])
-def test_ids_are_checked(bad):
+def test_fact_ids_are_short_ascii_names(bad):
     with pytest.raises(ValueError):
         Fact(bad, "ann", "text")
-    with pytest.raises(ValueError):
+
+
+@pytest.mark.parametrize("good", ["alice@example.com", "a/b", "../x", "100%", "Zoë", "x" * 128, "user:42", "."])
+def test_user_ids_are_what_mem0_accepts(good):
+    assert Fact("f-1", good, "text").user_id == good
+    stem = user_file_stem(good)
+    assert "/" not in stem and user_from_file_stem(stem) == good
+
+
+@pytest.mark.parametrize("bad", ["", "alice\n", "al ice", " alice", "alice\t", "a\x00b", "a\u200bb", "a\u202eb",
+                                 "x" * 129, "\u00e9" * 101, None, 3])
+def test_user_ids_reject_whitespace_and_control_characters(bad):
+    with pytest.raises(ValueError, match="user_id"):
         Fact("f-1", bad, "text")
+
+
+def test_user_file_names_escape_only_what_a_file_name_cannot_hold():
+    assert user_file_stem("alice@example.com") == "alice@example.com"
+    assert user_file_stem("a/b%2F") == "a%2Fb%252F"
+    assert user_from_file_stem("a%2Fb%252F") == "a/b%2F"
+
+
+def test_users_with_odd_ids_stay_inside_the_store(tmp_path):
+    disk = DiskStore(DiskStore.Options(root=str(tmp_path / "kv")))
+    for user in ("alice@example.com", "../escape", "a/b"):
+        disk.put(user, {"f-1": _kv((5, 6))})
+        assert disk.path(user).parent == tmp_path / "kv"
+    assert disk.users() == sorted(["alice@example.com", "../escape", "a/b"])
+    assert sorted(p.name for p in (tmp_path / "kv").glob("*.safetensors")) == [
+        "..%2Fescape.safetensors", "a%2Fb.safetensors", "alice@example.com.safetensors"]
+    assert disk.list("a/b") == ["f-1"] and not (tmp_path / "escape.safetensors").exists()
 
 
 def test_render_fact_is_one_bullet_line():

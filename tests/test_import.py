@@ -19,3 +19,13 @@ def test_core_modules_import_without_vllm():
         "assert 'vllm' not in sys.modules, 'the core imported vllm'\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_the_front_and_the_client_speak_http_to_vllm():
+    """The server reaches vLLM over HTTP only (its internals move between releases: docs/server.md)."""
+    code = (
+        "import sys\n"
+        "import inferscale.server.app, inferscale.server.launch, inferscale.server.serve, inferscale.client\n"
+        "assert 'vllm' not in sys.modules, 'the front imported vllm'\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import time
+import urllib.request
 
 import pytest
 
@@ -34,10 +36,36 @@ def test_vllm_serve_injects_memory_from_request_params(tmp_path):
         params, salt = vh.memory_request(tmp_path, "alice", ["f0", "f1"], segment)
         injected = complete(kv_transfer_params=params, cache_salt=salt)
         foreign = complete(kv_transfer_params=make_params("bob", ["f0"]), cache_salt=salt)
+        metrics = _connector_metrics(url.removesuffix("/v1"), "vllm:inferscale_fallbacks_total")
     assert injected.choices[0].text == plain.choices[0].text
     report = (injected.model_extra or {}).get("kv_transfer_params", {}).get("inferscale", {})
     assert report.get("injected_tokens") == len(segment), injected.model_extra
     assert injected.usage.prompt_tokens_details is None or injected.usage.prompt_tokens_details.cached_tokens in (
         None, len(segment))
     assert foreign.choices[0].text == plain.choices[0].text
-    assert (foreign.model_extra or {})["kv_transfer_params"]["inferscale"]["fallback"] == "refused"
+    assert (foreign.model_extra or {})["kv_transfer_params"]["inferscale"]["fallback"] == "refused"  # the reason stays in the server log
+    assert metrics["vllm:inferscale_injected_requests_total"] == 1
+    assert metrics["vllm:inferscale_injected_tokens_total"] == len(segment)
+    assert metrics['vllm:inferscale_fallbacks_total{reason="unknown_user"}'] == 1
+    assert metrics['vllm:inferscale_fallbacks_total{reason="token_mismatch"}'] == 0
+    assert metrics['vllm:inferscale_store_hits_total{tier="disk"}'] == 1  # the first load of alice
+
+
+def _connector_metrics(base: str, wait_for: str, timeout_s: float = 10.0) -> dict[str, float]:
+    """The connector's counters on the server's /metrics (labels other than reason/tier dropped)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        with urllib.request.urlopen(f"{base}/metrics", timeout=5) as response:
+            text = response.read().decode()
+        out = {}
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                if sample.name.startswith("vllm:inferscale_") and sample.name.endswith("_total"):
+                    extra = {k: v for k, v in sample.labels.items() if k in ("reason", "tier")}
+                    label = ",".join(f'{k}="{v}"' for k, v in extra.items())
+                    out[sample.name + (f"{{{label}}}" if label else "")] = sample.value
+        if any(key.startswith(wait_for) and value for key, value in out.items()) or time.monotonic() > deadline:
+            return out
+        time.sleep(0.5)

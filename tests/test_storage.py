@@ -165,7 +165,7 @@ def test_model_mismatch(store, other):
 
 def test_bad_ids_rejected(store):
     with pytest.raises(ValueError):
-        store.put("../etc", make_facts(1))
+        store.put("alice\n", make_facts(1))
     with pytest.raises(ValueError):
         store.put("alice", {"a/b": make_fact(2)})
 

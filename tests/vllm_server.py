@@ -1,4 +1,5 @@
-"""Start a real `vllm serve` (the OpenAI-compatible API server) for a test, and stop it."""
+"""Start a real `vllm serve` (the OpenAI-compatible API server), or a real `inferscale serve`
+(the front with its engine), for a test, and stop it."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import tempfile
 import time
 import urllib.request
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -36,19 +38,46 @@ def serve(model: Path, *args: str) -> Iterator[str]:
     would recompile on every start (≈ 40 s).
     """
     port = free_port()
+    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
+           "--enforce-eager", "--host", "127.0.0.1", "--port", str(port), *args]
+    with _running(cmd, f"http://127.0.0.1:{port}/v1") as (url, _proc, _log):
+        yield url
+
+
+@dataclass
+class Front:
+    """A running `inferscale serve`: its base URL (no /v1), process and log file."""
+
+    url: str
+    proc: subprocess.Popen
+    log: Path
+
+    def log_text(self) -> str:
+        return self.log.read_text(errors="replace")
+
+
+@contextlib.contextmanager
+def inferscale_serve(model: Path | str, data_dir: Path, *args: str) -> Iterator[Front]:
+    """`inferscale serve MODEL --data-dir DATA [args]` on 127.0.0.1 until the block ends."""
+    port = free_port()
+    cmd = [sys.executable, "-m", "inferscale.cli", "serve", str(model), "--data-dir", str(data_dir),
+           "--port", str(port), *args]
+    with _running(cmd, f"http://127.0.0.1:{port}/v1") as (url, proc, log):
+        yield Front(url.removesuffix("/v1"), proc, log)
+
+
+@contextlib.contextmanager
+def _running(cmd: list[str], url: str) -> Iterator[tuple[str, subprocess.Popen, Path]]:
     (CACHE / "tmp").mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix="vllm-serve-", dir=CACHE / "tmp"))
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CACHE_ROOT": str(CACHE / "vllm"),
            "TMPDIR": str(tmp), "VLLM_RPC_BASE_PATH": str(tmp)}
-    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
-           "--enforce-eager", "--host", "127.0.0.1", "--port", str(port), *args]
     log_path = tmp / "server.log"
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         try:
-            url = f"http://127.0.0.1:{port}/v1"
             _wait_ready(proc, url, log_path)
-            yield url
+            yield url, proc, log_path
         finally:
             _stop(proc)
             shutil.rmtree(tmp, ignore_errors=True)

@@ -24,10 +24,10 @@ from typing import Any
 
 from inferscale.api.context import Context, load_config
 from inferscale.api.generation import Answer, GenerationAPI, Mode, PromptRequest
-from inferscale.api.memory import FoundFact, MemoryAPI
+from inferscale.api.memory import Forgotten, FoundFact, MemoryAPI
 from inferscale.config import Config
 
-__all__ = ["Answer", "Context", "FoundFact", "GenerationAPI", "InferScale", "MemoryAPI", "Mode", "PromptRequest"]
+__all__ = ["Answer", "Context", "Forgotten", "FoundFact", "GenerationAPI", "InferScale", "MemoryAPI", "Mode", "PromptRequest"]
 
 
 class InferScale:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any, Literal
@@ -82,17 +82,20 @@ class GenerationAPI:
             raise UnknownUserError(user_id)
         return retriever.search(user_id, self.context.embedder.embed([query]), k or self.config.top_k)[0]
 
-    def prompt(self, user_id: str, query: str, fact_order: Sequence[str], mode: Mode = "kv",
-               fresh_cache: bool = False, recompute_tokens: int | None = None,
+    def prompt(self, user_id: str, query: str | Sequence[Mapping[str, str]], fact_order: Sequence[str],
+               mode: Mode = "kv", fresh_cache: bool = False, recompute_tokens: int | None = None,
                key_scale: float | None = None) -> PromptRequest:
         """The request that answers ``query`` from these facts, in this order.
 
+        ``query`` is a question, or a conversation (``[{"role", "content"}, ...]``,
+        placed after the memory: :meth:`PromptFormat.chat_ids`).
         ``recompute_tokens`` and ``key_scale`` override the connector's
         configured blend for this request (None: the configured one).
         ``fresh_cache`` adds a nonce to the salt: no prefix-cache reuse at all.
         """
         ctx = self.context
-        question = ctx.prompt_format.query_ids(ctx.tokenizer, query)
+        question = (ctx.prompt_format.query_ids(ctx.tokenizer, query) if isinstance(query, str)
+                    else ctx.prompt_format.chat_ids(ctx.tokenizer, query))
         if mode == "none":
             return PromptRequest({"prompt_token_ids": ctx.prefix_ids + question}, None, [], 0)
         segment = list(ctx.prefix_ids)

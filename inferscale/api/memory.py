@@ -26,6 +26,15 @@ FactInput = str | tuple[str, str | None]
 
 
 @dataclass(frozen=True)
+class Forgotten:
+    """What forgetting a user removed."""
+
+    user_id: str
+    facts: int  # facts with their K/V and embeddings
+    mem0_memories: int  # memories in Mem0's own store (their history and the session's messages too)
+
+
+@dataclass(frozen=True)
 class FoundFact:
     """A fact retrieved for a query, with its relevance (higher is more relevant)."""
 
@@ -80,10 +89,15 @@ class MemoryAPI:
         self.context.disk.delete(user_id, [fact_id])
         self.context.retriever.delete(user_id, [fact_id])
 
-    def delete_user(self, user_id: str) -> None:
-        """Forget a user: every fact, its K/V and its embedding."""
+    def delete_user(self, user_id: str) -> Forgotten:
+        """Forget a user: every fact with its K/V and embedding, and what Mem0's
+        extraction kept (its memories, their history, the session's messages)."""
+        from inferscale.encode.extract import forget_user
+
+        facts = len(self.context.disk.list(user_id))
         self.context.disk.delete(user_id)
         self.context.retriever.delete(user_id)
+        return Forgotten(user_id, facts, forget_user(self.config.mem0_path, user_id))
 
     def extract_facts(self, user_id: str, turns: Sequence[Turn], llm_base_url: str, progress: bool = True,
                       **options: Any) -> list[tuple[str, str]]:

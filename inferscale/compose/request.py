@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from inferscale.compose.salt import CacheSalts
-from inferscale.facts import check_id
+from inferscale.facts import check_id, check_user_id
 
 PARAMS_KEY = "inferscale"
 MAX_FACTS = 1024
@@ -67,7 +67,7 @@ def parse_params(params: Any) -> SegmentRequest | None:
         raise InvalidParams(f"unknown key(s) {sorted(map(str, unknown))}")
     user_id, fact_ids = body.get("user_id"), body.get("fact_ids")
     try:
-        check_id(user_id, "user_id")
+        check_user_id(user_id)
     except ValueError as exc:
         raise InvalidParams(str(exc)) from None
     if user_id.startswith("_"):

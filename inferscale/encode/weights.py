@@ -20,9 +20,9 @@ import contextlib
 import fcntl
 import hashlib
 import importlib.util
+import logging
 import os
 import shutil
-import sys
 import tempfile
 import time
 from collections.abc import Iterator
@@ -32,6 +32,8 @@ from typing import Any
 
 from inferscale.config import ModelSpec
 from inferscale.errors import ConfigError, InferScaleError
+
+logger = logging.getLogger(__name__)
 
 #: a converted directory is complete only when this file exists in it
 DONE_MARKER = ".inferscale-complete"
@@ -126,7 +128,7 @@ def _umask() -> int:
 
 
 def _say(message: str) -> None:
-    print(f"[inferscale] {message}", file=sys.stderr, flush=True)
+    logger.info(message)
 
 
 def known_model(name: str) -> GGUFSource:

@@ -1,6 +1,7 @@
 """DiskStore: each user's facts as a small index plus append-only K/V segment files.
 
-Format 3 (``docs/storage-format.md``)::
+Format 3 (``docs/storage-format.md``; a user's directory and file names escape ``/``, ``\\``
+and ``%`` in the id, :func:`~inferscale.facts.user_file_stem`)::
 
     <root>/users/<user_id>/index.json             facts, token ids, records, segments, generation
     <root>/users/<user_id>/seg-<hex>.safetensors  K/V (and embeddings), never modified once written
@@ -40,7 +41,7 @@ import torch
 
 from inferscale.devices import resolve_device
 from inferscale.errors import CorruptDataError, UnknownUserError
-from inferscale.facts import Fact
+from inferscale.facts import Fact, user_file_stem, user_from_file_stem
 from inferscale.kv import FactKV, KVBatch
 from inferscale.storage import files, kvfile, legacy
 from inferscale.storage.base import KVStore
@@ -137,7 +138,7 @@ class DiskStore(KVStore):
         users_dir = self.root / USERS_DIR
         found = {d.name for d in users_dir.iterdir() if (d / INDEX_NAME).is_file()} if users_dir.is_dir() else set()
         found |= {p.name[: -len(SUFFIX)] for p in self.root.iterdir() if p.name.endswith(SUFFIX) and p.is_file()}
-        return sorted(found)
+        return sorted(user_from_file_stem(stem) for stem in found)
 
     def nbytes(self, user_id: str) -> int:
         """Bytes of K/V (not of the files) stored for the user."""
@@ -190,12 +191,12 @@ class DiskStore(KVStore):
     def user_dir(self, user_id: str) -> Path:
         """The user's directory (format 3)."""
         check_ids(user_id, ())
-        return self.root / USERS_DIR / user_id
+        return self.root / USERS_DIR / user_file_stem(user_id)
 
     def legacy_path(self, user_id: str) -> Path:
         """Where a format 1/2 file of the user would be."""
         check_ids(user_id, ())
-        return self.root / f"{user_id}{SUFFIX}"
+        return self.root / f"{user_file_stem(user_id)}{SUFFIX}"
 
     # -- reading ---------------------------------------------------------------
 
@@ -328,7 +329,7 @@ class DiskStore(KVStore):
 
     def _remove_temps(self, user_id: str) -> None:
         """Temp files of the format 1/2 writer that a crash left in the root."""
-        pattern = glob.escape(f".{user_id}{SUFFIX}") + "#*" + files.TEMP_SUFFIX
+        pattern = glob.escape(f".{user_file_stem(user_id)}{SUFFIX}") + "#*" + files.TEMP_SUFFIX
         for stale in self.root.glob(pattern):
             files.remove(stale)
 

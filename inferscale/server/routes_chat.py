@@ -1,0 +1,100 @@
+"""``POST /v1/chat/completions``: a chat answered with the user's memory.
+
+Retrieval, composition (memory, then the conversation), tokenization with the
+model's chat template and the cache salt happen here, through
+:meth:`GenerationAPI.retrieve` and :meth:`GenerationAPI.prompt`; vLLM gets
+token ids on ``/v1/completions`` and prefills only what is not injected.
+Without a user, the request goes to vLLM's own chat endpoint unchanged.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.concurrency import run_in_threadpool
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from inferscale.api import PromptRequest
+from inferscale.compose.request import MAX_FACTS
+from inferscale.errors import MissingFactError
+from inferscale.server import forward
+from inferscale.server.chat import ChatCall, completion_body, parse_chat, refuse_reserved
+from inferscale.server.convert import chat_chunk, chat_completion
+from inferscale.server.errors import json_body
+from inferscale.server.state import ServerState
+
+logger = logging.getLogger(__name__)
+router = APIRouter()
+
+
+@router.post("/v1/chat/completions")
+async def chat_completions(request: Request) -> Response:
+    state: ServerState = request.app.state.inferscale
+    body = json_body(await request.body())
+    call = parse_chat(body, MAX_FACTS)
+    state.metrics.chats.labels(call.mode).inc()
+    if call.user_id is None:
+        return await _plain_chat(state, body)
+    prompt, info = await run_in_threadpool(compose, state, call)
+    upstream = completion_body(call, prompt.prompt, prompt.kv_transfer_params, state.served_model)
+    if call.stream:
+        return await _stream(state, upstream, info)
+    status, answer = await forward.post_json(state.client, "/v1/completions", upstream)
+    if status != 200:
+        return JSONResponse(answer, status_code=status)
+    return JSONResponse(chat_completion(answer, info))
+
+
+def compose(state: ServerState, call: ChatCall) -> tuple[PromptRequest, dict[str, Any]]:
+    """Retrieve the user's facts for the last message and lay out the request (in a worker thread)."""
+    try:
+        return _compose(state, call)
+    except MissingFactError:  # a fact was deleted between retrieval and layout: once more
+        return _compose(state, call)
+
+
+def _compose(state: ServerState, call: ChatCall) -> tuple[PromptRequest, dict[str, Any]]:
+    generation, metrics = state.generation, state.metrics
+    start = time.perf_counter()
+    with metrics.timed(metrics.retrieval):
+        hits = generation.retrieve(call.user_id, call.query, call.k) if call.mode != "none" else []
+    retrieved = time.perf_counter()
+    with metrics.timed(metrics.compose):
+        prompt = generation.prompt(call.user_id, call.messages, generation.composer.order(hits), call.mode)
+    composed = time.perf_counter()
+    info = {"mode": call.mode, "fact_ids": prompt.fact_ids, "memory_tokens": prompt.memory_tokens,
+            "prompt_tokens": prompt.num_tokens,
+            "timings_ms": {"retrieval": round((retrieved - start) * 1e3, 3),
+                           "compose": round((composed - retrieved) * 1e3, 3)}}
+    return prompt, info
+
+
+async def _stream(state: ServerState, upstream: dict[str, Any], info: dict[str, Any]) -> Response:
+    response = await forward.open_stream(state.client, "/v1/completions", upstream)
+    if response.status_code != 200:
+        return await forward.error_from(response)
+
+    async def events():
+        started: set[int] = set()
+        pending = info  # sent with the first chunk (the engine's report does not come with streams)
+        try:
+            async for data in forward.sse_events(response):
+                chunk = data if data == "[DONE]" else json.loads(data)
+                if isinstance(chunk, dict) and "error" not in chunk:
+                    chunk, pending = chat_chunk(chunk, started, pending), None
+                yield forward.sse(chunk)
+        finally:
+            await response.aclose()
+
+    return StreamingResponse(events(), media_type="text/event-stream")
+
+
+async def _plain_chat(state: ServerState, body: dict[str, Any]) -> Response:
+    """No user: vLLM's own chat endpoint answers, exactly as ``vllm serve`` would."""
+    refuse_reserved(body)
+    body.pop("inferscale", None)
+    return await forward.relay(state.client, state.client.build_request("POST", "/v1/chat/completions", json=body))

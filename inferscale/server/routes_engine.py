@@ -1,0 +1,65 @@
+"""Health, metrics, and the rest of vLLM's OpenAI API, passed through to the engine.
+
+``GET /health``: 200 when the engine answers its own ``/health``, else 503.
+``GET /metrics``: the front's metrics, then the engine's (vLLM's and the connector's).
+``/v1/...``, ``/tokenize``, ``/detokenize``, ``/version``: passed to the engine as they are
+(``/v1/completions`` included), except that a client may not send ``kv_transfer_params``
+or a ``cache_salt``: memory is only ever asked for by the server, for the request's user.
+"""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+from fastapi import APIRouter, Request
+from fastapi.responses import PlainTextResponse, Response
+
+from inferscale.server import forward
+from inferscale.server.chat import refuse_reserved
+from inferscale.server.errors import APIError
+from inferscale.server.state import ServerState
+
+router = APIRouter()
+PASSED_THROUGH = ("v1/", "tokenize", "detokenize", "version")
+PROMETHEUS_TEXT = "text/plain; version=0.0.4; charset=utf-8"
+
+
+@router.get("/health")
+async def health(request: Request) -> Response:
+    state: ServerState = request.app.state.inferscale
+    try:
+        response = await state.client.get("/health", timeout=5.0)
+    except httpx.HTTPError:
+        raise APIError(503, "the engine is not answering") from None
+    if response.status_code != 200:
+        raise APIError(503, f"the engine answers /health with {response.status_code}")
+    return Response(status_code=200)
+
+
+@router.get("/metrics")
+async def metrics(request: Request) -> Response:
+    state: ServerState = request.app.state.inferscale
+    text = state.metrics.render().decode()
+    try:
+        response = await state.client.get("/metrics", timeout=10.0)
+        text += response.text if response.status_code == 200 else f"# engine /metrics: HTTP {response.status_code}\n"
+    except httpx.HTTPError as exc:
+        text += f"# engine /metrics unavailable: {type(exc).__name__}\n"
+    return PlainTextResponse(text, media_type=PROMETHEUS_TEXT)
+
+
+@router.api_route("/{path:path}", methods=["GET", "POST", "PUT", "DELETE", "PATCH"], include_in_schema=False)
+async def passthrough(path: str, request: Request) -> Response:
+    state: ServerState = request.app.state.inferscale
+    if not path.startswith(PASSED_THROUGH):
+        raise APIError(404, f"no route {request.method} /{path}")
+    body = await request.body()
+    if body and "json" in request.headers.get("content-type", ""):
+        try:
+            parsed = json.loads(body)
+        except ValueError:
+            parsed = None  # the engine answers malformed JSON itself
+        if isinstance(parsed, dict):
+            refuse_reserved(parsed)
+    return await forward.proxy(request, state.client, body)

@@ -1,0 +1,146 @@
+"""The memory endpoints, in the spirit of Mem0's API, over :class:`MemoryAPI`.
+
+``POST /v1/memories``               add facts, or a conversation (Mem0 extraction on the served model)
+``GET /v1/memories?user_id=``       list a user's facts
+``GET /v1/memories/{id}?user_id=``  one fact
+``POST /v1/memories/search``        a user's facts most relevant to a query
+``PUT /v1/memories/{id}``           change a fact's text (a new fact, encoded again, under a new id)
+``DELETE /v1/memories/{id}?user_id=``  delete a fact
+``DELETE /v1/memories?user_id=``    forget a user: facts, K/V, embeddings, Mem0's store and history
+``GET /v1/users``                   every user with memory
+
+Writes run one at a time (one encoder, one Mem0 store); reads run beside them.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import time
+from typing import Any
+
+from fastapi import APIRouter, Query, Request
+from fastapi.responses import JSONResponse
+
+from inferscale.encode.window import Turn
+from inferscale.errors import ConfigError, MissingFactError, UnknownUserError
+from inferscale.server.errors import APIError
+from inferscale.server.schemas import AddMemories, MessageIn, SearchMemories, UpdateMemory, fact_json, user_id_of
+from inferscale.server.state import ServerState
+
+logger = logging.getLogger(__name__)
+router = APIRouter()
+
+
+def _state(request: Request) -> ServerState:
+    return request.app.state.inferscale
+
+
+def _user(user_id: str) -> str:
+    try:
+        return user_id_of(user_id)
+    except ValueError as exc:
+        raise APIError(400, str(exc), "user_id") from None
+
+
+@router.post("/v1/memories", status_code=201)
+def add_memories(body: AddMemories, request: Request) -> dict[str, Any]:
+    state = _state(request)
+    if body.facts is None and body.messages is None:
+        raise APIError(400, "give 'facts' to store, or 'messages' to extract facts from", "facts")
+    turns = _turns(body.messages or [])
+    with state.write_lock, state.metrics.timed(state.metrics.memory.labels("add")):
+        start = time.perf_counter()
+        given = [_fact(f) for f in body.facts] if body.facts is not None else _extract(state, body.user_id, turns)
+        added = state.memory.add_facts(body.user_id, given, turns) if given else []
+    logger.info("%s: %d fact(s) stored in %.2f s", body.user_id, len(added), time.perf_counter() - start)
+    return {"user_id": body.user_id, "results": [fact_json(f) for f in added]}
+
+
+@router.get("/v1/memories")
+def list_memories(request: Request, user_id: str = Query(...)) -> dict[str, Any]:
+    state, user_id = _state(request), _user(user_id)
+    with state.metrics.timed(state.metrics.memory.labels("list")):
+        facts = state.memory.list_facts(user_id)
+    if not facts:
+        raise UnknownUserError(user_id)
+    return {"user_id": user_id, "results": [fact_json(f) for f in facts]}
+
+
+@router.get("/v1/memories/{fact_id}")
+def get_memory(fact_id: str, request: Request, user_id: str = Query(...)) -> dict[str, Any]:
+    state, user_id = _state(request), _user(user_id)
+    facts = {f.fact_id: f for f in state.memory.list_facts(user_id)}
+    if not facts:
+        raise UnknownUserError(user_id)
+    if fact_id not in facts:
+        raise MissingFactError(user_id, [fact_id])
+    return {"user_id": user_id, "result": fact_json(facts[fact_id])}
+
+
+@router.post("/v1/memories/search")
+def search_memories(body: SearchMemories, request: Request) -> dict[str, Any]:
+    state = _state(request)
+    with state.metrics.timed(state.metrics.memory.labels("search")):
+        found = state.memory.search(body.user_id, body.query, body.k)
+    return {"user_id": body.user_id, "results": [fact_json(f.fact, f.score) for f in found]}
+
+
+@router.put("/v1/memories/{fact_id}")
+def update_memory(fact_id: str, body: UpdateMemory, request: Request) -> dict[str, Any]:
+    state = _state(request)
+    with state.write_lock, state.metrics.timed(state.metrics.memory.labels("update")):
+        new = state.memory.update_fact(body.user_id, fact_id, body.text)
+    logger.info("%s: fact %s replaced by %s", body.user_id, fact_id, new.fact_id)
+    return {"user_id": body.user_id, "result": fact_json(new), "replaced": fact_id}
+
+
+@router.delete("/v1/memories/{fact_id}")
+def delete_memory(fact_id: str, request: Request, user_id: str = Query(...)) -> dict[str, Any]:
+    state, user_id = _state(request), _user(user_id)
+    with state.write_lock, state.metrics.timed(state.metrics.memory.labels("delete")):
+        state.memory.delete_fact(user_id, fact_id)
+    logger.info("%s: fact %s deleted", user_id, fact_id)
+    return {"user_id": user_id, "deleted": fact_id}
+
+
+@router.delete("/v1/memories")
+def forget_user(request: Request, user_id: str = Query(...)) -> JSONResponse:
+    state, user_id = _state(request), _user(user_id)
+    with state.write_lock, state.metrics.timed(state.metrics.memory.labels("forget")):
+        gone = state.memory.delete_user(user_id)
+    if not gone.facts and not gone.mem0_memories:
+        raise UnknownUserError(user_id)
+    logger.info("%s forgotten: %d fact(s), %d Mem0 memorie(s)", user_id, gone.facts, gone.mem0_memories)
+    return JSONResponse({"user_id": user_id, "facts_deleted": gone.facts, "mem0_memories_deleted": gone.mem0_memories})
+
+
+@router.get("/v1/users")
+def list_users(request: Request) -> dict[str, Any]:
+    return {"users": _state(request).memory.users()}
+
+
+# ---------------------------------------------------------------- parts
+
+
+def _fact(item) -> tuple[str, str | None]:
+    return (item, None) if isinstance(item, str) else (item.text, item.source_turn)
+
+
+def _turns(messages: list[MessageIn]) -> list[Turn]:
+    """The conversation as turns; unnamed turns get ids from the conversation's content,
+    so adding the same conversation again names its facts alike."""
+    digest = hashlib.sha256(json.dumps([m.model_dump() for m in messages]).encode()).hexdigest()[:10]
+    return [Turn(m.turn_id or f"c{digest}:{i + 1}", m.role, m.content) for i, m in enumerate(messages)]
+
+
+def _extract(state: ServerState, user_id: str, turns: list[Turn]) -> list[tuple[str, str]]:
+    """Mem0's extraction of the conversation, by the served model."""
+    from inferscale.encode.extract import ExtractionError
+
+    try:
+        return state.memory.extract_facts(user_id, turns, state.engine_v1, progress=False, user_speaker="user",
+                                          name_speakers=False, llm_model=state.served_model)
+    except (ExtractionError, ConfigError) as exc:
+        raise APIError(503, f"fact extraction failed: {exc}") from None

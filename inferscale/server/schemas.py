@@ -1,0 +1,88 @@
+"""The memory endpoints' request bodies and answers (JSON), validated by pydantic.
+
+Mem0's API in spirit: memories belong to a ``user_id`` (in the body or the
+query, never in the path, so any id Mem0 accepts travels as it is), and a
+memory is one fact: ``{"id", "user_id", "text", "source_turn", "tokens"}``.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from inferscale.compose.request import MAX_FACTS
+from inferscale.facts import Fact, check_user_id
+
+MAX_FACT_CHARS = 2_000
+MAX_FACTS_PER_CALL = 256
+MAX_MESSAGES = 200
+MAX_MESSAGE_CHARS = 20_000
+MAX_QUERY_CHARS = 4_000
+
+
+def user_id_of(value: str) -> str:
+    """A user id a client may name (what Mem0 accepts; ids starting with '_' are internal)."""
+    check_user_id(value)
+    if value.startswith("_"):
+        raise ValueError(f"user_id {value!r} is reserved (ids starting with '_' are internal)")
+    return value
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class _UserBody(_Body):
+    user_id: str
+
+    @field_validator("user_id")
+    @classmethod
+    def _user(cls, value: str) -> str:
+        return user_id_of(value)
+
+
+class FactIn(_Body):
+    text: str = Field(min_length=1, max_length=MAX_FACT_CHARS)
+    source_turn: str | None = Field(None, max_length=128)
+
+
+class MessageIn(_Body):
+    role: Literal["user", "assistant"]
+    content: str = Field(max_length=MAX_MESSAGE_CHARS)
+    turn_id: str | None = Field(None, max_length=128)
+
+
+class AddMemories(_UserBody):
+    """Given ``facts`` are stored as they are (``messages``, if any, are their context);
+    ``messages`` alone go through Mem0's extraction on the served model."""
+
+    facts: list[FactIn | str] | None = Field(None, min_length=1, max_length=MAX_FACTS_PER_CALL)
+    messages: list[MessageIn] | None = Field(None, min_length=1, max_length=MAX_MESSAGES)
+
+    @field_validator("facts")
+    @classmethod
+    def _facts(cls, value):
+        if value is None:
+            return value
+        for item in value:
+            if isinstance(item, str) and not 0 < len(item) <= MAX_FACT_CHARS:
+                raise ValueError(f"a fact must have 1..{MAX_FACT_CHARS} characters")
+        return value
+
+
+class SearchMemories(_UserBody):
+    query: str = Field(min_length=1, max_length=MAX_QUERY_CHARS)
+    k: int | None = Field(None, ge=1, le=MAX_FACTS)
+
+
+class UpdateMemory(_UserBody):
+    text: str = Field(min_length=1, max_length=MAX_FACT_CHARS)
+
+
+def fact_json(fact: Fact, score: float | None = None) -> dict:
+    out = {"id": fact.fact_id, "user_id": fact.user_id, "text": fact.text, "source_turn": fact.source_turn,
+           "tokens": len(fact.token_ids)}
+    if score is not None:
+        out["score"] = round(float(score), 6)
+    return out

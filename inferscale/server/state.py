@@ -1,0 +1,59 @@
+"""What the front's routes share: the memory and generation sides, the engine, the metrics."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+
+import httpx
+
+from inferscale.api import Context, GenerationAPI, MemoryAPI
+from inferscale.server.metrics import FrontMetrics
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class ServerState:
+    memory: MemoryAPI
+    generation: GenerationAPI
+    #: the engine's base URL on loopback, e.g. http://127.0.0.1:41234
+    engine_url: str
+    #: the model name the engine serves (what chat requests may name)
+    served_model: str
+    metrics: FrontMetrics = field(default_factory=FrontMetrics)
+    #: clients must send ``Authorization: Bearer <api_key>`` when set
+    api_key: str | None = None
+    #: memory writes run one at a time (one encoder, one Mem0 store)
+    write_lock: threading.Lock = field(default_factory=threading.Lock)
+    client: httpx.AsyncClient | None = None
+
+    @classmethod
+    def build(cls, context: Context, engine_url: str, served_model: str, api_key: str | None = None) -> ServerState:
+        """Both sides of the API over one context."""
+        return cls(MemoryAPI(context), GenerationAPI(context), engine_url, served_model, api_key=api_key)
+
+    @property
+    def engine_v1(self) -> str:
+        return f"{self.engine_url}/v1"
+
+    def warm_up(self, encoder: bool = True) -> None:
+        """Build the tokenizer, embedder, index (and the encoder) now, once, before serving."""
+        start = time.perf_counter()
+        context = self.memory.context
+        context.prefix_ids  # noqa: B018  (the tokenizer and the prompt layout)
+        context.embedder.embed(["warm up"])  # loads the embedding model
+        users = self.memory.users()
+        context.retriever  # noqa: B018  (rebuilt from every user's stored embeddings)
+        self.generation.composer  # noqa: B018
+        logger.info("memory: %d user(s) in %s; index and embedder ready in %.1f s", len(users),
+                    self.memory.config.kv_path, time.perf_counter() - start)
+        if encoder:
+            start = time.perf_counter()
+            self.memory.encoder  # noqa: B018
+            logger.info("fact encoder (%s) loaded in %.1f s", context.model_dir.name, time.perf_counter() - start)
+
+    def close(self) -> None:
+        self.memory.close()

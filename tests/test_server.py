@@ -1,0 +1,179 @@
+"""`inferscale serve` for real: the newcomer's path on Qwen2.5-Coder-0.5B-Instruct.
+
+One command starts the front and its engine (vLLM's OpenAI server with the
+connector, on loopback); facts go in through :class:`MemoryClient`; the plain
+``openai`` client chats with ``user=`` and gets answers from memory, whole and
+streamed; Mem0 extracts facts from a conversation with the served model; a
+forgotten user leaves nothing behind; bad input never takes the server down.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sqlite3
+import time
+
+import httpx
+import pytest
+
+from inferscale.client import MemoryClient, ServerError
+from inferscale.datasets.demo import FACTS, QUESTIONS
+from vllm_server import inferscale_serve
+
+pytestmark = pytest.mark.slow
+QWEN05 = "qwen2.5-coder-0.5b-instruct"
+MAYA = "maya@example.com"
+
+
+@pytest.fixture(scope="module")
+def front(qwen05_dir, tmp_path_factory):
+    data = tmp_path_factory.mktemp("served")
+    with inferscale_serve(QWEN05, data) as front:  # the model by name, as a newcomer writes it
+        front.data = data
+        with MemoryClient(front.url) as memory:
+            memory.add(MAYA, facts=[{"text": text, "source_turn": turn} for text, turn in FACTS])
+        yield front
+
+
+@pytest.fixture(scope="module")
+def chat(front):
+    from openai import OpenAI
+
+    return OpenAI(base_url=f"{front.url}/v1", api_key="EMPTY")
+
+
+def ask(chat, question: str, user: str = MAYA, **kwargs):
+    messages = kwargs.pop("messages", [{"role": "user", "content": question}])
+    return chat.chat.completions.create(model=QWEN05, messages=messages, user=user, max_tokens=24,
+                                        temperature=0.0, **kwargs)
+
+
+def test_the_answer_comes_from_the_users_memory(chat):
+    question = "What is the name of my cat?"
+    answer = ask(chat, question)
+    assert QUESTIONS[question] in answer.choices[0].message.content
+    memory = answer.model_extra["inferscale"]
+    assert memory["mode"] == "kv" and len(memory["fact_ids"]) == 10
+    assert memory["report"]["fallback"] is None and memory["report"]["injected_tokens"] > 0
+    plain = chat.chat.completions.create(model=QWEN05, messages=[{"role": "user", "content": question}],
+                                         max_tokens=24, temperature=0.0)  # no user: vLLM's own chat
+    assert "Pixel" not in plain.choices[0].message.content
+
+
+def test_streaming_gives_the_same_answer(chat):
+    question = "Which city does my sister live in?"
+    whole = ask(chat, question).choices[0].message.content
+    chunks = list(ask(chat, question, stream=True))
+    assert chunks[0].choices[0].delta.role == "assistant" and chunks[0].model_extra["inferscale"]["mode"] == "kv"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == whole
+    assert chunks[-1].choices[0].finish_reason is not None and "Porto" in whole
+
+
+def test_chat_history_follows_the_memory_and_text_mode_reads_the_same_facts(chat):
+    history = [{"role": "user", "content": "Hi, it's me again."}, {"role": "assistant", "content": "Welcome back!"},
+               {"role": "user", "content": "What am I allergic to?"}]
+    assert "peanut" in ask(chat, "", messages=history).choices[0].message.content.lower()
+    text = ask(chat, "What am I allergic to?", extra_body={"inferscale": {"mode": "text", "k": 5}})
+    assert "peanut" in text.choices[0].message.content.lower()
+    assert text.model_extra["inferscale"]["mode"] == "prompt" and len(text.model_extra["inferscale"]["fact_ids"]) == 5
+
+
+def test_memory_endpoints_round_trip(front):
+    with MemoryClient(front.url) as memory:
+        facts = memory.list(MAYA)
+        assert [f["text"] for f in facts] == [text for text, _ in FACTS]
+        (best,) = memory.search(MAYA, "Where does my sister live?", k=1)
+        assert "Ana" in best["text"]
+        new = memory.update(MAYA, best["id"], "Maya's sister Ana lives in Braga.")
+        assert memory.get(MAYA, new["id"])["text"].endswith("Braga.")
+        memory.delete(MAYA, new["id"])
+        assert len(memory.list(MAYA)) == len(FACTS) - 1
+        with pytest.raises(ServerError) as missing:
+            memory.get(MAYA, new["id"])
+        assert missing.value.status == 404
+        assert MAYA in memory.users()
+
+
+def test_forgetting_a_user_removes_everything(front, chat):
+    user = "ivy"
+    with MemoryClient(front.url) as memory:
+        extracted = memory.add(user, messages=[{"role": "user", "content": "I have a grey cat called Pixel and "
+                                                                           "I work as a nurse in Lisbon."}])
+        assert extracted and all(f["source_turn"] for f in extracted)  # Mem0 on the served model
+        memory.add(user, facts=["Ivy plays the cello."])
+        assert ask(chat, "What instrument do I play?", user=user).model_extra["inferscale"]["fact_ids"]
+        gone = memory.forget(user)
+        assert gone["facts_deleted"] == len(extracted) + 1 and gone["mem0_memories_deleted"] >= len(extracted)
+        assert user not in memory.users()
+        with pytest.raises(ServerError) as unknown:
+            memory.list(user)
+        assert unknown.value.status == 404
+    assert not (front.data / "kv" / f"{user}.safetensors").exists()
+    with pytest.raises(Exception, match="no memory stored for user 'ivy'"):
+        ask(chat, "What instrument do I play?", user=user)
+    db = sqlite3.connect(front.data / "mem0" / "history.db")
+    assert db.execute("SELECT COUNT(*) FROM messages WHERE session_scope = 'user_id=ivy'").fetchone() == (0,)
+    db.close()
+
+
+def test_bad_input_is_refused_and_the_server_carries_on(front, chat):
+    v1 = f"{front.url}/v1"
+    answers = [
+        httpx.post(f"{v1}/chat/completions", content=b'{"user": "maya", "messages": [',
+                   headers={"Content-Type": "application/json"}),
+        httpx.post(f"{v1}/chat/completions", json={"model": QWEN05, "user": "nobody",
+                                                   "messages": [{"role": "user", "content": "hi"}]}),
+        httpx.post(f"{v1}/chat/completions", json={"model": QWEN05, "user": MAYA, "inferscale": {"k": 10**12},
+                                                   "messages": [{"role": "user", "content": "hi"}]}),
+        httpx.post(f"{v1}/chat/completions", json={"model": QWEN05, "user": "maya\n",
+                                                   "messages": [{"role": "user", "content": "hi"}]}),
+        httpx.post(f"{v1}/completions", json={"model": QWEN05, "prompt": [1, 2], "cache_salt": "inferscale-x",
+                                              "kv_transfer_params": {"inferscale": {"user_id": MAYA, "fact_ids": []}}}),
+        httpx.post(f"{v1}/chat/completions", json={"model": "gpt-4", "user": MAYA,
+                                                   "messages": [{"role": "user", "content": "hi"}]}),
+    ]
+    assert [a.status_code for a in answers] == [400, 404, 400, 400, 400, 404]
+    assert all(a.json()["error"]["message"] for a in answers)
+    assert httpx.get(f"{front.url}/health").status_code == 200
+    assert "Pixel" in ask(chat, "What is the name of my cat?").choices[0].message.content
+
+
+def test_metrics_show_the_front_and_the_connector(front):
+    text = httpx.get(f"{front.url}/metrics").text
+    assert _value(text, "inferscale_retrieval_seconds_count") > 0
+    assert _value(text, "inferscale_compose_seconds_count") > 0
+    assert _value(text, "vllm:inferscale_injected_tokens_total") > 0
+    assert 'vllm:inferscale_fallbacks_total{engine="0",model_name="qwen2.5-coder-0.5b-instruct",reason=' in text
+
+
+def test_the_command_line_reaches_a_running_server(front):
+    from test_cli import run
+
+    out = run("facts", MAYA, "--server", front.url)
+    assert out.returncode == 0, out.stderr
+    assert "Maya has a grey cat called Pixel." in out.stdout and "D1:5" in out.stdout
+    assert MAYA in run("users", "--server", front.url).stdout.split()
+    out = run("forget", "nobody", "--server", front.url)
+    assert out.returncode == 2 and "no memory stored for user 'nobody'" in out.stderr
+
+
+def test_the_front_stops_when_the_engine_dies(front):
+    """Last: kills this module's engine. The front notices, exits 1, and leaves no process behind."""
+    engine = _engine_pid(front.proc.pid)
+    os.killpg(engine, signal.SIGKILL)
+    assert front.proc.wait(timeout=60) == 1
+    assert "the engine exited" in front.log_text()
+
+
+def _engine_pid(front_pid: int) -> int:
+    children = open(f"/proc/{front_pid}/task/{front_pid}/children").read().split()
+    (engine,) = [int(pid) for pid in children]
+    return engine
+
+
+def _value(text: str, name: str) -> float:
+    for line in text.splitlines():
+        if line.startswith(name + " ") or line.startswith(name + "{"):
+            return float(line.rsplit(" ", 1)[1])
+    raise AssertionError(f"{name} not in /metrics")

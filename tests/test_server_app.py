@@ -1,0 +1,132 @@
+"""The front's application in-process (FastAPI's TestClient) over real memory on a tiny model.
+
+No engine runs: the memory endpoints need none, and chats answer 503 (a fault,
+not a crash). The real server, engine included, is in test_server.py.
+"""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+from fastapi.testclient import TestClient
+
+import tiny_models
+from inferscale.api import Context
+from inferscale.config import Config
+from inferscale.server.app import create_app
+from inferscale.server.launch import free_port
+from inferscale.server.state import ServerState
+
+pytestmark = pytest.mark.slow  # loads a (tiny) model and the embedder
+USER = "alice@example.com"
+JSON = {"Content-Type": "application/json"}
+
+
+@pytest.fixture(scope="module")
+def state(tmp_path_factory):
+    model = tiny_models.tiny_model_dir("qwen2", "float32")
+    config = Config.from_dict({"model": str(model), "data_dir": str(tmp_path_factory.mktemp("front"))})
+    state = ServerState.build(Context(config), f"http://127.0.0.1:{free_port()}", "tiny")  # nothing listens there
+    state.warm_up()
+    yield state
+    state.close()
+
+
+@pytest.fixture
+def client(state):
+    state.api_key = None
+    with TestClient(create_app(state)) as client:
+        yield client
+
+
+def test_memory_round_trip(client):
+    added = client.post("/v1/memories", json={"user_id": USER, "facts": [
+        "Alice has a cat named Miso.", {"text": "Alice works as a nurse in Lisbon.", "source_turn": "D1:2"}]})
+    assert added.status_code == 201, added.text
+    miso, nurse = added.json()["results"]
+    assert nurse["source_turn"] == "D1:2" and miso["tokens"] > 0
+    listed = client.get("/v1/memories", params={"user_id": USER}).json()["results"]
+    assert [f["id"] for f in listed] == [miso["id"], nurse["id"]]
+    assert client.get(f"/v1/memories/{miso['id']}", params={"user_id": USER}).json()["result"] == miso
+    found = client.post("/v1/memories/search", json={"user_id": USER, "query": "Which pet?", "k": 1}).json()
+    assert [f["id"] for f in found["results"]] == [miso["id"]] and "score" in found["results"][0]
+    new = client.put(f"/v1/memories/{miso['id']}", json={"user_id": USER, "text": "Alice has a cat named Mochi."})
+    assert new.status_code == 200 and new.json()["replaced"] == miso["id"]
+    assert client.delete(f"/v1/memories/{nurse['id']}", params={"user_id": USER}).status_code == 200
+    texts = [f["text"] for f in client.get("/v1/memories", params={"user_id": USER}).json()["results"]]
+    assert texts == ["Alice has a cat named Mochi."]
+    assert USER in client.get("/v1/users").json()["users"]
+    gone = client.delete("/v1/memories", params={"user_id": USER})
+    assert gone.json() == {"user_id": USER, "facts_deleted": 1, "mem0_memories_deleted": 0}
+    assert USER not in client.get("/v1/users").json()["users"]
+    assert client.get("/v1/memories", params={"user_id": USER}).status_code == 404
+
+
+def test_ids_with_slashes_stay_ids(client, state):
+    odd = "team/ops%2F@example.com"
+    assert client.post("/v1/memories", json={"user_id": odd, "facts": ["Ops owns the pager."]}).status_code == 201
+    assert client.get("/v1/memories", params={"user_id": odd}).json()["user_id"] == odd
+    assert [p.name for p in state.memory.config.kv_path.glob("team*")] == ["team%2Fops%252F@example.com.safetensors"]
+    client.delete("/v1/memories", params={"user_id": odd})
+
+
+@pytest.mark.parametrize("method, path, kwargs, status, needle", [
+    ("post", "/v1/memories", {"content": b'{"user_id": "bob", "facts": [', "headers": JSON}, 400, "not valid JSON"),
+    ("post", "/v1/memories", {"content": b'{"user_id": "bob"}'}, 400, "must be a JSON object"),
+    ("post", "/v1/memories", {"json": {"user_id": "bob"}}, 400, "give 'facts'"),
+    ("post", "/v1/memories", {"json": {"user_id": "bob\n", "facts": ["x"]}}, 400, "control characters"),
+    ("post", "/v1/memories", {"json": {"user_id": "_system", "facts": ["x"]}}, 400, "reserved"),
+    ("post", "/v1/memories", {"json": {"user_id": "bob", "facts": ["x"], "infer": True}}, 400, "infer"),
+    ("post", "/v1/memories", {"json": {"user_id": "bob", "facts": ["x" * 5000]}}, 400, "2000"),
+    ("post", "/v1/memories", {"json": {"user_id": "bob", "facts": ["x"] * 1000}}, 400, "256"),
+    ("post", "/v1/memories/search", {"json": {"user_id": "bob", "query": "x", "k": 10**9}}, 400, "1024"),
+    ("post", "/v1/memories/search", {"json": {"user_id": "nobody", "query": "x"}}, 404, "nobody"),
+    ("get", "/v1/memories", {"params": {"user_id": "nobody"}}, 404, "no memory stored for user 'nobody'"),
+    ("get", "/v1/memories", {}, 400, "user_id"),
+    ("delete", "/v1/memories/f-0", {"params": {"user_id": "nobody"}}, 404, "nobody"),
+    ("put", "/v1/memories/f-0", {"json": {"user_id": "nobody", "text": "x"}}, 404, "nobody"),
+    ("post", "/v1/chat/completions", {"content": b"{"}, 400, "not valid JSON"),
+    ("post", "/v1/chat/completions", {"content": b"[1, 2]"}, 400, "JSON object"),
+    ("post", "/v1/chat/completions", {"json": {"user": "nobody", "messages": [{"role": "user", "content": "hi"}]}},
+     404, "nobody"),
+    ("post", "/v1/chat/completions", {"json": {"user": "bob", "inferscale": {"k": 10**9},
+                                               "messages": [{"role": "user", "content": "hi"}]}}, 400, "1..1024"),
+    ("post", "/v1/chat/completions", {"json": {"user": "bob", "inferscale": {"mode": "magic"},
+                                               "messages": [{"role": "user", "content": "hi"}]}}, 400, "mode"),
+    ("post", "/v1/chat/completions", {"json": {"user": "bob", "messages": []}}, 400, "messages"),
+    ("post", "/v1/chat/completions", {"json": {"user": "bob", "messages": [{"role": "tool", "content": "4"}]}},
+     400, "role"),
+    ("post", "/v1/chat/completions", {"json": {"user": "bob", "logprobs": True,
+                                               "messages": [{"role": "user", "content": "hi"}]}}, 400, "logprobs"),
+    ("post", "/v1/completions", {"json": {"prompt": [1], "kv_transfer_params": {"inferscale": {}}}}, 400,
+     "set by the server"),
+    ("post", "/v1/chat/completions", {"json": {"messages": [{"role": "user", "content": "hi"}],
+                                               "cache_salt": "inferscale-0"}}, 400, "set by the server"),
+    ("get", "/admin", {}, 404, "no route"),
+])
+def test_bad_input_is_a_clear_4xx(client, method, path, kwargs, status, needle):
+    response = getattr(client, method)(path, **kwargs)
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert needle in error["message"] and error["code"] == status
+
+
+def test_a_missing_engine_is_a_503_not_a_crash(client):
+    client.post("/v1/memories", json={"user_id": "bob", "facts": ["Bob lives in Oslo."]})
+    chat = {"model": "tiny", "user": "bob", "messages": [{"role": "user", "content": "Where do I live?"}]}
+    for body in (chat, {**chat, "stream": True}, {k: v for k, v in chat.items() if k != "user"}):
+        response = client.post("/v1/chat/completions", json=body)
+        assert response.status_code == 503 and "engine is not answering" in response.json()["error"]["message"]
+    assert client.get("/health").status_code == 503
+    metrics = client.get("/metrics").text
+    retrievals = float(re.search(r"^inferscale_retrieval_seconds_count (\S+)$", metrics, re.M).group(1))
+    assert retrievals >= 2 and "# engine /metrics unavailable" in metrics
+
+
+def test_an_api_key_guards_everything_but_health_and_metrics(client, state):
+    state.api_key = "s3cret"
+    assert client.get("/v1/users").status_code == 401
+    assert client.get("/v1/users", headers={"Authorization": "Bearer wrong"}).status_code == 401
+    assert client.get("/v1/users", headers={"Authorization": "Bearer s3cret"}).status_code == 200
+    assert client.get("/metrics").status_code == 200

@@ -1,0 +1,105 @@
+"""The front's pure parts: the engine's command line, GPU sharing, chat parsing and reshaping."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+import tiny_models
+from inferscale.config import Config
+from inferscale.errors import ConfigError
+from inferscale.server import gpu, launch
+from inferscale.server.chat import completion_body, parse_chat
+from inferscale.server.convert import chat_chunk, chat_completion
+from inferscale.server.errors import APIError
+
+GiB = 1 << 30
+
+
+def test_the_engine_listens_on_loopback_with_the_connector_and_the_users_arguments_last():
+    cmd = launch.engine_command("/m", "qwen", Config(), 4321, 12288, ["--max-num-seqs", "8"], "cpu")
+    assert cmd[cmd.index("--host") + 1] == "127.0.0.1" and cmd[cmd.index("--port") + 1] == "4321"
+    transfer = json.loads(cmd[cmd.index("--kv-transfer-config") + 1])
+    assert transfer["kv_connector_module_path"] == "inferscale.connector.vllm_adapter"
+    assert cmd[-2:] == ["--max-num-seqs", "8"] and "--enforce-eager" in cmd
+    assert cmd[cmd.index("--served-model-name") + 1] == "qwen" and cmd[cmd.index("--max-model-len") + 1] == "12288"
+    gpu_cmd = launch.engine_command("/m", "qwen", Config(), 4321, None, [], "cuda")
+    assert "--enforce-eager" not in gpu_cmd and "--max-model-len" not in gpu_cmd
+
+
+@pytest.mark.parametrize("arg", ["--host", "--port=9", "--kv-transfer-config", "--api-key=x", "--uds"])
+def test_arguments_the_front_sets_are_refused(arg):
+    with pytest.raises(ConfigError, match=arg.split("=")[0]):
+        launch.check_vllm_args(["--dtype", "bfloat16", arg])
+
+
+def test_argument_values():
+    args = ["--served-model-name", "a", "b", "--max-model-len=8k", "--served-model-name", "c"]
+    assert launch.arg_value(args, "--served-model-name") == "c"
+    assert launch.arg_value(args, "--max-model-len") == "8k" and launch.arg_value(args, "--dtype") is None
+
+
+def test_the_context_fits_mem0s_extraction_where_the_model_allows():
+    assert launch.context_length(Config(), 32768) == 11264  # 8000 + 2048 + 1024, rounded up to 1024
+    assert launch.context_length(Config(), 2048) == 2048
+    assert launch.context_length(Config.from_dict({"model": {"max_model_len": 20000}}), 32768) == 20000
+
+
+def test_the_engine_leaves_the_encoder_its_share_of_the_gpu():
+    assert gpu.engine_utilization(8 * GiB, 80 * GiB) == 0.77  # 0.9 - (8 + 2) / 80
+    with pytest.raises(ConfigError, match="--encoder-device cpu"):
+        gpu.engine_utilization(60 * GiB, 80 * GiB)
+    model = tiny_models.tiny_model_dir("qwen2", "float32")
+    assert gpu.encoder_bytes(model, "float32") == 2 * gpu.encoder_bytes(model, "bfloat16") > 0
+
+
+def test_a_chat_is_parsed_into_memory_options_conversation_and_sampling():
+    call = parse_chat({"model": "m", "user": "ann@example.com", "max_completion_tokens": 9, "n": 2, "top_k": 5,
+                       "inferscale": {"k": 3, "mode": "text"}, "stream": True,
+                       "messages": [{"role": "developer", "content": "Be brief."},
+                                    {"role": "user", "content": [{"type": "text", "text": "Hi"},
+                                                                 {"type": "text", "text": "there?"}]}]}, 1024)
+    assert (call.user_id, call.mode, call.k, call.stream) == ("ann@example.com", "prompt", 3, True)
+    assert call.messages == [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi\nthere?"}]
+    body = completion_body(call, {"prompt_token_ids": [1, 2], "cache_salt": "s"}, {"inferscale": {}}, "served")
+    assert body == {"model": "m", "prompt": [1, 2], "cache_salt": "s", "kv_transfer_params": {"inferscale": {}},
+                    "max_tokens": 9, "n": 2, "top_k": 5, "stream": True}
+    plain = parse_chat({"messages": [{"role": "user", "content": "hi"}]}, 1024)
+    assert plain.user_id is None and plain.mode == "none"
+    default = parse_chat({"user": "ann", "messages": [{"role": "user", "content": "hi"}]}, 1024)
+    assert default.mode == "kv" and default.fields["max_tokens"] is None  # up to the context's end, as chat does
+
+
+@pytest.mark.parametrize("body, needle", [
+    ({"user": "a", "inferscale": {"user_id": "b"}}, "differ"),
+    ({"user": "a", "inferscale": {"top_k": 3}}, "unknown inferscale option"),
+    ({"inferscale": {"mode": "kv"}}, "needs a user"),
+    ({"user": "a", "messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]},
+     "last message"),
+    ({"user": "a", "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
+     "only text"),
+    ({"user": "a", "messages": [{"role": "assistant", "content": None, "tool_calls": [{}]},
+                                {"role": "user", "content": "x"}]}, "tool calls"),
+    ({"user": "a", "prompt": [1], "messages": [{"role": "user", "content": "x"}]}, "set by the server"),
+])
+def test_malformed_chats_are_refused(body, needle):
+    with pytest.raises(APIError, match=needle) as info:
+        parse_chat({"messages": [{"role": "user", "content": "hi"}], **body}, 1024)
+    assert info.value.status == 400
+
+
+def test_completions_are_reshaped_as_chat():
+    completion = {"id": "cmpl-7", "created": 1, "model": "m", "usage": {"total_tokens": 3},
+                  "choices": [{"index": 0, "text": "Pixel.", "finish_reason": "stop"}],
+                  "kv_transfer_params": {"inferscale": {"injected_tokens": 40}}}
+    chat = chat_completion(completion, {"mode": "kv"})
+    assert chat["id"] == "chatcmpl-7" and chat["object"] == "chat.completion"
+    assert chat["choices"][0]["message"] == {"role": "assistant", "content": "Pixel."}
+    assert chat["inferscale"] == {"mode": "kv", "report": {"injected_tokens": 40}} and chat["usage"]["total_tokens"] == 3
+    started: set[int] = set()
+    first = chat_chunk({"id": "cmpl-7", "choices": [{"index": 0, "text": "Pi"}]}, started, {"mode": "kv"})
+    then = chat_chunk({"id": "cmpl-7", "choices": [{"index": 0, "text": "xel", "finish_reason": "stop"}]}, started)
+    assert first["choices"][0]["delta"] == {"role": "assistant", "content": "Pi"} and first["inferscale"]
+    assert then["choices"][0]["delta"] == {"content": "xel"} and then["choices"][0]["finish_reason"] == "stop"
+    assert "inferscale" not in then and then["object"] == "chat.completion.chunk"
