@@ -67,7 +67,7 @@ def test_ids_with_slashes_stay_ids(client, state):
     odd = "team/ops%2F@example.com"
     assert client.post("/v1/memories", json={"user_id": odd, "facts": ["Ops owns the pager."]}).status_code == 201
     assert client.get("/v1/memories", params={"user_id": odd}).json()["user_id"] == odd
-    assert [p.name for p in state.memory.config.kv_path.glob("team*")] == ["team%2Fops%252F@example.com.safetensors"]
+    assert [p.name for p in (state.memory.config.kv_path / "users").glob("team*")] == ["team%2Fops%252F@example.com"]
     client.delete("/v1/memories", params={"user_id": odd})
 
 
