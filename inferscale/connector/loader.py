@@ -73,15 +73,8 @@ class SegmentLoader:
         RoPE, keys rotate in float32 from the cached cos/sin table, the facts'
         keys are scaled before the one cast to the cache dtype.
         """
-        batch = self._gather(spec)
-        if batch is None:  # the memory tier is stale: another process wrote to disk since
-            self._refresh(spec.user_id)
-            batch = self._gather(spec)
-        if batch is None:
-            raise ValueError("stored facts changed since the request was scheduled (token ids differ)")
-        if batch.num_tokens != spec.segment_len or not 0 <= spec.start <= spec.end <= spec.segment_len \
-                or len(spec.slots) != spec.end - spec.start:
-            raise ValueError(f"segment has {batch.num_tokens} tokens, request expects {spec.segment_len}")
+        batch = self._read(self._gather, spec)
+        _check_range(spec, batch.num_tokens)
         _check_shape(batch.keys, num_layers, head_size)
         keys = self.rope.rotate_range(batch.keys[:, spec.start:spec.end, self.heads], spec.start)
         if spec.key_scale != 1.0:
@@ -95,18 +88,22 @@ class SegmentLoader:
     def sources(self, spec: LoadSpec, num_layers: int, head_size: int) -> tuple[Sources, int]:
         """Where the spec's tokens lie in the store (for the fused write, :mod:`fused_write`) and
         the first fact token's index relative to ``spec.start``; checked as :meth:`load` checks."""
-        held = self._held(spec)
-        if held is None:  # the memory tier is stale: another process wrote to disk since
-            self._refresh(spec.user_id)
-            held = self._held(spec)
-        if held is None:
-            raise ValueError("stored facts changed since the request was scheduled (token ids differ)")
-        blocks, prefix_len, total = held
-        if total != spec.segment_len or not 0 <= spec.start <= spec.end <= spec.segment_len \
-                or len(spec.slots) != spec.end - spec.start:
-            raise ValueError(f"segment has {total} tokens, request expects {spec.segment_len}")
+        blocks, prefix_len, total = self._read(self._held, spec)
+        _check_range(spec, total)
         _check_shape(blocks[0][0], num_layers, head_size)
         return token_sources(blocks, spec.start, spec.end), prefix_len - spec.start
+
+    def _read(self, read, spec: LoadSpec):
+        """``read(spec)``, once more after reloading the user when the memory tier turns out
+        stale (another process wrote to disk since); an error when it is still not the memory
+        the request was scheduled with."""
+        found = read(spec)
+        if found is None:
+            self._refresh(spec.user_id)
+            found = read(spec)
+        if found is None:
+            raise ValueError("stored facts changed since the request was scheduled (token ids differ)")
+        return found
 
     def _held(self, spec: LoadSpec) -> tuple[list[torch.Tensor], int, int] | None:
         """(the segment's blocks on the device, prefix tokens, segment tokens); None when the
@@ -151,6 +148,12 @@ class SegmentLoader:
         for user in (SYSTEM_USER, user_id):
             self.store.delete(user)
             ensure_user(self.store, self.disk, user)
+
+
+def _check_range(spec: LoadSpec, segment_len: int) -> None:
+    if segment_len != spec.segment_len or not 0 <= spec.start <= spec.end <= spec.segment_len \
+            or len(spec.slots) != spec.end - spec.start:
+        raise ValueError(f"segment has {segment_len} tokens, request expects {spec.segment_len}")
 
 
 def _check_shape(keys: torch.Tensor, num_layers: int, head_size: int) -> None:
