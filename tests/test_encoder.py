@@ -3,10 +3,13 @@
 Exactness: pre-RoPE keys rotated with :class:`RotaryEmbedding` to the positions
 the tokens had must equal the keys in the model's own ``past_key_values``, and
 values must be equal, for the tiny Llama / Qwen2 / Qwen3 models and the real
-Qwen2.5-Coder-0.5B-Instruct (marked slow), in fp32:
+Qwen2.5-Coder-0.5B-Instruct (marked slow), in fp32, with whole rows and with
+shared prefills (the default; tests/test_encoder_sharing.py compares the two):
 
-* one row at a time (no padding) the computation is the plain forward's:
-  max abs error <= 1e-5 (measured: 0.0);
+* whole rows one at a time (no padding) the computation is the plain
+  forward's: max abs error <= 1e-5 (measured: 0.0);
+* shared prefills run the fact against the context's cached K/V: the
+  attention sums split differently, fp32 rounding, checked like batched rows;
 * batched rows are right-padded; the attention kernel's summation order
   depends on the padded length, so results differ by fp32 rounding (Qwen2.5's
   keys reach |k| ~ 214, where one ulp is 1.5e-5) that grows through the layers:
@@ -70,14 +73,16 @@ class Runs:
         self._encoded: dict = {}
         self._refs: dict = {}
 
-    def encoder(self, window: str = "w0", batch_size: int = 1) -> FactEncoder:
-        return FactEncoder(self.model, self.tokenizer, self.windows[window], batch_size=batch_size)
+    def encoder(self, window: str = "w0", batch_size: int = 1, share: bool = True) -> FactEncoder:
+        return FactEncoder(self.model, self.tokenizer, self.windows[window], batch_size=batch_size,
+                           share_prefixes=share)
 
-    def encoded(self, window: str, batch_size: int) -> dict:
-        """fact_id → FactKV for FACTS behind ``window``, encoded ``batch_size`` rows at a time."""
-        key = (window, batch_size)
+    def encoded(self, window: str, batch_size: int, share: bool = True) -> dict:
+        """fact_id → FactKV for FACTS behind ``window``, encoded ``batch_size`` rows at a time,
+        with shared prefills or whole rows."""
+        key = (window, batch_size, share)
         if key not in self._encoded:
-            self._encoded[key] = self.encoder(window, batch_size).encode(FACTS, TURNS, progress=False)
+            self._encoded[key] = self.encoder(window, batch_size, share).encode(FACTS, TURNS, progress=False)
         return self._encoded[key]
 
     def context(self, window: str, fact: Fact) -> list[int]:
@@ -148,18 +153,20 @@ def check_pairs(label: str, pairs, exact: bool, error_log) -> None:
 # ---------------------------------------------------------------- exactness
 
 
+@pytest.mark.parametrize("share", [True, False], ids=["shared", "whole"])
 @pytest.mark.parametrize("window", ["w0", "w2"])
 @pytest.mark.parametrize("batch_size", [1, 4])
-def test_rotated_keys_reproduce_model_cache(runs, window, batch_size, error_log):
+def test_rotated_keys_reproduce_model_cache(runs, window, batch_size, share, error_log):
     """w0: the fact at positions 0..n-1; w2: behind its context, rotated to its place there."""
     pairs = []
     for fact in FACTS:
-        kv = runs.encoded(window, batch_size)[fact.fact_id]
+        kv = runs.encoded(window, batch_size, share)[fact.fact_id]
         ref_k, ref_v, offset = runs.reference(window, fact)
         rotated = runs.rope.rotate(kv.keys, positions(offset, kv.num_tokens))
         pairs.append((rotated, ref_k[:, offset:], kv.values, ref_v[:, offset:]))
-    label = f"{runs.name}: {window} vs model cache, batch {batch_size}"
-    check_pairs(label, pairs, batch_size == 1, error_log)
+    label = f"{runs.name}: {window} vs model cache, batch {batch_size}, {'shared' if share else 'whole rows'}"
+    # no context and one row at a time, the shared path runs exactly the whole row
+    check_pairs(label, pairs, batch_size == 1 and (window == "w0" or not share), error_log)
 
 
 def test_fact_token_ids(runs):

@@ -1,17 +1,28 @@
 """FactEncoder: run the model over facts and keep their pre-RoPE K/V.
 
 Each fact's token ids are ``tokenizer.encode(render_fact(text))``, placed after
-the context ids its window policy chooses. Rows are right-padded into batches
-and run once through the decoder; forward hooks on every attention module
-record the keys **before RoPE and after any k_norm** (Qwen3, Gemma3) and the
-values. Only the fact's slice is kept, on CPU, in the model's dtype, as
-``[num_layers, num_tokens, num_kv_heads, head_size]`` (:class:`FactKV`).
+the context ids its window policy chooses. Forward hooks on every attention
+module record the keys **before RoPE and after any k_norm** (Qwen3, Gemma3)
+and the values. Only the fact's slice is kept, on CPU, in the model's dtype,
+as ``[num_layers, num_tokens, num_kv_heads, head_size]`` (:class:`FactKV`).
 
-One row at a time (``batch_size=1``) the K/V are bit-identical to a plain
-forward over the same tokens. In padded batches the attention kernel's
-summation order depends on the padded length, so results differ from that by
-fp32 rounding (measured ≤ 1.3e-5 relative on Qwen2.5-0.5B); rows of equal
-length stay bit-identical. Rows are sorted by length to keep padding small.
+Shared prefills (the default, :mod:`inferscale.encode.sharing`): the prefix
+common to every row is prefilled once, every distinct context once (the facts
+of one source turn share their window; a context that begins another is read
+from the longer one's), and the facts run against those K/V from the model's
+cache. Same tokens, same positions:
+the K/V equal a whole-row prefill's up to float rounding (fp32: measured
+≤ 2e-6 relative on the tiny models, tests/test_encoder_sharing.py). Models
+with sliding-window layers, where the cache's layout depends on the padding,
+always take whole rows.
+
+Whole rows (``share_prefixes=False``): each ``[context | fact]`` is prefilled
+in right-padded batches. One row at a time (``batch_size=1``) the K/V are
+bit-identical to a plain forward over the same tokens. In padded batches the
+attention kernel's summation order depends on the padded length, so results
+differ from that by fp32 rounding (measured ≤ 1.3e-5 relative on
+Qwen2.5-0.5B); rows of equal length stay bit-identical. Rows are sorted by
+length to keep padding small.
 """
 
 from __future__ import annotations
@@ -25,7 +36,9 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
+from inferscale.encode import sharing
 from inferscale.encode.policies import NoWindow
+from inferscale.encode.sharing import Row as _Row
 from inferscale.encode.window import Turn, WindowPolicy
 from inferscale.errors import ModelMismatchError
 from inferscale.facts import Fact, render_fact
@@ -33,15 +46,24 @@ from inferscale.kv import FactKV
 
 
 @dataclass(frozen=True)
-class _Row:
-    """One sequence to run: ``context`` ids, then the ``ids`` whose K/V we keep."""
+class _Prefilled:
+    """Post-RoPE K/V of right-padded rows as the model's cache holds them: per layer
+    ``(keys, values)``, each ``[batch, kv_heads, width, head_size]``; row b's own
+    tokens are its first ``lengths[b]`` columns, the rest is padding."""
 
-    context: tuple[int, ...]
-    ids: tuple[int, ...]
+    layers: tuple[tuple[torch.Tensor, torch.Tensor], ...]
+    lengths: tuple[int, ...]
 
     @property
-    def length(self) -> int:
-        return len(self.context) + len(self.ids)
+    def width(self) -> int:
+        return self.layers[0][0].shape[2]
+
+    def rows(self, index: Sequence[int], lengths: Sequence[int]) -> _Prefilled:
+        """Rows ``index`` (repeats allowed), row i read up to its first ``lengths[i]`` columns."""
+        assert all(n <= self.lengths[i] for i, n in zip(index, lengths))
+        idx = torch.tensor(index, device=self.layers[0][0].device)
+        return _Prefilled(tuple((k.index_select(0, idx), v.index_select(0, idx)) for k, v in self.layers),
+                          tuple(lengths))
 
 
 # ---------------------------------------------------------------- model introspection
@@ -51,6 +73,14 @@ def text_config(model: nn.Module):
     """The decoder's config (multimodal models nest it)."""
     config = model.config
     return config.get_text_config() if hasattr(config, "get_text_config") else config
+
+
+def has_sliding_window(config) -> bool:
+    """Whether any layer attends through a sliding window (there the shared prefill is not used)."""
+    types = getattr(config, "layer_types", None)
+    if types:
+        return any(t != "full_attention" for t in types)
+    return bool(getattr(config, "sliding_window", None)) and getattr(config, "use_sliding_window", True)
 
 
 def model_name(model: nn.Module) -> str:
@@ -144,12 +174,14 @@ class _KVCapture:
 class FactEncoder:
     """Turns facts (and arbitrary token sequences) into pre-RoPE K/V.
 
-    ``window`` chooses each fact's context (default: none). Use as a context
-    manager, or call :meth:`close`, to release the model.
+    ``window`` chooses each fact's context (default: none); ``batch_size`` is
+    the most rows one forward pass runs; ``share_prefixes`` prefills shared
+    prefixes once (see the module's docstring). Use as a context manager, or
+    call :meth:`close`, to release the model.
     """
 
     def __init__(self, model: nn.Module, tokenizer, window: WindowPolicy | None = None, batch_size: int = 8,
-                 fact_style: str = "bullet"):
+                 fact_style: str = "bullet", share_prefixes: bool = True):
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
         render_fact("", fact_style)  # rejects an unknown style now
@@ -158,17 +190,18 @@ class FactEncoder:
         self.window = window or NoWindow()
         self.batch_size = batch_size
         self.fact_style = fact_style
+        self.share_prefixes = share_prefixes and not has_sliding_window(text_config(model))
         self._attn = attention_modules(model)
         self._pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
 
     @classmethod
     def from_spec(cls, spec, window: WindowPolicy | None = None, dtype: Any = None, batch_size: int = 8,
-                  fact_style: str = "bullet"):
+                  fact_style: str = "bullet", share_prefixes: bool = True):
         """Load the model named by a ModelSpec / directory / GGUF / known name and wrap it."""
         from inferscale.encode.weights import load_causal_lm
 
         model, tokenizer = load_causal_lm(spec, dtype=dtype)
-        return cls(model, tokenizer, window, batch_size, fact_style)
+        return cls(model, tokenizer, window, batch_size, fact_style, share_prefixes)
 
     # -- shape of the K/V this encoder produces
 
@@ -268,56 +301,106 @@ class FactEncoder:
         return _Row(prefix + tuple(context), tuple(ids))
 
     def _encode_rows(self, rows: Sequence[_Row], bar=None) -> list[FactKV]:
-        """Encode rows in batches of similar length; results in the input order."""
+        """Encode rows (shared prefills or whole rows); results in the input order."""
+        if self.share_prefixes:
+            return self._encode_shared(rows, bar)
+        return self._encode_whole(rows, bar)
+
+    def _encode_whole(self, rows: Sequence[_Row], bar=None) -> list[FactKV]:
+        """Each row prefilled whole, in batches of similar length."""
         order = sorted(range(len(rows)), key=lambda i: -rows[i].length)
         out: list[FactKV | None] = [None] * len(rows)
         for start in range(0, len(order), self.batch_size):
             chunk = order[start : start + self.batch_size]
-            for i, kv in zip(chunk, self._encode_batch([rows[i] for i in chunk])):
+            batch = [rows[i] for i in chunk]
+            seqs = [row.context + row.ids for row in batch]
+            for i, kv in zip(chunk, self._capture(None, seqs, [len(row.context) for row in batch])):
                 out[i] = kv
             if bar is not None:
                 bar.update(len(chunk))
         return out  # type: ignore[return-value]
 
-    def _encode_batch(self, rows: Sequence[_Row]) -> list[FactKV]:
-        """One forward pass over right-padded rows; each row's fact slice as FactKV."""
-        model = self._live_model()
-        input_ids, mask, positions = self._pad(rows)
+    def _encode_shared(self, rows: Sequence[_Row], bar=None) -> list[FactKV]:
+        """The base prefilled once; per chunk, its hosts once, then its facts against them."""
+        plan = sharing.plan(rows, self.batch_size)
+        base = self._run(None, [plan.base]) if plan.base else None
+        out: list[FactKV | None] = [None] * len(rows)
+        for chunk in plan.chunks:
+            for i, kv in zip(chunk.rows, self._encode_chunk(base, chunk, rows)):
+                out[i] = kv
+            if bar is not None:
+                bar.update(len(chunk.rows))
+        return out  # type: ignore[return-value]
+
+    def _encode_chunk(self, base: _Prefilled | None, chunk: sharing.Chunk, rows: Sequence[_Row]) -> list[FactKV]:
+        """The chunk's hosts prefilled together, then its facts ``batch_size`` at a time."""
+        hosts = self._prefill_hosts(base, chunk.hosts)
+        out: list[FactKV] = []
+        for start in range(0, len(chunk.rows), self.batch_size):
+            batch = [rows[i] for i in chunk.rows[start : start + self.batch_size]]
+            host_of = chunk.host_of[start : start + self.batch_size]
+            past = hosts.rows(host_of, [len(row.context) for row in batch]) if hosts else None
+            out += self._capture(past, [row.ids for row in batch], [0] * len(batch))
+        return out
+
+    def _prefill_hosts(self, base: _Prefilled | None, hosts: Sequence[tuple[int, ...]]) -> _Prefilled | None:
+        """``[base | host]`` for every host, one row each (None when both are empty)."""
+        past = base.rows([0] * len(hosts), [base.width] * len(hosts)) if base else None
+        return self._run(past, hosts) if any(hosts) else past
+
+    def _capture(self, past: _Prefilled | None, seqs: Sequence[Sequence[int]], starts: Sequence[int]) -> list[FactKV]:
+        """Run ``seqs`` after ``past``; each row's K/V from ``starts[b]`` to its end."""
+        width = max(len(seq) for seq in seqs)
+        if width == 0:
+            return [self._empty_kv() for _ in seqs]
         capture = _KVCapture(self._attn, self.num_kv_heads, self.head_size)
-        capture.seq = input_ids.shape[1]
-        if capture.seq == 0:
-            return [self._empty_kv() for _ in rows]
+        capture.seq = width
+        with capture:
+            self._forward(past, seqs, keep_cache=False)
+        return [self._slice(capture, b, start, seq) for b, (start, seq) in enumerate(zip(starts, seqs))]
+
+    def _run(self, past: _Prefilled | None, seqs: Sequence[Sequence[int]]) -> _Prefilled:
+        """``past`` extended by ``seqs``: the model's cache after them."""
+        assert past is None or all(n == past.width for n in past.lengths), "rows to extend must be unpadded"
+        cache = self._forward(past, seqs)
+        lengths = past.lengths if past else (0,) * len(seqs)
+        layers = tuple((layer.keys, layer.values) for layer in cache.layers)
+        return _Prefilled(layers, tuple(n + len(seq) for n, seq in zip(lengths, seqs)))
+
+    def _forward(self, past: _Prefilled | None, seqs: Sequence[Sequence[int]], keep_cache: bool = True):
+        """One forward pass over right-padded ``seqs``, row b after the first
+        ``past.lengths[b]`` cached tokens, at positions from there; the cache after it
+        (None when there was no past and none is kept)."""
+        from transformers import DynamicCache
+
+        model = self._live_model()
         device = next(model.parameters()).device
-        with torch.no_grad(), capture:
-            model.base_model(
-                input_ids=input_ids.to(device),
-                attention_mask=mask.to(device),
-                position_ids=positions.to(device),
-                use_cache=False,
-            )
-        return [self._slice(capture, b, row) for b, row in enumerate(rows)]
+        lengths = torch.tensor(past.lengths if past else [0] * len(seqs))
+        input_ids, mask = self._pad(seqs)
+        seen = torch.arange(past.width if past else 0) < lengths[:, None]
+        positions = lengths[:, None] + torch.arange(input_ids.shape[1])
+        cache = DynamicCache(past.layers) if past else DynamicCache() if keep_cache else None
+        with torch.no_grad():
+            model.base_model(input_ids=input_ids.to(device), attention_mask=torch.cat([seen, mask], 1).long().to(device),
+                             position_ids=positions.to(device), past_key_values=cache, use_cache=cache is not None)
+        return cache
 
-    def _pad(self, rows: Sequence[_Row]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Right-padded ids, attention mask and position ids (0..len-1 in every row)."""
-        width = max(row.length for row in rows)
-        input_ids = torch.full((len(rows), width), self._pad_id, dtype=torch.long)
-        mask = torch.zeros((len(rows), width), dtype=torch.long)
-        for b, row in enumerate(rows):
-            input_ids[b, : row.length] = torch.tensor(row.context + row.ids, dtype=torch.long)
-            mask[b, : row.length] = 1
-        positions = torch.arange(width).expand(len(rows), width)
-        # right padding: the real tokens of every row sit at positions 0..len-1
-        assert torch.equal((mask.cumsum(-1) - 1).clamp(min=0) * mask, positions * mask)
-        return input_ids, mask, positions
+    def _pad(self, seqs: Sequence[Sequence[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Right-padded ids and the mask of real tokens."""
+        width = max(len(seq) for seq in seqs)
+        input_ids = torch.full((len(seqs), width), self._pad_id, dtype=torch.long)
+        for b, seq in enumerate(seqs):
+            input_ids[b, : len(seq)] = torch.tensor(seq, dtype=torch.long)
+        mask = torch.arange(width) < torch.tensor([len(seq) for seq in seqs])[:, None]
+        return input_ids, mask
 
-    def _slice(self, capture: _KVCapture, b: int, row: _Row) -> FactKV:
-        start, end = len(row.context), row.length
+    def _slice(self, capture: _KVCapture, b: int, start: int, seq: Sequence[int]) -> FactKV:
         dtype = self.dtype
 
         def gather(store: list[torch.Tensor]) -> torch.Tensor:
-            return torch.stack([t[b, start:end] for t in store]).to("cpu", dtype).contiguous()
+            return torch.stack([t[b, start : len(seq)] for t in store]).to("cpu", dtype).contiguous()
 
-        return FactKV(row.ids, gather(capture.keys), gather(capture.values))
+        return FactKV(tuple(seq[start:]), gather(capture.keys), gather(capture.values))
 
     def _empty_kv(self) -> FactKV:
         shape = (self.num_layers, 0, self.num_kv_heads, self.head_size)
