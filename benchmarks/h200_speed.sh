@@ -8,6 +8,7 @@
 set -uo pipefail
 RUN=${RUN:-/tmp/run}
 STEPS=${STEPS:-start profile ttft tests serve shapes}
+FUSED=${FUSED:-}  # --fused-write: the connector writes with the fused kernel (Config.fused_write)
 mkdir -p "$RUN"
 exec > >(tee -a "$RUN/log") 2>&1
 stamp() { echo "== $(date +%T) $*"; }
@@ -23,14 +24,15 @@ export INFERSCALE_CACHE=/tmp/isc VLLM_CACHE_ROOT=/tmp/isc/vllm
 NOW=/tmp/site:$PWD BEFORE=/tmp/site:$PWD/.gpu/before
 PYTHONPATH=$NOW python3 -c 'import vllm, torch; print("vllm", vllm.__version__, "torch", torch.__version__, torch.cuda.get_device_name())'
 
-# wait for a command; after $2 seconds SIGABRT every process of it (faulthandler prints their stacks)
+# wait for a command; after $2 seconds SIGABRT every process of it (faulthandler prints their stacks).
+# (Patterns below are written so they never match this script's own command line.)
 watch() {
   local pid=$1 limit=$2 waited=0
   while kill -0 "$pid" 2>/dev/null && (( waited < limit )); do sleep 2; waited=$((waited + 2)); done
   if kill -0 "$pid" 2>/dev/null; then
     stamp "still running after ${limit}s: SIGABRT to its processes"
-    pkill -ABRT -f engine_start_probe; pkill -ABRT -f 'VLLM::'; sleep 5
-    pkill -KILL -f engine_start_probe; pkill -KILL -f 'VLLM::'
+    pkill -ABRT -f 'engine_start_prob[e]'; pkill -ABRT -f 'VLLM:[:]'; sleep 5
+    pkill -KILL -f 'engine_start_prob[e]'; pkill -KILL -f 'VLLM:[:]'
   fi
   wait "$pid"; echo "exit status $?"
 }
@@ -52,10 +54,10 @@ if has start; then
 fi
 
 if has profile; then
-  for which in before now; do
+  for which in before now fused; do
     stamp "profile of one injected request ($which)"
-    path=$NOW; [[ $which == before ]] && path=$BEFORE
-    PYTHONPATH=$path timeout 420 python3 benchmarks/inject_profile.py --cuda-graphs --k 50 --kv-store hbm \
+    path=$NOW flag=; [[ $which == before ]] && path=$BEFORE; [[ $which == fused ]] && flag=--fused-write
+    PYTHONPATH=$path timeout 420 python3 benchmarks/inject_profile.py --cuda-graphs --k 50 --kv-store hbm $flag \
       --label "$which" --out "$RUN/inject_profile_$which.json" 2>&1 | grep -v " INFO \| DEBUG "
   done
 fi
@@ -63,14 +65,17 @@ fi
 if has ttft; then
   stamp "TTFT vs k, Llama-3.1-8B shape, multiprocess engine, CUDA graphs, hbm + pinned"
   PYTHONPATH=$NOW timeout 600 python3 benchmarks/ttft.py --cuda-graphs --shape llama-3.1-8b --kv-stores hbm,pinned \
-    --ks 1,5,10,25,50,100 --reps 20 --out "$RUN/ttft_llama8b_h200.json" 2>&1 | grep -v " INFO \| DEBUG "
+    --ks 1,5,10,25,50,100 --reps 20 $FUSED --out "$RUN/ttft_llama8b_h200.json" 2>&1 | grep -v " INFO \| DEBUG "
 fi
 
 if has tests; then
-  stamp "connector tests on the GPU (tiny Llama, bf16, CUDA graphs)"
-  PYTHONPATH=$NOW INFERSCALE_TEST_MODELS=llama:bfloat16 INFERSCALE_REPLAY_MODELS=llama:bfloat16 \
-    INFERSCALE_TEST_CUDA_GRAPHS=1 timeout 420 python3 -m pytest tests/test_connector.py -q -p no:cacheprovider \
-    -k "not fuzz" 2>&1 | grep -v " INFO \| DEBUG " | tail -40
+  for fused in 0 1; do
+    stamp "connector tests on the GPU (tiny Llama, bf16, CUDA graphs, fused write $fused)"
+    PYTHONPATH=$NOW INFERSCALE_TEST_MODELS=llama:bfloat16 INFERSCALE_REPLAY_MODELS=llama:bfloat16 \
+      INFERSCALE_TEST_CUDA_GRAPHS=1 INFERSCALE_TEST_FUSED_WRITE=$fused timeout 420 python3 -m pytest \
+      tests/test_connector.py tests/test_fused_write.py -q -p no:cacheprovider -k "not fuzz" 2>&1 \
+      | grep -v " INFO \| DEBUG " | tail -40
+  done
 fi
 
 if has serve; then
@@ -83,7 +88,7 @@ if has shapes; then
   for shape in qwen2.5-7b qwen3-14b; do
     stamp "TTFT vs k, $shape shape"
     PYTHONPATH=$NOW timeout 500 python3 benchmarks/ttft.py --cuda-graphs --shape $shape --kv-stores hbm,pinned \
-      --ks 1,10,50,100 --reps 20 --out "$RUN/ttft_${shape}_h200.json" 2>&1 | grep -v " INFO \| DEBUG "
+      --ks 1,10,50,100 --reps 20 $FUSED --out "$RUN/ttft_${shape}_h200.json" 2>&1 | grep -v " INFO \| DEBUG "
   done
 fi
 stamp done

@@ -54,3 +54,12 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
             values = values if isinstance(values, (tuple, list)) else (values,)
             shown = " / ".join(f"{v:.2e}" for v in values)
             terminalreporter.write_line(f"{name:72s} {shown}")
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _close_shared_engines():
+    """The engine shared between modules (vllm_harness.shared) closes with the session."""
+    yield
+    import vllm_harness
+
+    vllm_harness.release_shared()

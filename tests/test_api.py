@@ -9,7 +9,6 @@ import os
 
 import pytest
 
-import tiny_models
 import vllm_harness
 from inferscale import MissingFactError, UnknownUserError
 from inferscale.api import Context, InferScale, MemoryAPI, PromptRequest
@@ -20,15 +19,10 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture(scope="module")
 def mem(tmp_path_factory):
-    model = tiny_models.tiny_model_dir("qwen2", "float32")
-    data = tmp_path_factory.mktemp("api")
-    api = InferScale.from_config({"model": str(model), "data_dir": str(data)}, enforce_eager=True,
-                                 kv_cache_memory_bytes=128 << 20, max_model_len=1024)
+    """The facade engine shared with test_api_isolation.py (vllm_harness.facade)."""
+    api = vllm_harness.facade(tmp_path_factory)
     api.add_conversation(USER, TURNS, FACTS, progress=False)
-    with vllm_harness.env(VLLM_ENABLE_V1_MULTIPROCESSING="0"):  # the engine starts lazily, in-process
-        yield api
-    api.close()
-    vllm_harness.close_engine_state()
+    return api
 
 
 def test_kv_injection_prefills_only_the_question(mem):

@@ -46,11 +46,12 @@ def test_users_with_odd_ids_stay_inside_the_store(tmp_path):
     disk = DiskStore(DiskStore.Options(root=str(tmp_path / "kv")))
     for user in ("alice@example.com", "../escape", "a/b"):
         disk.put(user, {"f-1": _kv((5, 6))})
-        assert disk.path(user).parent == tmp_path / "kv"
+        assert disk.user_dir(user).parent == tmp_path / "kv" / "users"
     assert disk.users() == sorted(["alice@example.com", "../escape", "a/b"])
-    assert sorted(p.name for p in (tmp_path / "kv").glob("*.safetensors")) == [
-        "..%2Fescape.safetensors", "a%2Fb.safetensors", "alice@example.com.safetensors"]
-    assert disk.list("a/b") == ["f-1"] and not (tmp_path / "escape.safetensors").exists()
+    assert sorted(p.name for p in (tmp_path / "kv" / "users").iterdir()) == [
+        "..%2Fescape", "a%2Fb", "alice@example.com"]
+    assert disk.list("a/b") == ["f-1"] and not (tmp_path / "escape").exists()
+    assert not (tmp_path / "kv" / "escape").exists()
 
 
 def test_render_fact_is_one_bullet_line():

@@ -15,6 +15,8 @@ from typing import Any
 
 import torch
 
+import tiny_models
+
 from inferscale.compose.request import make_params
 from inferscale.compose.salt import CacheSalts
 from inferscale.compose.segment import PREFIX_FACT, SYSTEM_USER
@@ -57,6 +59,7 @@ def make_engine(model_dir: Path, data_dir: Path, dtype: str, *, multiprocess: bo
     from vllm import LLM
     from vllm.config import KVTransferConfig
 
+    release_shared()
     ktc = kv_transfer_config(engine_config(model_dir, data_dir, dtype))
     if connector:
         ktc["kv_connector"], ktc["kv_connector_module_path"] = connector
@@ -187,3 +190,47 @@ def joint_memory(model_dir: Path, data_dir: Path, user: str, facts: list[str], q
             segment = segment + ids
         disk.put(user, kvs)
         return segment + fmt.query_ids(tok, query), segment
+
+
+# ---------------------------------------------------------------- engines shared between modules
+
+_shared: dict[str, Any] = {}
+
+
+def shared(key: str, make, close) -> Any:
+    """An engine-holding object shared by every test module that asks with the same ``key``
+    (modules that share one sit next to each other). vLLM keeps one in-process engine per
+    process, so asking with another key, or starting any other engine here
+    (:func:`make_engine`), closes the shared one first; the session's end closes it too."""
+    if _shared.get("key") != key:
+        release_shared()
+        _shared.update(key=key, value=make(), close=close)
+    return _shared["value"]
+
+
+def release_shared() -> None:
+    if _shared:
+        close, value = _shared["close"], _shared["value"]
+        _shared.clear()
+        close(value)
+
+
+def facade(tmp_path_factory):
+    """The tiny Qwen2 behind the facade, in-process, shared by the API and isolation tests
+    (they use disjoint users)."""
+    from inferscale.api import InferScale
+
+    def make():
+        model = tiny_models.tiny_model_dir("qwen2", "float32")
+        data = tmp_path_factory.mktemp("facade")
+        api = InferScale.from_config({"model": str(model), "data_dir": str(data)}, enforce_eager=True,
+                                     kv_cache_memory_bytes=128 << 20, max_model_len=1024)
+        with env(VLLM_ENABLE_V1_MULTIPROCESSING="0"):  # in-process, without leaving the setting behind
+            api.generation.llm  # noqa: B018  (starts the engine now)
+        return api
+
+    def close(api):
+        api.close()
+        close_engine_state()
+
+    return shared("facade-qwen2-float32", make, close)

@@ -15,9 +15,7 @@ from pathlib import Path
 
 import pytest
 
-import tiny_models
 import vllm_harness as vh
-from inferscale.api import InferScale
 from inferscale.compose.request import make_params
 
 pytestmark = pytest.mark.slow
@@ -36,14 +34,8 @@ REFUSED = {"injected_tokens": 0, "recomputed_tokens": 0, "fallback": "refused"}
 
 @pytest.fixture(scope="module")
 def mem(tmp_path_factory):
-    model = tiny_models.tiny_model_dir("qwen2", "float32")
-    data = tmp_path_factory.mktemp("isolation")
-    api = InferScale.from_config({"model": str(model), "data_dir": str(data)}, enforce_eager=True,
-                                 kv_cache_memory_bytes=128 << 20, max_model_len=1024)
-    with vh.env(VLLM_ENABLE_V1_MULTIPROCESSING="0"):  # the engine starts lazily, in-process
-        yield api
-    api.close()
-    vh.close_engine_state()
+    """The facade engine shared with test_api.py (vllm_harness.facade); users here are disjoint."""
+    return vh.facade(tmp_path_factory)
 
 
 def add_user(mem, user: str, facts=FACTS, noisy: bool = False) -> list[str]:
