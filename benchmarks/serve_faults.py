@@ -313,7 +313,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         server.stop()
     ok = all(not r.problems for r in rounds) and all(r.checks for r in rounds)
-    command = "python benchmarks/serve_faults.py " + " ".join(argv if argv is not None else sys.argv[1:])
+    command = " ".join(["python benchmarks/serve_faults.py", *(argv if argv is not None else sys.argv[1:])])
     result = {"command": command, "model": args.model, "ok": ok, "first_start_s": first_start_s,
               "total_s": time.monotonic() - started, "rounds": [vars(r) for r in rounds], "server_log": str(server.log)}
     out = Path(args.out)

@@ -247,7 +247,7 @@ async def writer(run: Run, http: httpx.AsyncClient, deadline: float, rng: random
 async def sampler(run: Run, server: Server, stop: asyncio.Event) -> None:
     while not stop.is_set():
         rss = await asyncio.to_thread(server.rss)
-        run.memory.append({"t": run.now(), **rss})
+        run.memory.append({"t": run.now(), **rss, "loadavg": os.getloadavg()[0]})
         try:
             await asyncio.wait_for(stop.wait(), run.args.sample_s)
         except TimeoutError:
@@ -351,6 +351,7 @@ def summarize(run: Run, phases: dict, ready_s: float, log_text: str) -> dict:
         "rss_slope_mb_per_min": slope_mb_per_min(run.memory, start, end),
         "rss_slope_second_half_mb_per_min": slope_mb_per_min(run.memory, (start + end) / 2, end),
         "server_ready_s": ready_s, "setup_s": phases["setup_s"], "load_s": end - start,
+        "host_loadavg_1min": [min(s["loadavg"] for s in steady), max(s["loadavg"] for s in steady)] if steady else None,
         "server_log_errors": sum(("Traceback" in line or " ERROR " in line) for line in log_text.splitlines()),
         "fallbacks_metric": [line for line in phases["metrics"].splitlines()
                              if line.startswith("vllm:inferscale_fallbacks_total") and not line.endswith(" 0.0")],
@@ -380,6 +381,7 @@ def markdown(summary: dict, args: argparse.Namespace, command: str) -> str:
                                                    f"{mb(summary['rss_mb_end'])} ({mb(summary['rss_mb_max'], '')})"),
         ("RSS slope: whole load / second half", f"{mb(summary['rss_slope_mb_per_min'], '', '+')} / "
                                                 f"{mb(summary['rss_slope_second_half_mb_per_min'], ' MB/min', '+')}"),
+        ("host load average (1 min) during the load, 2 cores", "{:.1f}–{:.1f}".format(*summary["host_loadavg_1min"])),
         ("answers with the asked fact's word", f"{summary['chat_right']:,} of {summary['chats'] - summary['expected_404']:,}"),
     ]
     table = "\n".join(f"| {k} | {v} |" for k, v in rows)
@@ -396,7 +398,7 @@ def plot(run: Run, phases: dict, path: Path) -> None:
     start = phases["load_start"]
     times = [(s["t"] - start) / 60 for s in run.memory]
     top.plot(times, [s["total"] / 2**20 for s in run.memory], label="front + engine", color="black")
-    for name in sorted({k for s in run.memory for k in s if k not in ("t", "total")}):
+    for name in sorted({k for s in run.memory for k in s if k not in ("t", "total", "loadavg")}):
         top.plot(times, [s.get(name, 0) / 2**20 for s in run.memory], label=name.split(":")[0], lw=0.8)
     top.set_ylabel("RSS (MB)")
     top.legend(fontsize=7, loc="center right")
@@ -440,7 +442,7 @@ def main(argv: list[str] | None = None) -> int:
     data = Path(args.data_dir) if args.data_dir else work / "data"
     server = Server(args.model, data, args.port or free_port(), work / "server.log", tuple(args.serve_args))
     run = Run(args, make_users(args.users, args.facts, args.seed))
-    command = "python benchmarks/serve_load.py " + " ".join(argv if argv is not None else sys.argv[1:])
+    command = " ".join(["python benchmarks/serve_load.py", *(argv if argv is not None else sys.argv[1:])])
     try:
         ready_s = server.start()
         phases = asyncio.run(load(run, server))

@@ -104,8 +104,7 @@ class Server:
         out: dict[str, int] = {}
         for i, proc in enumerate(self.processes()):
             with contextlib.suppress(psutil.NoSuchProcess):
-                name = "front" if i == 0 else f"{proc.name()}:{proc.pid}"
-                out[name] = proc.memory_info().rss
+                out[_role(proc, i)] = proc.memory_info().rss
         out["total"] = sum(out.values())
         return out
 
@@ -154,3 +153,11 @@ class Server:
         if pid not in self._tree:
             self._tree[pid] = psutil.Process(pid)
         return self._tree[pid]
+
+
+def _role(proc: psutil.Process, index: int) -> str:
+    """``front``, ``engine API server:<pid>``, or the process's own name (``VLLM::EngineCore:<pid>``)."""
+    if index == 0:
+        return "front"
+    name = "engine API server" if "api_server" in " ".join(proc.cmdline()) else proc.name()
+    return f"{name}:{proc.pid}"
