@@ -150,10 +150,9 @@ async def chat(run: Run, client, user: User, question: str, expected: str) -> di
         memory = body.model_extra.get("inferscale") or {}
         report = memory.get("report") or {}
         text = body.choices[0].message.content or ""
-        foreign = [f for f in memory.get("fact_ids", []) if run.owner.get(f, user.uid) != user.uid]
+        foreign = [f for f in memory.get("fact_ids", []) if run.owner.get(f) != user.uid]  # another's, or unknown
         event.update(fallback=report.get("fallback"), injected=report.get("injected_tokens", 0),
-                              facts=len(memory.get("fact_ids", [])), right=expected.lower() in text.lower(),
-                              foreign=foreign)
+                     facts=len(memory.get("fact_ids", [])), right=expected.lower() in text.lower(), foreign=foreign)
     return event
 
 
