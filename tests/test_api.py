@@ -3,7 +3,9 @@ with prompt injection and without memory; memory survives a restart."""
 
 from __future__ import annotations
 
+import itertools
 import math
+import os
 
 import pytest
 
@@ -100,6 +102,35 @@ def test_memory_side_lists_searches_updates_and_deletes(mem):
     assert "ivy" not in memory.users() and memory.list_facts("ivy") == []
     with pytest.raises(UnknownUserError):
         mem.generate("ivy", "What is the name of my cat?")
+
+
+def test_an_update_cut_short_anywhere_leaves_the_old_fact_or_the_new_one(mem, monkeypatch):
+    """An update stores the new fact and removes the old one in one write: failing it at each of
+    its fsyncs in turn (as a crash would stop it) leaves one version, never both."""
+    real_fsync, before = os.fsync, ["Uma keeps bees.", "Uma rows on Sundays."]
+    after = ["Uma keeps wasps.", "Uma rows on Sundays."]
+    for crash_at in itertools.count(1):
+        user = f"uma-{crash_at}"
+        old = mem.memory.add_facts(user, before)
+        calls = iter(range(1, 10**6))
+
+        def fsync(fd):
+            if next(calls) == crash_at:
+                raise OSError("injected: the process stops here")
+            real_fsync(fd)
+
+        monkeypatch.setattr(os, "fsync", fsync)
+        try:
+            mem.memory.update_fact(user, old[0].fact_id, after[0])
+            done = True
+        except OSError:
+            done = False
+        monkeypatch.setattr(os, "fsync", real_fsync)
+        stored = sorted(f.text for f in MemoryAPI(Context(mem.config)).list_facts(user))
+        assert stored in (sorted(before), sorted(after)), crash_at
+        if done:
+            break
+    assert crash_at > 3  # the update got as far as its commit and beyond
 
 
 def test_facts_stored_without_text_are_stored_again_whole(mem, tmp_path):

@@ -169,11 +169,12 @@ def test_deleted_and_replaced_facts_leave_the_disk(disk):
     replaced = facts["f4"]
     disk.put("alice", {"f4": make_fact(5, seed=44)})
     disk.delete("alice", ["f1"])
+    disk.put("alice", {"g2": make_fact(3, seed=72)}, drop=["f2"])  # replaced under another id, in one write
     stored = b"".join(p.read_bytes() for p in disk.user_dir("alice").iterdir())
-    for gone in (facts["f1"].keys, replaced.keys):
+    for gone in (facts["f1"].keys, replaced.keys, facts["f2"].keys):
         assert gone.numpy().tobytes() not in stored
-    assert b"f1/keys" not in stored and leftovers(disk) == []
-    assert fresh(disk).list("alice") == ["f0", "f2", "f3", "f4", "f5"]
+    assert b"f1/keys" not in stored and b"f2/keys" not in stored and leftovers(disk) == []
+    assert fresh(disk).list("alice") == ["f0", "f3", "f4", "f5", "g2"]
 
 
 def test_index_reads_never_touch_the_kv(disk):
@@ -246,7 +247,7 @@ CRASH = textwrap.dedent(
     store = DiskStore(DiskStore.Options(root=sys.argv[1]))
     kv = FactKV([1, 2], torch.ones(3, 2, 2, 8), torch.ones(3, 2, 2, 8))
     os.fsync = fsync
-    store.put("alice", {"crash": kv})
+    store.put(sys.argv[3] if len(sys.argv) > 3 else "alice", {"crash": kv})
     """
 )
 
@@ -266,6 +267,31 @@ def test_process_killed_mid_write(disk, crash_at, committed):
     disk.put("alice", {"f9": make_fact(1, seed=90)})  # the next writer cleans up
     assert not list(disk.root.rglob("*.tmp")) and leftovers(disk) == []
     assert fresh(disk).list("alice")[-1] == "f9"
+
+
+@pytest.mark.parametrize("crash_at", [1, 3])
+def test_sweep_removes_what_crashed_writes_left_without_a_write(disk, crash_at):
+    """A server sweeps once as it starts: users no one writes to again are cleaned too, and a
+    first write that never committed leaves no directory behind."""
+    facts = make_facts(3)
+    disk.put("alice", facts)
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    for user in ("alice", "bob"):  # bob: a new user whose first write never committed
+        proc = subprocess.run([sys.executable, "-c", CRASH, str(disk.root), str(crash_at), user], env=env,
+                              capture_output=True, timeout=120)
+        assert proc.returncode == 17, proc.stderr.decode()
+    assert leftovers(disk) and disk.user_dir("bob").is_dir()
+    corrupt = disk.user_dir("carol")
+    disk.put("carol", make_facts(1))
+    (corrupt / "index.json").write_bytes(b"{}")
+    stray = disk.root / "users" / "not a user"
+    stray.mkdir()
+    assert fresh(disk).sweep() == ["alice", "bob"]
+    assert leftovers(disk) == [] and not disk.user_dir("bob").exists() and not list(disk.root.rglob("*.tmp"))
+    assert fresh(disk).users() == ["alice", "carol"]
+    assert_batch(fresh(disk).get("alice", list(facts)), facts, list(facts))
+    assert (corrupt / "index.json").read_bytes() == b"{}" and stray.is_dir()  # left alone
+    assert fresh(disk).sweep() == []
 
 
 # -- corruption --------------------------------------------------------------------------------

@@ -9,6 +9,7 @@ forgotten user leaves nothing behind; bad input never takes the server down.
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import sqlite3
@@ -139,6 +140,93 @@ def test_bad_input_is_refused_and_the_server_carries_on(front, chat):
     assert "Pixel" in ask(chat, "What is the name of my cat?").choices[0].message.content
 
 
+OMAR = "omar@example.com"
+OMAR_FACTS = ["Omar's locker code is 7319.", "Omar has a parrot called Zazu.", "Omar rows on the Douro at dawn."]
+
+
+def test_no_request_names_its_way_into_another_users_memory(front, chat):
+    """Omar (or anyone) tries every way to reach Maya's memory through the front: her fact ids,
+    memory params, a forged salt, her user id beside his, huge k, her facts by id; each is a clear
+    4xx or answers from Omar's memory alone, and nothing that comes back shows Maya's facts."""
+    v1 = f"{front.url}/v1"
+    with MemoryClient(front.url) as memory:
+        omar = {f["id"] for f in memory.add(OMAR, facts=OMAR_FACTS)}
+        maya = {f["id"]: f["text"] for f in memory.list(MAYA)}
+    assert "7319" in ask(chat, "What is my locker code?", user=OMAR).choices[0].message.content  # control
+    stolen = {"inferscale": {"user_id": MAYA, "fact_ids": list(maya)}}
+    chat_body = {"model": QWEN05, "user": OMAR, "max_tokens": 24, "temperature": 0,
+                 "messages": [{"role": "user", "content": "What is the name of my cat?"}]}
+    tries = {
+        "another user's fact ids as an option": ("post", "chat/completions", {**chat_body, "inferscale": {
+            "fact_ids": list(maya)}}, 400),
+        "client-supplied kv_transfer_params": ("post", "chat/completions", {**chat_body, "kv_transfer_params": stolen},
+                                               400),
+        "a forged cache salt": ("post", "chat/completions", {**chat_body, "cache_salt": "inferscale-" + "0" * 32}, 400),
+        "her id beside his": ("post", "chat/completions", {**chat_body, "inferscale": {"user_id": MAYA}}, 400),
+        "no user, her params": ("post", "chat/completions", {**chat_body, "user": None, "kv_transfer_params": stolen},
+                                400),
+        "huge k": ("post", "chat/completions", {**chat_body, "inferscale": {"k": 1024}}, 200),
+        "huge k as text": ("post", "chat/completions", {**chat_body, "inferscale": {"k": 1024, "mode": "text"}}, 200),
+        "search with huge k": ("post", "memories/search", {"user_id": OMAR, "query": "my cat", "k": 1024}, 200),
+        "her params on completions": ("post", "completions", {"model": QWEN05, "prompt": "Hi", "max_tokens": 2,
+                                                              "kv_transfer_params": stolen}, 400),
+    }
+    answers = {name: getattr(httpx, method)(f"{v1}/{path}", json=body, timeout=120)
+               for name, (method, path, body, _) in tries.items()}
+    fact = next(iter(maya))
+    answers["her params, no Content-Type"] = httpx.post(f"{v1}/completions", content=json.dumps(
+        tries["her params on completions"][2]).encode())
+    answers["her fact by id, read"] = httpx.get(f"{v1}/memories/{fact}", params={"user_id": OMAR})
+    answers["her fact by id, changed"] = httpx.put(f"{v1}/memories/{fact}", json={"user_id": OMAR, "text": "Mine."})
+    answers["her fact by id, deleted"] = httpx.delete(f"{v1}/memories/{fact}", params={"user_id": OMAR})
+    expected = {name: status for name, (*_, status) in tries.items()} | {
+        "her params, no Content-Type": 400, "her fact by id, read": 404, "her fact by id, changed": 404,
+        "her fact by id, deleted": 404}
+    assert {name: a.status_code for name, a in answers.items()} == expected
+    for name, answer in answers.items():
+        shown = answer.text
+        assert not any(text in shown for text in maya.values()) and "Pixel" not in shown, name
+    for name in ("huge k", "huge k as text"):
+        assert set(answers[name].json()["inferscale"]["fact_ids"]) <= omar, name
+    assert {f["id"] for f in answers["search with huge k"].json()["results"]} == omar
+    with MemoryClient(front.url) as memory:
+        assert {f["id"]: f["text"] for f in memory.list(MAYA)} == maya  # nothing of hers changed
+    mine = ask(chat, "What is my locker code? What is my parrot called?").choices[0].message.content
+    assert "7319" not in mine and "Zazu" not in mine  # and the other way around
+
+
+def test_the_engine_port_injects_nothing_for_a_forged_request(front):
+    """Isolation holds for a client that reaches the engine itself on loopback: Maya's memory
+    params with her exact prompt, or with only the question, and any salt it can compute or
+    guess get no injection and the same coarse report; the server's own request does."""
+    from inferscale.api import Context, GenerationAPI
+    from inferscale.config import Config
+    from test_api_isolation import REFUSED, guessed_salts
+
+    engine = f"http://127.0.0.1:{_engine_port(front.proc.pid)}"
+    generation = GenerationAPI(Context(Config.from_dict({"model": QWEN05, "data_dir": str(front.data)})))
+    facts = [f.fact_id for f in generation.context.disk.facts(MAYA).values()]
+    question = "What is the name of my cat?"
+    request = generation.prompt(MAYA, question, facts)
+    exact, params = request.prompt["prompt_token_ids"], request.kv_transfer_params
+    blind = generation.prompt(MAYA, question, [], mode="none").prompt["prompt_token_ids"]  # the question alone
+
+    def complete(prompt: list[int], salt: str | None) -> tuple[str, dict]:
+        body = {"model": QWEN05, "prompt": prompt, "max_tokens": 8, "temperature": 0, "kv_transfer_params": params,
+                **({"cache_salt": salt} if salt else {})}
+        answer = httpx.post(f"{engine}/v1/completions", json=body, timeout=120)
+        if answer.status_code == 400 and "cache_salt" in answer.text:  # vLLM refuses salts with '@' or '/'
+            return answer.text, REFUSED
+        return answer.json()["choices"][0]["text"], answer.json()["kv_transfer_params"]["inferscale"]
+
+    for salt in [*guessed_salts(MAYA, exact[: request.memory_tokens]), None]:
+        assert complete(exact, salt)[1] == REFUSED, salt
+        text, report = complete(blind, salt)
+        assert report == REFUSED and "Pixel" not in text, salt
+    text, report = complete(exact, request.prompt["cache_salt"])  # control: the server's own salt
+    assert report["fallback"] is None and report["injected_tokens"] > 0 and "Pixel" in text
+
+
 def test_metrics_show_the_front_and_the_connector(front):
     text = httpx.get(f"{front.url}/metrics").text
     assert _value(text, "inferscale_retrieval_seconds_count") > 0
@@ -170,6 +258,11 @@ def _engine_pid(front_pid: int) -> int:
     children = open(f"/proc/{front_pid}/task/{front_pid}/children").read().split()
     (engine,) = [int(pid) for pid in children]
     return engine
+
+
+def _engine_port(front_pid: int) -> int:
+    cmd = open(f"/proc/{_engine_pid(front_pid)}/cmdline").read().split("\0")
+    return int(cmd[cmd.index("--port") + 1])
 
 
 def _value(text: str, name: str) -> float:

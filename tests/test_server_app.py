@@ -6,6 +6,7 @@ not a crash). The real server, engine included, is in test_server.py.
 
 from __future__ import annotations
 
+import json
 import re
 
 import pytest
@@ -104,6 +105,28 @@ def test_ids_with_slashes_stay_ids(client, state):
     ("post", "/v1/chat/completions", {"json": {"messages": [{"role": "user", "content": "hi"}],
                                                "cache_salt": "inferscale-0"}}, 400, "set by the server"),
     ("get", "/admin", {}, 404, "no route"),
+    # found by hostile inputs against the live server (were 500s or reached the engine)
+    ("post", "/v1/memories", {"json": {"user_id": "..", "facts": ["x"]}}, 400, "not a usable name"),
+    ("get", "/v1/memories", {"params": {"user_id": "."}}, 400, "not a usable name"),
+    ("delete", "/v1/memories", {"params": {"user_id": ".."}}, 400, "not a usable name"),
+    ("post", "/v1/chat/completions", {"json": {"user": "..", "messages": [{"role": "user", "content": "hi"}]}},
+     400, "not a usable name"),
+    ("post", "/v1/chat/completions", {"content": b'{"user": "bob", "temperature": NaN, "messages": '
+                                                 b'[{"role": "user", "content": "hi"}]}'}, 400, "NaN is not"),
+    ("post", "/v1/chat/completions", {"content": b"[" * 100_000 + b"]" * 100_000}, 400, "nested too deeply"),
+    ("post", "/v1/memories", {"content": b'{"user_id": "bob", "facts": ' + b"[" * 100_000 + b"]" * 100_000 + b"}",
+                              "headers": JSON}, 400, "parsing the body"),
+    ("post", "/v1/chat/completions", {"content": b'{"user": "bob", "messages": [{"role": "user", '
+                                                 b'"content": "\\ud800"}]}'}, 400, "lone UTF-16 surrogate"),
+    ("post", "/v1/memories", {"content": b'{"user_id": "bob", "facts": ["\\udc00"]}', "headers": JSON}, 400,
+     "lone UTF-16 surrogate"),
+    ("post", "/v1/completions", {"content": json.dumps({"prompt": [1], "cache_salt": "inferscale-0"}).encode()},
+     400, "set by the server"),  # no Content-Type: vLLM parses JSON all the same
+    ("post", "/v1/completions", {"content": json.dumps({"prompt": [1], "kv_transfer_params": {}}).encode(),
+                                 "headers": {"Content-Type": "Application/JSON"}}, 400, "set by the server"),
+    ("post", "/v1/chat/completions", {"content": b" " * (33 << 20), "headers": JSON}, 413, "larger than 32 MiB"),
+    ("post", "/v1/memories", {"content": (b" " * (1 << 20) for _ in range(40)), "headers": JSON}, 413,
+     "larger than 32 MiB"),  # sent in chunks, without a Content-Length
 ])
 def test_bad_input_is_a_clear_4xx(client, method, path, kwargs, status, needle):
     response = getattr(client, method)(path, **kwargs)

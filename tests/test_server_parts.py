@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import socket
 
 import pytest
 
@@ -32,6 +33,24 @@ def test_the_engine_listens_on_loopback_with_the_connector_and_the_users_argumen
 def test_arguments_the_front_sets_are_refused(arg):
     with pytest.raises(ConfigError, match=arg.split("=")[0]):
         launch.check_vllm_args(["--dtype", "bfloat16", arg])
+
+
+def test_a_port_left_in_time_wait_by_a_killed_server_is_free_a_listened_one_is_not():
+    """After a crash (kill -9) of a front with clients connected, its connections sit in
+    TIME_WAIT for a minute; uvicorn binds over them, so the check must too."""
+    with socket.socket() as server:
+        server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn's
+        server.bind(("127.0.0.1", 0))
+        server.listen()
+        port = server.getsockname()[1]
+        with pytest.raises(ConfigError, match=f"cannot listen on 127.0.0.1:{port}"):
+            launch.check_port_free("127.0.0.1", port)
+        client = socket.create_connection(("127.0.0.1", port))
+        accepted, _ = server.accept()
+        accepted.close()  # the server's side closes first: its end goes to TIME_WAIT
+        client.recv(1)
+        client.close()
+    launch.check_port_free("127.0.0.1", port)
 
 
 def test_argument_values():

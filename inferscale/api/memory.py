@@ -69,19 +69,16 @@ class MemoryAPI:
         """Store facts for a user, encoded behind the facts already stored; a fact
         given again (same id) is encoded and stored again, whole."""
         records = self._new_facts(user_id, facts)
-        given = {f.fact_id for f in records}
-        # stored facts readable as text serve as context (files of format 1 have no text)
-        known = [f for f in self.context.disk.facts(user_id).values() if f.text and f.fact_id not in given]
         if records:
-            self._store(user_id, known, records, turns, progress)
+            self._store(user_id, records, turns, progress)
         return records
 
     def update_fact(self, user_id: str, fact_id: str, text: str) -> Fact:
-        """Replace a fact's text (a new fact, encoded again, under a new id)."""
+        """Replace a fact's text: a new fact, encoded again under a new id, stored and the old
+        one removed in one write (a crash leaves the one or the other, never both)."""
         old = self._require(user_id, fact_id)
-        (new,) = self.add_facts(user_id, [(text, old.source_turn)])  # stored before the old one goes
-        if new.fact_id != fact_id:
-            self.delete_fact(user_id, fact_id)
+        (new,) = self._new_facts(user_id, [(text, old.source_turn)])
+        self._store(user_id, [new], (), False, replaced=[fact_id] if new.fact_id != fact_id else [])
         return new
 
     def delete_fact(self, user_id: str, fact_id: str) -> None:
@@ -141,15 +138,21 @@ class MemoryAPI:
         if "encoder" in self.__dict__:
             self.__dict__.pop("encoder").close()
 
-    def _store(self, user_id: str, known: list[Fact], fresh: list[Fact], turns: Sequence[Turn], progress: bool) -> None:
-        """Encode the new facts (behind the ones stored before them) and commit each whole."""
+    def _store(self, user_id: str, fresh: list[Fact], turns: Sequence[Turn], progress: bool,
+               replaced: Sequence[str] = ()) -> None:
+        """Encode the new facts (behind the ones stored before them) and commit each whole,
+        with the ``replaced`` facts removed in the same write."""
+        given = {f.fact_id for f in fresh}
+        # stored facts readable as text serve as context (files of format 1 have no text)
+        known = [f for f in self.context.disk.facts(user_id).values() if f.text and f.fact_id not in given]
         prefix = self._ensure_prefix()
-        kvs = self.encoder.encode(known + fresh, turns, progress=progress, prefix_ids=prefix,
-                                  only={f.fact_id for f in fresh})
+        kvs = self.encoder.encode(known + fresh, turns, progress=progress, prefix_ids=prefix, only=given)
         vectors = self.context.embedder.embed([f.text for f in fresh])
         self.context.disk.put(user_id, kvs, {f.fact_id: f for f in fresh},
-                              {f.fact_id: v for f, v in zip(fresh, vectors)})
+                              {f.fact_id: v for f, v in zip(fresh, vectors)}, drop=replaced)
         self.context.retriever.add(user_id, [f.fact_id for f in fresh], vectors)
+        if replaced:
+            self.context.retriever.delete(user_id, list(replaced))
 
     def _new_facts(self, user_id: str, facts: Sequence[FactInput]) -> list[Fact]:
         per_turn: dict[str | None, int] = defaultdict(int)

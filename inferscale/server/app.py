@@ -3,6 +3,7 @@
 ``create_app(state)`` builds it over a :class:`ServerState`; the HTTP client
 to the engine lives as long as the app. With ``state.api_key`` set, every
 route but ``/health`` and ``/metrics`` wants ``Authorization: Bearer <key>``.
+Request bodies are capped (:mod:`inferscale.server.limits`).
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from contextlib import asynccontextmanager
 
 from fastapi import FastAPI, Request
 
-from inferscale.server import errors, forward, routes_chat, routes_engine, routes_memory
+from inferscale.server import errors, forward, limits, routes_chat, routes_engine, routes_memory
 from inferscale.server.state import ServerState
 
 OPEN_PATHS = ("/health", "/metrics")
@@ -30,6 +31,7 @@ def create_app(state: ServerState) -> FastAPI:
     app = FastAPI(title="InferScale", summary="vLLM's OpenAI API with per-user memory", lifespan=lifespan)
     app.state.inferscale = state
     errors.install(app)
+    app.add_middleware(limits.BodyLimit)  # inside the guard: its 413s are counted too
     _install_guards(app, state)
     app.include_router(routes_chat.router)
     app.include_router(routes_memory.router)

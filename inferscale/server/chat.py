@@ -16,8 +16,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from inferscale.facts import check_user_id
 from inferscale.server.errors import APIError
+from inferscale.server.schemas import user_id_of
 
 #: ``inferscale.mode`` → the generation mode (``text``: the facts as text in the prompt)
 MODES = {"kv": "kv", "text": "prompt", "prompt": "prompt", "none": "none"}
@@ -105,12 +105,9 @@ def _user(body: Mapping[str, Any], options: Mapping[str, Any]) -> str | None:
     if user_id is None:
         return None
     try:
-        check_user_id(user_id)
+        return user_id_of(user_id)
     except ValueError as exc:
         raise APIError(400, str(exc), "user") from None
-    if user_id.startswith("_"):
-        raise APIError(400, f"user_id {user_id!r} is reserved (ids starting with '_' are internal)", "user")
-    return user_id
 
 
 def _mode(value: Any, user_id: str | None) -> str:

@@ -14,6 +14,7 @@ import uuid
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException
 
 from inferscale.errors import (
     ConfigError,
@@ -69,6 +70,10 @@ def install(app: FastAPI) -> None:
         err = from_library(exc)
         return error_response(err.status, err.message, err.param)
 
+    @app.exception_handler(HTTPException)
+    async def _http(request: Request, exc: HTTPException):  # FastAPI's and Starlette's own refusals
+        return error_response(exc.status_code, str(exc.detail))
+
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, exc: RequestValidationError):
         return error_response(400, validation_message(exc.errors()))
@@ -93,14 +98,25 @@ def validation_message(errors) -> str:
 
 
 def json_body(raw: bytes) -> dict:
-    """A request body that must be a JSON object."""
+    """A request body that must be a JSON object, of JSON as the standard has it: no NaN or
+    Infinity, no text that is not Unicode (a lone ``\\ud800``), nesting Python can parse."""
     try:
-        body = json.loads(raw)
+        body = json.loads(raw, parse_constant=_no_constant)
+        json.dumps(body, ensure_ascii=False).encode()  # what the engine will be sent
+    except RecursionError:
+        raise APIError(400, "the request body is not valid JSON (nested too deeply)") from None
+    except UnicodeEncodeError:
+        raise APIError(400, "the request body holds a lone UTF-16 surrogate (a \\ud800-\\udfff escape "
+                            "not in a pair), which is not text") from None
     except (ValueError, UnicodeDecodeError) as exc:
         raise APIError(400, f"the request body is not valid JSON ({exc})") from None
     if not isinstance(body, dict):
         raise APIError(400, f"the request body must be a JSON object, got {type(body).__name__}")
     return body
+
+
+def _no_constant(name: str):
+    raise ValueError(f"{name} is not a JSON value")
 
 
 def _log_internal(exc: BaseException) -> str:

@@ -98,7 +98,10 @@ def free_port(host: str = LOOPBACK) -> int:
 
 
 def check_port_free(host: str, port: int) -> None:
+    """Fails as the front's own bind would: SO_REUSEADDR, as uvicorn sets it, so connections a
+    killed server left in TIME_WAIT do not block its restart (a listener still does)."""
     with socket.socket() as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             sock.bind((host, port))
         except OSError as exc:

@@ -55,10 +55,10 @@ async def passthrough(path: str, request: Request) -> Response:
     if not path.startswith(PASSED_THROUGH):
         raise APIError(404, f"no route {request.method} /{path}")
     body = await request.body()
-    if body and "json" in request.headers.get("content-type", ""):
+    if body:  # whatever the Content-Type says: vLLM reads JSON without one, and in any letter case
         try:
             parsed = json.loads(body)
-        except ValueError:
+        except (ValueError, RecursionError):
             parsed = None  # the engine answers malformed JSON itself
         if isinstance(parsed, dict):
             refuse_reserved(parsed)

@@ -12,7 +12,8 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from inferscale.compose.request import MAX_FACTS
-from inferscale.facts import Fact, check_user_id
+from inferscale.facts import Fact
+from inferscale.storage.layout import check_ids, is_internal
 
 MAX_FACT_CHARS = 2_000
 MAX_FACTS_PER_CALL = 256
@@ -21,10 +22,11 @@ MAX_MESSAGE_CHARS = 20_000
 MAX_QUERY_CHARS = 4_000
 
 
-def user_id_of(value: str) -> str:
-    """A user id a client may name (what Mem0 accepts; ids starting with '_' are internal)."""
-    check_user_id(value)
-    if value.startswith("_"):
+def user_id_of(value: object) -> str:
+    """A user id a client may name: what Mem0 accepts and the store can hold (not ``.`` or
+    ``..``); ids starting with '_' are internal."""
+    check_ids(value, ())
+    if is_internal(value):
         raise ValueError(f"user_id {value!r} is reserved (ids starting with '_' are internal)")
     return value
 
@@ -68,6 +70,11 @@ class AddMemories(_UserBody):
         for item in value:
             if isinstance(item, str) and not 0 < len(item) <= MAX_FACT_CHARS:
                 raise ValueError(f"a fact must have 1..{MAX_FACT_CHARS} characters")
+            if isinstance(item, str) and not item.isascii():
+                try:
+                    item.encode()
+                except UnicodeEncodeError:  # pydantic lets a lone surrogate through a str in a union
+                    raise ValueError("a fact holds a lone UTF-16 surrogate, which is not text") from None
         return value
 
 

@@ -40,9 +40,13 @@ class ServerState:
         return f"{self.engine_url}/v1"
 
     def warm_up(self, encoder: bool = True) -> None:
-        """Build the tokenizer, embedder, index (and the encoder) now, once, before serving."""
+        """Remove what writes interrupted by a crash left on disk; build the tokenizer, embedder,
+        index (and the encoder) now, once, before serving."""
         start = time.perf_counter()
         context = self.memory.context
+        swept = context.disk.sweep()
+        if swept:
+            logger.info("memory: removed what interrupted writes left for %d user(s)", len(swept))
         context.prefix_ids  # noqa: B018  (the tokenizer and the prompt layout)
         context.embedder.embed(["warm up"])  # loads the embedding model
         users = self.memory.users()

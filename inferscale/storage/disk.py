@@ -84,13 +84,15 @@ class DiskStore(KVStore):
     # -- the KVStore interface -------------------------------------------------
 
     def put(self, user_id: str, facts: Mapping[str, FactKV], records: Mapping[str, Fact] | None = None,
-            embeddings: Mapping[str, torch.Tensor] | None = None) -> None:
+            embeddings: Mapping[str, torch.Tensor] | None = None, drop: Sequence[str] = ()) -> None:
         """Add or replace facts: appended as one new segment, committed by one index write.
 
         ``records`` (text and source turn) and ``embeddings`` of those facts, when
         given, are committed in the same write: a fact is stored whole or not at all.
+        ``drop`` names stored facts removed by the same write (a fact replaced by
+        one under another id: the one or the other is stored, never both).
         """
-        check_ids(user_id, facts)
+        check_ids(user_id, [*facts, *drop])
         if not facts:
             return
         layout = check_layout(user_id, facts, None)
@@ -103,7 +105,7 @@ class DiskStore(KVStore):
         with self._writer():
             current = self._clean(user_id)
             check_layout(user_id, facts, current.layout if current else None)
-            self._commit(user_id, current, fresh, set(facts))
+            self._commit(user_id, current, fresh, set(facts) | set(drop))
 
     def get(self, user_id: str, fact_ids: Sequence[str], device: torch.device | str | None = None) -> KVBatch:
         target = resolve_device(device, torch.device("cpu"))
@@ -187,6 +189,25 @@ class DiskStore(KVStore):
             return [], torch.empty(0, 0)
         ids = list(vectors)
         return (ids, torch.stack([vectors[f] for f in ids])) if ids else ([], torch.empty(0, 0))
+
+    def sweep(self) -> list[str]:
+        """Remove what interrupted writes left, for every user (a server does this once as it
+        starts): temp files, segments no index lists, directories with no index (a first write
+        that never committed). The next write to a user would; this does it for users no one
+        writes to again. Returns the users' directories that held some; corrupt indexes are left
+        alone (reading them raises, as it should)."""
+        users_dir = self.root / USERS_DIR
+        swept = []
+        with self._writer():
+            for directory in sorted(users_dir.iterdir()) if users_dir.is_dir() else []:
+                user_id = user_from_file_stem(directory.name)
+                with contextlib.suppress(ValueError, CorruptDataError):  # not a user's directory; a corrupt index
+                    before = set(directory.iterdir())
+                    if self._clean(user_id) is None:
+                        directory.rmdir()
+                    if not directory.is_dir() or set(directory.iterdir()) != before:
+                        swept.append(directory.name)
+        return swept
 
     def user_dir(self, user_id: str) -> Path:
         """The user's directory (format 3)."""
