@@ -4,6 +4,7 @@ benchmarks/serve_faults.py; their long forms wrote benchmarks/results/serve_{loa
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import subprocess
 import sys
@@ -30,7 +31,9 @@ def test_a_short_load_run_fails_no_request_and_shows_no_user_another_ones_facts(
     assert summary["chats"] > 50 and all(summary["writes"][kind] > 0 for kind in ("add", "update", "delete", "forget"))
     assert summary["chat_fallbacks"].get("None", 0) > summary["chats"] / 2  # most chats got their memory injected
     assert summary["server_log_errors"] == 0 and summary["front_exit_code"] == 0
-    assert len(result["memory"]) >= 6 and (tmp_path / "load.png").stat().st_size > 0
+    assert len(result["memory"]) >= 6
+    if importlib.util.find_spec("matplotlib") is not None:
+        assert (tmp_path / "load.png").stat().st_size > 0
 
 
 def test_one_fault_round_loses_no_committed_fact_and_leaves_nothing_half_written(tmp_path):
