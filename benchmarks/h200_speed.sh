@@ -3,12 +3,16 @@
 # machine once /tmp/parts holds vLLM 0.26.0's site parts (../shared/device: three zstd parts and the
 # zstd binary, carried as .gpu/) and .gpu/before holds the code to compare against
 # (`git archive <commit> inferscale tests benchmarks/ttft.py | tar -x -C .gpu/before`).
-#   RUN=/tmp/run STEPS="start profile tests ttft serve shapes" bash benchmarks/h200_speed.sh
-# Each step appends to $RUN/log and writes its result files into $RUN.
+#   RUN=/tmp/run STEPS="jasper tests profile ttft load retrieval encode shapes" bash benchmarks/h200_speed.sh
+# Each step appends to $RUN/log and writes its result files into $RUN. Carried beside the checkout
+# (git-ignored, see benchmarks/results/README.md): .gpu/minilm (MiniLM, fp16), .gpu/tokenizer,
+# .gpu/locomo, .gpu/vendor (Jasper's sources), .gpu/wheels (faiss-cpu).
 set -uo pipefail
 RUN=${RUN:-/tmp/run}
-STEPS=${STEPS:-start profile ttft tests serve shapes}
-FUSED=${FUSED:-}  # --fused-write: the connector writes with the fused kernel (Config.fused_write)
+STEPS=${STEPS:-jasper tests profile ttft load retrieval encode shapes}
+# --fused-write: the connector writes with the fused kernel (Config.fused_write); auto: when the
+# GPU tests of the fused write passed in step "tests"
+FUSED=${FUSED:-auto}
 mkdir -p "$RUN"
 exec > >(tee -a "$RUN/log") 2>&1
 stamp() { echo "== $(date +%T) $*"; }
@@ -23,6 +27,25 @@ export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PAR
 export INFERSCALE_CACHE=/tmp/isc VLLM_CACHE_ROOT=/tmp/isc/vllm
 NOW=/tmp/site:$PWD BEFORE=/tmp/site:$PWD/.gpu/before
 PYTHONPATH=$NOW python3 -c 'import vllm, torch; print("vllm", vllm.__version__, "torch", torch.__version__, torch.cuda.get_device_name())'
+if [[ -d .gpu/wheels ]] && ! PYTHONPATH=$NOW python3 -c 'import faiss' 2>/dev/null; then
+  python3 -m pip install -q --no-index --no-deps --target /tmp/site .gpu/wheels/*.whl
+fi
+fused_flag() { [[ $FUSED == auto ]] && { [[ -f $RUN/fused_ok ]] && echo --fused-write; return; }; echo "$FUSED"; }
+
+if has jasper; then  # CPU work: built beside the correctness tests, ready for step "retrieval"
+  stamp "building Jasper in the background (log: $RUN/jasper_build.log)"
+  (set -e; REPO=$PWD; export PYTHONPATH=/tmp/site; mkdir -p /tmp/jb && cd /tmp/jb
+   for f in jasper gallatin argparse gpu_error; do tar xzf "$REPO/.gpu/vendor/$f-src.tar.gz"; done
+   rmdir jasper/external/gpu_error; cp -r gpu_error jasper/external/gpu_error
+   cp "$REPO/.gpu/vendor/CPM_0.42.1.cmake" /tmp/jb/CPM.cmake
+   printf 'include(/tmp/jb/CPM.cmake)\n' > jasper/cmake/CPM.cmake
+   cd jasper
+   cmake -B build -DJASPER_BUILD_FFI=ON -DCMAKE_CUDA_ARCHITECTURES=90 \
+     -DCPM_gallatin_SOURCE=/tmp/jb/gallatin -DCPM_argparse_SOURCE=/tmp/jb/argparse \
+     -DThrust_DIR=/usr/local/cuda-13.0/targets/x86_64-linux/lib/cmake/thrust -DPython_EXECUTABLE="$(which python3)"
+   nice cmake --build build -j12 && cmake --install build && touch /tmp/jb/built) > "$RUN/jasper_build.log" 2>&1 &
+  JASPER_PID=$!
+fi
 
 # wait for a command; after $2 seconds SIGABRT every process of it (faulthandler prints their stacks).
 # (Patterns below are written so they never match this script's own command line.)
@@ -53,8 +76,20 @@ if has start; then
   tail -5 "$RUN/engine_start_now.log"
 fi
 
+if has tests; then
+  for fused in 0 1; do
+    stamp "connector tests on the GPU (tiny Llama, bf16, CUDA graphs, fused write $fused)"
+    PYTHONPATH=$NOW INFERSCALE_TEST_MODELS=llama:bfloat16 INFERSCALE_REPLAY_MODELS=llama:bfloat16 \
+      INFERSCALE_TEST_CUDA_GRAPHS=1 INFERSCALE_TEST_FUSED_WRITE=$fused timeout 420 python3 -m pytest \
+      tests/test_connector.py tests/test_fused_write.py -q -p no:cacheprovider -k "not fuzz" > "$RUN/tests_fused$fused.log" 2>&1
+    status=$?
+    grep -v " INFO \| DEBUG " "$RUN/tests_fused$fused.log" | tail -30
+    [[ $fused == 1 && $status == 0 ]] && touch "$RUN/fused_ok"
+  done
+fi
+
 if has profile; then
-  for which in before now fused; do
+  for which in ${PROFILES:-now fused}; do
     stamp "profile of one injected request ($which)"
     path=$NOW flag=; [[ $which == before ]] && path=$BEFORE; [[ $which == fused ]] && flag=--fused-write
     PYTHONPATH=$path timeout 420 python3 benchmarks/inject_profile.py --cuda-graphs --k 50 --kv-store hbm $flag \
@@ -63,19 +98,33 @@ if has profile; then
 fi
 
 if has ttft; then
-  stamp "TTFT vs k, Llama-3.1-8B shape, multiprocess engine, CUDA graphs, hbm + pinned"
+  stamp "TTFT vs k, Llama-3.1-8B shape, multiprocess engine, CUDA graphs, hbm + pinned, query-to-first-token ($(fused_flag))"
   PYTHONPATH=$NOW timeout 600 python3 benchmarks/ttft.py --cuda-graphs --shape llama-3.1-8b --kv-stores hbm,pinned \
-    --ks 1,5,10,25,50,100 --reps 20 $FUSED --out "$RUN/ttft_llama8b_h200.json" 2>&1 | grep -v " INFO \| DEBUG "
+    --ks 1,5,10,25,50,100 --reps 20 $(fused_flag) --embedder .gpu/minilm --out "$RUN/ttft_llama8b_h200.json" 2>&1 \
+    | grep -v " INFO \| DEBUG "
 fi
 
-if has tests; then
-  for fused in 0 1; do
-    stamp "connector tests on the GPU (tiny Llama, bf16, CUDA graphs, fused write $fused)"
-    PYTHONPATH=$NOW INFERSCALE_TEST_MODELS=llama:bfloat16 INFERSCALE_REPLAY_MODELS=llama:bfloat16 \
-      INFERSCALE_TEST_CUDA_GRAPHS=1 INFERSCALE_TEST_FUSED_WRITE=$fused timeout 420 python3 -m pytest \
-      tests/test_connector.py tests/test_fused_write.py -q -p no:cacheprovider -k "not fuzz" 2>&1 \
-      | grep -v " INFO \| DEBUG " | tail -40
+if has load; then
+  stamp "load through vllm serve: 1/10/50/100 users, 200 facts each, k = 50, Qwen2.5-7B shape ($(fused_flag))"
+  PYTHONPATH=$NOW timeout 900 python3 benchmarks/vllm_serve_load.py --shape qwen2.5-7b --cuda-graphs \
+    --gpu-memory-utilization 0.5 --seconds 10 $(fused_flag) --out "$RUN/vllm_serve_load_h200" 2>&1 | grep -v " INFO \| DEBUG "
+fi
+
+if has retrieval; then
+  for i in $(seq 1 90); do [[ -f /tmp/jb/built ]] && break; kill -0 "${JASPER_PID:-0}" 2>/dev/null || break; sleep 2; done
+  [[ -f /tmp/jb/built ]] && stamp "Jasper built" || { stamp "Jasper not built:"; tail -20 "$RUN/jasper_build.log"; }
+  for data in clustered uniform; do
+    stamp "retrieval latency at 3k, 100k, 1M facts ($data vectors)"
+    PYTHONPATH=/tmp/jb/jasper/python:$NOW timeout 420 python3 benchmarks/retrieval_latency.py --sizes 3000,100000,1000000 \
+      --data $data --backends exact,faiss-flat,jasper,jasper-wide --queries 100 \
+      --out "$RUN/retrieval_latency_${data}_h200.json" 2>&1 | grep -v "^\[\|progress" | tail -20
   done
+fi
+
+if has encode; then
+  stamp "offline encoding speed, Llama-3.1-8B shape, all LoCoMo conversations"
+  PYTHONPATH=$NOW timeout 600 python3 benchmarks/encode_speed.py --config llama-3.1-8b --tokenizer .gpu/tokenizer \
+    --data .gpu/locomo --out "$RUN/encode_speed_h200.json" 2>&1 | tail -20
 fi
 
 if has serve; then
@@ -88,7 +137,7 @@ if has shapes; then
   for shape in qwen2.5-7b qwen3-14b; do
     stamp "TTFT vs k, $shape shape"
     PYTHONPATH=$NOW timeout 500 python3 benchmarks/ttft.py --cuda-graphs --shape $shape --kv-stores hbm,pinned \
-      --ks 1,10,50,100 --reps 20 $FUSED --out "$RUN/ttft_${shape}_h200.json" 2>&1 | grep -v " INFO \| DEBUG "
+      --ks 1,10,50,100 --reps 20 $(fused_flag) --out "$RUN/ttft_${shape}_h200.json" 2>&1 | grep -v " INFO \| DEBUG "
   done
 fi
 stamp done

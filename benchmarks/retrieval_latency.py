@@ -46,6 +46,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--queries", type=int, default=100, help="timed single queries per backend")
     p.add_argument("--batch", type=int, default=64, help="queries per timed batch search")
     p.add_argument("--backends", default=None, help="comma-separated subset of: " + ", ".join(BACKENDS))
+    p.add_argument("--data", default="uniform", choices=["uniform", "clustered"],
+                   help="uniform: i.i.d. unit vectors (no structure: the hardest case for a graph index); "
+                        "clustered: a mixture of n/1000 Gaussian clusters, queries drawn from the same mixture "
+                        "(closer to sentence embeddings, which cluster by topic)")
     p.add_argument("--threads", type=int, default=None, help="torch and faiss threads (default: leave as is)")
     p.add_argument("--out", default=None, help="JSON path (default: results/retrieval_latency_<device>.json)")
     return p.parse_args(argv)
@@ -87,6 +91,19 @@ def unit(n: int, dim: int, seed: int) -> torch.Tensor:
     return torch.nn.functional.normalize(torch.randn(n, dim, generator=g), dim=1)
 
 
+def clustered(n: int, dim: int, seed: int, queries: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``n`` points and ``queries`` queries from one mixture of ``max(16, n // 1000)`` Gaussian clusters
+    (noise half the centres' norm), all normalised."""
+    g = torch.Generator().manual_seed(seed)
+    centres = torch.randn(max(16, n // 1000), dim, generator=g)
+
+    def draw(m: int) -> torch.Tensor:
+        which = torch.randint(0, centres.shape[0], (m,), generator=g)
+        return torch.nn.functional.normalize(centres[which] + 0.5 * torch.randn(m, dim, generator=g), dim=1)
+
+    return draw(n), draw(queries)
+
+
 def measure(make: Callable[[], Retriever], x: torch.Tensor, q: torch.Tensor, batch: torch.Tensor, k: int) -> dict:
     """Build, warm up (Jasper builds its graph on the first search), time ``q`` one by one and ``batch`` at once."""
     ids = [f"f{i}" for i in range(x.shape[0])]
@@ -119,14 +136,17 @@ def run(args: argparse.Namespace) -> dict:
     names = available(args.backends.split(",") if args.backends else list(BACKENDS))
     rows = []
     for n in (int(s) for s in args.sizes.split(",")):
-        x, q = unit(n, args.dim, seed=n), unit(max(args.queries, args.batch), args.dim, seed=n + 1)
+        if args.data == "clustered":
+            x, q = clustered(n, args.dim, seed=n, queries=max(args.queries, args.batch))
+        else:
+            x, q = unit(n, args.dim, seed=n), unit(max(args.queries, args.batch), args.dim, seed=n + 1)
         truth = None
         for name in names:
             m = measure(BACKENDS[name], x, q[: args.queries], q[: args.batch], args.k)
             truth = truth or m["ids"]  # recall against the first backend (exact, when selected)
             found = sum(len(set(a) & set(b)) for a, b in zip(m.pop("ids"), truth))
             m["recall_vs_first"] = found / sum(len(t) for t in truth)
-            rows.append({"backend": name, "n": n, **m})
+            rows.append({"backend": name, "n": n, "data": args.data, **m})
             print_row(rows[-1])
     return {
         "device": device_slug(),
@@ -135,8 +155,14 @@ def run(args: argparse.Namespace) -> dict:
         "load_average_1m": os.getloadavg()[0],
         "k": args.k,
         "dim": args.dim,
+        "data": args.data,
+        "command": " ".join(["python", "benchmarks/retrieval_latency.py", *(argv_of(args))]),
         "rows": rows,
     }
+
+
+def argv_of(args: argparse.Namespace) -> list[str]:
+    return [f"--{k.replace('_', '-')}={v}" for k, v in vars(args).items() if v is not None]
 
 
 def print_row(row: dict) -> None:

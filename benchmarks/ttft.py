@@ -18,7 +18,12 @@ prefix cache never helps:
 * ``prompt`` — the same token ids prefilled as text (prompt injection).
 
 It also times the store's ``get`` of the k facts onto the GPU against one
-pinned host→device copy of the same bytes (the PCIe floor).
+pinned host→device copy of the same bytes (the PCIe floor), and with
+``--embedder DIR`` (a sentence-transformers model) the *query-to-first-token*
+time ``q2ft``: embed the question text on the GPU, retrieve the top k of the
+user's facts with the exact retriever on the GPU, compose the request (the
+facts' token ids from the store's index, the salt, the params) and generate
+with KV injection, all timed together.
 
     python benchmarks/ttft.py --cuda-graphs --kv-stores hbm,pinned --out benchmarks/results/ttft_h200.json
 
@@ -71,7 +76,8 @@ SMOKE = {**LLAMA_31_8B, "hidden_size": 256, "intermediate_size": 512, "num_hidde
 SHAPES = {"llama-3.1-8b": LLAMA_31_8B, "qwen2.5-7b": QWEN25_7B, "qwen3-14b": QWEN3_14B, "smoke": SMOKE}
 
 
-def write_memory(data: Path, cfg: dict, ks: list[int], fact_tokens: int, prefix_tokens: int, seed: int = 0):
+def write_memory(data: Path, cfg: dict, ks: list[int], fact_tokens: int, prefix_tokens: int, seed: int = 0,
+                 min_facts: int = 0):
     import torch
 
     from inferscale.compose.segment import PREFIX_FACT, SYSTEM_USER
@@ -90,7 +96,7 @@ def write_memory(data: Path, cfg: dict, ks: list[int], fact_tokens: int, prefix_
     disk = DiskStore(DiskStore.Options(root=str(data / "kv")))
     prefix = fact(prefix_tokens)
     disk.put(SYSTEM_USER, {PREFIX_FACT: prefix})
-    facts = {f"f{i}": fact(fact_tokens) for i in range(max(ks))}
+    facts = {f"f{i}": fact(fact_tokens) for i in range(max(*ks, min_facts))}
     disk.put("bench", facts)
     return disk, list(prefix.token_ids), facts
 
@@ -179,6 +185,47 @@ def measure(llm, prefix, facts, ks, budgets, question, reps: int, store: str, sa
     return rows
 
 
+#: what the query-to-first-token facts say (their K/V is random; only retrieval reads the text)
+TOPICS = ["hiking", "cooking", "jazz", "chess", "sailing", "pottery", "tennis", "poetry", "astronomy", "gardening"]
+
+
+def query_to_first_token(llm, disk, prefix, facts, ks, question, reps: int, salts, embedder_dir: str) -> dict:
+    """ms from the question's text to the first token: embed, retrieve top k, compose, generate."""
+    import torch
+
+    from inferscale.compose.request import make_params
+    from inferscale.retrieval.embed_local import SentenceTransformerEmbedder
+    from inferscale.retrieval.exact import ExactRetriever
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    embedder = SentenceTransformerEmbedder(SentenceTransformerEmbedder.Options(model_path=embedder_dir, device=device))
+    retriever = ExactRetriever(ExactRetriever.Options(device=device))
+    ids = sorted(facts, key=lambda f: int(f[1:]))
+    texts = [f"Fact {i}: the user spent week {i} on {TOPICS[i % len(TOPICS)]} with friend number {i // 10}."
+             for i in range(len(ids))]
+    retriever.add("bench", ids, embedder.embed(texts))
+    text = "What did I do on my weekends with my friends last spring?"
+    out = {}
+    for k in ks:
+        def one() -> float:
+            start = time.perf_counter()
+            (hits,) = retriever.search("bench", embedder.embed([text]), k)
+            order = [hit.fact_id for hit in hits]
+            segment = list(prefix)
+            for token_ids in disk.token_ids("bench", order):
+                segment.extend(token_ids)
+            salt = salts.segment("bench", disk.generation("bench"), segment, 0) + f":{uuid.uuid4().hex}"
+            prompt = {"prompt_token_ids": segment + question, "cache_salt": salt}
+            from inferscale.connector.compat import greedy_sampling
+
+            llm.generate([prompt], greedy_sampling(1, make_params("bench", order, 0)), use_tqdm=False)
+            return (time.perf_counter() - start) * 1e3
+
+        times = [one() for _ in range(reps + 1)]
+        out[k] = statistics.median(times[1:])
+    return out
+
+
 def plot(result: dict, path: Path) -> None:
     """TTFT against k: the question alone, KV injection per store, prompt injection."""
     import matplotlib
@@ -222,6 +269,9 @@ def main() -> None:
     parser.add_argument("--fused-write", action="store_true", help="Config.fused_write: one kernel per request")
     parser.add_argument("--cuda-graphs", action="store_true", help="capture CUDA graphs (default: eager)")
     parser.add_argument("--shape", default="llama-3.1-8b", choices=sorted(SHAPES))
+    parser.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks")
+    parser.add_argument("--embedder", default=None, help="a sentence-transformers model directory: also time "
+                        "query-to-first-token (embed + retrieve + compose + generate) on the first store's engine")
     parser.add_argument("--out", default="benchmarks/results/ttft.json")
     args = parser.parse_args()
     ks = [int(k) for k in args.ks.split(",")]
@@ -242,7 +292,8 @@ def main() -> None:
     model = work / f"{args.shape}-shape"
     model.mkdir()
     (model / "config.json").write_text(json.dumps(cfg))
-    disk, prefix, facts = write_memory(work, cfg, ks, args.fact_tokens, args.prefix_tokens)
+    disk, prefix, facts = write_memory(work, cfg, ks, args.fact_tokens, args.prefix_tokens,
+                                       min_facts=200 if args.embedder else 0)
     question = torch.randint(1000, 100000, (args.question_tokens,)).tolist()
     # spawned engine processes: this process has used torch and asked for CUDA (a forked engine hangs)
     set_engine_environment(platform_device_type(), in_process=os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0")
@@ -253,17 +304,27 @@ def main() -> None:
                     **fused(args))
         llm = LLM(model=str(model), load_format="dummy", skip_tokenizer_init=True, dtype="bfloat16",
                   max_model_len=8192, enforce_eager=not args.cuda_graphs, enable_prefix_caching=True,
+                  tensor_parallel_size=args.tp,
                   kv_transfer_config=KVTransferConfig(**kv_transfer_config(config)), **memory)
         salts, epoch = CacheSalts.from_file(config.secret_path), disk.generation("bench")
         rows += measure(llm, prefix, facts, ks, budgets, question, args.reps, store, salts, epoch)
+        if args.embedder and store == stores[0]:
+            q2ft = query_to_first_token(llm, disk, prefix, facts, ks, question, args.reps, salts, args.embedder)
+            for row in rows:
+                if row["kv_store"] == store and row["recompute_tokens"] == budgets[0]:
+                    row["q2ft_ms"] = q2ft[row["k"]]
+                    row["q2ft_minus_kv_ms"] = q2ft[row["k"]] - row["kv_ms"]
         shutdown(llm)
         del llm
     gets = store_get_times(disk, facts, ks, args.reps)
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
     mode = "CUDA graphs" if args.cuda_graphs else "eager"
     engine = "in-process" if os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0" else "multiprocess"
+    if args.tp > 1:
+        engine += f", tensor parallel {args.tp}"
     result = {"device": device, "model": f"{args.shape} shape, random weights, bf16, {mode}, {engine} engine",
               "command": " ".join(["python", *sys.argv]), "engine": engine, "kv_stores": stores,
+              "tensor_parallel": args.tp, "fused_write": args.fused_write,
               "fact_tokens": args.fact_tokens, "reps": args.reps, "rows": rows, "store_get": gets}
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -280,6 +341,11 @@ def main() -> None:
         print(f"| {r['kv_store']} | {r['k']} | {r['memory_tokens']} | {r['recompute_tokens']} | "
               f"{r['injected_tokens']} | {r['none_ms']:.2f} | {r['kv_ms']:.2f} | {r['cached_ms']:.2f} | "
               f"{r['prompt_ms']:.2f} | {r['kv_vs_none']:.2f} | {r['kv_vs_prompt']:.2f} | {r['prompt_vs_none']:.2f} |")
+    if any("q2ft_ms" in r for r in rows):
+        print("\n| store | k | KV injection ms | query-to-first-token ms | difference ms |\n|---|---|---|---|---|")
+        for r in rows:
+            if "q2ft_ms" in r:
+                print(f"| {r['kv_store']} | {r['k']} | {r['kv_ms']:.2f} | {r['q2ft_ms']:.2f} | {r['q2ft_minus_kv_ms']:.2f} |")
     if gets:
         print("\n| k | MiB | PCIe floor ms | pinned get ms | × floor | hbm get ms |\n|---|---|---|---|---|---|")
         for k, g in gets.items():

@@ -101,5 +101,10 @@ def test_sources_point_at_each_tokens_rows():
     assert sources.k_addr.tolist() == expected_k
     assert sources.layer_stride.tolist() == [2 * 8] + [5 * 8] * 5
     assert (sources.v_addr - sources.k_addr).tolist() == [3 * 2 * 8 * 4] + [3 * 5 * 8 * 4] * 5
+    placed = sources.with_slots([40, 41, 7, 8, 9, 90])
+    assert placed.slots.tolist() == [40, 41, 7, 8, 9, 90] and placed.k_addr.tolist() == expected_k
+    assert sources.slots.tolist() == [-1] * 6, "with_slots must not change the sources it was called on"
+    with pytest.raises(ValueError):
+        sources.with_slots([1, 2])
     with pytest.raises(ValueError):
         token_sources([blocks[0], torch.zeros(2, 3, 4, 2, 4).transpose(3, 4)], 0, 1)

@@ -193,11 +193,10 @@ class InferScaleConnector(compat.KVConnectorBase_V1):
             try:
                 tier = self._tier(spec)
                 sources, first_fact = self.loader.sources(spec, len(self.layer_names), self.head_size)
-                sources = sources.to(self.loader.device)
-                slots = self.loader.slot_mapping(spec)
-                fused_write.write_segment(views, sources, slots, cos, sin, spec.start, self.heads.start,
+                sources = sources.with_slots(spec.slots).to(self.loader.device)
+                fused_write.write_segment(views, sources, sources.slots, cos, sin, spec.start, self.heads.start,
                                           self.rope.rotary_dim, self.rope.style == "neox", spec.key_scale, first_fact)
-                keep += [sources, slots]
+                keep.append(sources)  # its table and the blocks it points into
                 self._count_hit(tier)
             except Exception as exc:  # never crash the engine: report the blocks, vLLM recomputes
                 self._load_failed(spec, exc)

@@ -1,0 +1,385 @@
+"""Throughput under load through stock `vllm serve` with the connector: query only, KV, prompt injection.
+
+    python benchmarks/vllm_serve_load.py --shape qwen2.5-7b --cuda-graphs --out benchmarks/results/vllm_serve_load_h200
+    python benchmarks/vllm_serve_load.py --shape smoke --users 1,4 --facts 60 --k 10 --seconds 5   # a CPU check
+
+1. writes ``--facts`` facts of random pre-RoPE K/V (``--fact-tokens`` tokens each) for each of
+   ``max(--users)`` users into a fresh data directory (one random buffer for all: the bytes do not
+   change the timings; every fact has its own token ids, so every segment has its own salt);
+2. starts vLLM's OpenAI server on a model shape with random weights (``--load-format dummy``) and the
+   InferScale connector (``--kv-store``, sized to hold every user), and checks that one request of
+   every user gets its memory injected (the connector's report);
+3. for each number of concurrent users and each system, a closed loop for ``--seconds``: every user
+   sends a streamed ``/v1/completions`` request with the ``openai`` async client, waits for the whole
+   answer (``--max-tokens`` tokens, EOS ignored) and sends the next. Every request draws k fresh facts
+   of that user, in random order:
+
+   * ``none``   — the question alone (no memory);
+   * ``kv@B``   — ``[prefix | k facts | question]`` with the facts' K/V injected, the last facts that
+     fit in B tokens prefilled with the question (``--budgets``; the product's default on CUDA is 256);
+   * ``prompt`` — the same token ids prefilled (prompt injection; a fresh cache salt per request, so
+     vLLM's prefix cache never serves them).
+
+Reported per system and number of users: requests/s, output tokens/s, p50/p99 time to the first
+token and of the whole request, failed requests. Writes ``<out>.json``, ``<out>.md`` and ``<out>.png``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from served import REPO, free_port  # noqa: E402
+from ttft import SHAPES  # noqa: E402
+
+sys.path.insert(0, str(REPO))
+
+
+def kv_bytes_per_token(cfg: dict) -> int:
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    return 2 * cfg["num_hidden_layers"] * cfg["num_key_value_heads"] * head_dim * 2  # K and V, bf16
+
+
+def write_users(data: Path, cfg: dict, users: int, facts: int, fact_tokens: int, prefix_tokens: int,
+                seed: int = 0) -> tuple[list[int], dict[str, dict[str, tuple[int, ...]]]]:
+    """The system prefix and ``facts`` facts for each of ``users`` users; their token ids."""
+    import torch
+    from tqdm import tqdm
+
+    from inferscale.compose.segment import PREFIX_FACT, SYSTEM_USER
+    from inferscale.kv import FactKV
+    from inferscale.storage.disk import DiskStore
+
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    layers, heads = cfg["num_hidden_layers"], cfg["num_key_value_heads"]
+    gen = torch.Generator().manual_seed(seed)
+    kv = torch.randn((2, layers, facts * fact_tokens, heads, head_dim), generator=gen).to(torch.bfloat16)
+    rng = random.Random(seed)
+    disk = DiskStore(DiskStore.Options(root=str(data / "kv")))
+    prefix = [rng.randrange(1000, 100000) for _ in range(prefix_tokens)]
+    pkv = kv[:, :, :prefix_tokens]
+    disk.put(SYSTEM_USER, {PREFIX_FACT: FactKV(prefix, pkv[0].clone(), pkv[1].clone())})
+    tokens: dict[str, dict[str, tuple[int, ...]]] = {}
+    for u in tqdm(range(users), desc="writing users' memory", unit="user"):
+        user = f"user{u}"
+        mine = {}
+        for f in range(facts):
+            rows = slice(f * fact_tokens, (f + 1) * fact_tokens)
+            mine[f"f{f}"] = FactKV([rng.randrange(1000, 100000) for _ in range(fact_tokens)], kv[0][:, rows],
+                                   kv[1][:, rows])
+        disk.put(user, mine)
+        tokens[user] = {fid: tuple(fact.token_ids) for fid, fact in mine.items()}
+    return prefix, tokens
+
+
+class Requests:
+    """Builds each system's request bodies for a user (k fresh facts in random order)."""
+
+    def __init__(self, model: str, config, prefix: list[int], tokens: dict, k: int, question_tokens: int,
+                 max_tokens: int, seed: int = 0):
+        from inferscale.compose.salt import CacheSalts
+        from inferscale.storage.disk import DiskStore
+
+        self.model, self.prefix, self.tokens, self.k = model, prefix, tokens, k
+        self.question_tokens, self.max_tokens = question_tokens, max_tokens
+        self.salts = CacheSalts.from_file(config.secret_path)
+        disk = DiskStore(DiskStore.Options(root=str(config.kv_path)))
+        self.epochs = {user: disk.generation(user) for user in tokens}
+        self.rng = random.Random(seed)
+
+    def body(self, system: str, user: str) -> dict:
+        from inferscale.compose.request import make_params
+
+        question = [self.rng.randrange(1000, 100000) for _ in range(self.question_tokens)]
+        extra: dict = {"ignore_eos": True}
+        if system == "none":
+            return {"prompt": question, "extra_body": {**extra, "cache_salt": uuid.uuid4().hex}}
+        ids = self.rng.sample(sorted(self.tokens[user]), self.k)
+        segment = self.prefix + [t for i in ids for t in self.tokens[user][i]]
+        if system == "prompt":
+            return {"prompt": segment + question, "extra_body": {**extra, "cache_salt": uuid.uuid4().hex}}
+        budget = int(system.split("@")[1])
+        salt = self.salts.segment(user, self.epochs[user], segment, budget)
+        return {"prompt": segment + question,
+                "extra_body": {**extra, "cache_salt": salt, "kv_transfer_params": make_params(user, ids, budget)}}
+
+
+async def one(client, requests: Requests, system: str, user: str, stream: bool = True) -> dict:
+    body = requests.body(system, user)
+    start = time.perf_counter()
+    first, chunks = None, 0
+    try:
+        if stream:
+            response = await client.completions.create(model=requests.model, prompt=body["prompt"],
+                                                       max_tokens=requests.max_tokens, temperature=0.0, stream=True,
+                                                       extra_body=body["extra_body"])
+            async for _ in response:
+                chunks += 1
+                if first is None:
+                    first = time.perf_counter()
+        else:
+            reply = await client.completions.create(model=requests.model, prompt=body["prompt"],
+                                                    max_tokens=requests.max_tokens, temperature=0.0,
+                                                    extra_body=body["extra_body"])
+            return {"ok": True, "report": (reply.model_extra or {}).get("kv_transfer_params")}
+    except Exception as exc:  # noqa: BLE001 — a failed request is a result, not a crash of the benchmark
+        return {"ok": False, "error": f"{type(exc).__name__}: {exc}"[:300], "t0": start, "t1": time.perf_counter()}
+    end = time.perf_counter()
+    return {"ok": True, "t0": start, "t1": end, "ttft": (first or end) - start, "latency": end - start,
+            "chunks": chunks}
+
+
+async def closed_loop(client, requests: Requests, system: str, users: list[str], seconds: float) -> list[dict]:
+    """Each user sends a request, waits for the answer, sends the next, until the deadline."""
+    deadline = time.perf_counter() + seconds
+    done: list[dict] = []
+
+    async def user_loop(user: str) -> None:
+        while time.perf_counter() < deadline:
+            done.append(await one(client, requests, system, user))
+
+    await asyncio.gather(*(user_loop(u) for u in users))
+    return done
+
+
+def summarize(system: str, users: int, results: list[dict], seconds: float, max_tokens: int) -> dict:
+    ok = [r for r in results if r["ok"]]
+    failed = [r for r in results if not r["ok"]]
+    begin = min((r["t0"] for r in results), default=0.0)
+    end = max((r["t1"] for r in results), default=0.0)
+    span = max(end - begin, 1e-9)
+
+    def pct(values: list[float], q: float) -> float | None:
+        if not values:
+            return None
+        values = sorted(values)
+        return values[min(len(values) - 1, int(round(q * (len(values) - 1))))] * 1e3
+
+    ttfts, latencies = [r["ttft"] for r in ok], [r["latency"] for r in ok]
+    return {"system": system, "users": users, "requests": len(ok), "failed": len(failed),
+            "errors": sorted({r["error"] for r in failed})[:5], "seconds": span,
+            "requests_per_s": len(ok) / span, "output_tokens_per_s": len(ok) * max_tokens / span,
+            "ttft_p50_ms": pct(ttfts, 0.5), "ttft_p99_ms": pct(ttfts, 0.99),
+            "latency_p50_ms": pct(latencies, 0.5), "latency_p99_ms": pct(latencies, 0.99)}
+
+
+def start_server(model: Path, config, args, log: Path) -> tuple[subprocess.Popen, str]:
+    from inferscale.connector.compat import server_command
+    from inferscale.connector.engine import kv_transfer_config
+
+    port = free_port()
+    cmd = [*server_command(), "--model", str(model), "--load-format", "dummy", "--skip-tokenizer-init",
+           "--dtype", "bfloat16", "--max-model-len", str(args.max_model_len), "--host", "127.0.0.1",
+           "--port", str(port), "--kv-transfer-config", json.dumps(kv_transfer_config(config)),
+           *([] if args.cuda_graphs else ["--enforce-eager"]), *args.vllm_args]
+    if args.gpu_memory_utilization:
+        cmd += ["--gpu-memory-utilization", str(args.gpu_memory_utilization)]
+    path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)
+    env = {**os.environ, "PYTHONPATH": path, "PYTHONFAULTHANDLER": "1"}
+    env.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
+    proc = subprocess.Popen(cmd, stdout=log.open("wb"), stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    import httpx
+
+    began = time.monotonic()
+    while time.monotonic() - began < args.start_timeout:
+        if proc.poll() is not None:
+            raise RuntimeError(f"vllm serve exited with {proc.returncode}:\n{log.read_text(errors='replace')[-4000:]}")
+        try:
+            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                print(f"vllm serve answered /health after {time.monotonic() - began:.1f} s", flush=True)
+                return proc, url
+        except httpx.HTTPError:
+            pass
+        time.sleep(1)
+    stop_server(proc)
+    raise RuntimeError(f"vllm serve not ready after {args.start_timeout} s:\n{log.read_text(errors='replace')[-4000:]}")
+
+
+def stop_server(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+
+
+async def run(url: str, requests: Requests, args, systems: list[str], levels: list[int]) -> tuple[dict, list[dict]]:
+    from openai import AsyncOpenAI
+
+    import httpx
+
+    limits = httpx.Limits(max_connections=max(levels) + 8, max_keepalive_connections=max(levels) + 8)
+    client = AsyncOpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=600,
+                         http_client=httpx.AsyncClient(limits=limits, timeout=600))
+    users = sorted(requests.tokens, key=lambda u: int(u[4:]))
+    kv = [s for s in systems if s.startswith("kv@")]
+    # every user once (not timed): the memory tier loads each user, and the report says what was injected
+    checks = await asyncio.gather(*(one(client, requests, kv[0], u, stream=False) for u in users)) if kv else []
+    injected = [((c.get("report") or {}).get("inferscale") or {}) for c in checks]
+    check = {"users": len(checks), "failed": sum(not c["ok"] for c in checks),
+             "reports": injected[:2], "errors": sorted({c.get("error", "") for c in checks if not c["ok"]})[:3]}
+    print(f"warm-up: {check['users']} users, {check['failed']} failed; first report {injected[:1]}", flush=True)
+    for system in systems:  # one untimed round per system: CUDA graphs and kernels for each shape warm up
+        await closed_loop(client, requests, system, users[: min(4, len(users))], 1.0)
+    before = connector_counters(url)
+    rows = []
+    for level in levels:
+        for system in systems:
+            results = await closed_loop(client, requests, system, users[:level], args.seconds)
+            row = summarize(system, level, results, args.seconds, args.max_tokens)
+            rows.append(row)
+            print(f"{level:4d} users {system:8s} {row['requests_per_s']:8.2f} req/s  TTFT p50 "
+                  f"{row['ttft_p50_ms'] or 0:8.1f} p99 {row['ttft_p99_ms'] or 0:8.1f} ms  failed {row['failed']}",
+                  flush=True)
+    await client.close()
+    after = connector_counters(url)
+    check["connector_counts_during_runs"] = {k: after[k] - before.get(k, 0.0) for k in after}
+    print(f"connector counters during the timed runs: {check['connector_counts_during_runs']}", flush=True)
+    return check, rows
+
+
+def connector_counters(url: str) -> dict[str, float]:
+    """The connector's counters on vLLM's ``/metrics`` (injected requests and tokens, fallbacks, store hits)."""
+    import httpx
+
+    counts: dict[str, float] = {}
+    try:
+        text = httpx.get(f"{url}/metrics", timeout=10).text
+    except httpx.HTTPError:
+        return counts
+    for line in text.splitlines():
+        if line.startswith("vllm:inferscale_") and "_total" in line.split(" ")[0].split("{")[0]:
+            name = line.split("{")[0].split(" ")[0].removeprefix("vllm:inferscale_").removesuffix("_total")
+            counts[name] = counts.get(name, 0.0) + float(line.rsplit(" ", 1)[1])
+    return counts
+
+
+def table(result: dict) -> str:
+    rows = result["rows"]
+    prompt = {r["users"]: r["requests_per_s"] for r in rows if r["system"] == "prompt"}
+    counts = result["warm_up"].get("connector_counts_during_runs", {})
+    lines = [f"# Load through `vllm serve`: {result['model']}", "", f"`{result['command']}`", "",
+             f"{result['facts_per_user']} facts a user, k = {result['k']} ({result['memory_tokens']} memory tokens), "
+             f"{result['question_tokens']}-token questions, {result['max_tokens']} output tokens, "
+             f"{result['seconds']:.0f} s closed loop per row, KV store {result['kv_store']}.", "",
+             "| users | system | requests/s | × prompt injection | output tok/s | TTFT p50 ms | TTFT p99 ms | "
+             "latency p50 ms | latency p99 ms | failed |", "|---|---|---|---|---|---|---|---|---|---|"]
+    if counts:
+        lines[6:6] = [f"The connector's counters over the timed runs: {json.dumps(counts)}.", ""]
+    for r in rows:
+        ratio = r["requests_per_s"] / prompt[r["users"]] if prompt.get(r["users"]) else float("nan")
+        lines.append(f"| {r['users']} | {r['system']} | {r['requests_per_s']:.2f} | {ratio:.2f} | "
+                     f"{r['output_tokens_per_s']:.0f} | {r['ttft_p50_ms'] or 0:.1f} | {r['ttft_p99_ms'] or 0:.1f} | "
+                     f"{r['latency_p50_ms'] or 0:.1f} | {r['latency_p99_ms'] or 0:.1f} | {r['failed']} |")
+    return "\n".join(lines) + "\n"
+
+
+def plot(result: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
+    for system in dict.fromkeys(r["system"] for r in result["rows"]):
+        mine = [r for r in result["rows"] if r["system"] == system]
+        left.plot([r["users"] for r in mine], [r["requests_per_s"] for r in mine], "o-", label=system)
+        right.plot([r["users"] for r in mine], [r["ttft_p50_ms"] or 0 for r in mine], "o-", label=f"{system} p50")
+    left.set_ylabel("requests/s")
+    right.set_ylabel("time to first token, ms")
+    for ax in (left, right):
+        ax.set_xlabel("concurrent users")
+        ax.set_xscale("log")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.suptitle(result["model"], fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--shape", default="qwen2.5-7b", choices=sorted(SHAPES))
+    parser.add_argument("--users", default="1,10,50,100", help="concurrent users per row (comma-separated)")
+    parser.add_argument("--facts", type=int, default=200, help="facts stored per user")
+    parser.add_argument("--fact-tokens", type=int, default=20)
+    parser.add_argument("--prefix-tokens", type=int, default=32)
+    parser.add_argument("--question-tokens", type=int, default=16)
+    parser.add_argument("--k", type=int, default=50, help="facts per request")
+    parser.add_argument("--budgets", default="0,256", help="recompute budgets B of the KV-injection systems")
+    parser.add_argument("--max-tokens", type=int, default=32, help="output tokens per request")
+    parser.add_argument("--seconds", type=float, default=15.0, help="closed loop per row")
+    parser.add_argument("--kv-store", default="hbm", choices=["hbm", "pinned"])
+    parser.add_argument("--cuda-graphs", action="store_true")
+    parser.add_argument("--fused-write", action="store_true", help="Config.fused_write")
+    parser.add_argument("--max-model-len", type=int, default=4096)
+    parser.add_argument("--gpu-memory-utilization", type=float, default=None)
+    parser.add_argument("--start-timeout", type=float, default=600)
+    parser.add_argument("--out", default="benchmarks/results/vllm_serve_load")
+    parser.add_argument("vllm_args", nargs="*", help="more `vllm serve` arguments (after --)")
+    args = parser.parse_args(argv)
+    levels = [int(u) for u in args.users.split(",")]
+    systems = ["none", *[f"kv@{int(b)}" for b in args.budgets.split(",") if b != ""], "prompt"]
+
+    from inferscale.config import BackendSpec, Config
+
+    work = Path(tempfile.mkdtemp(prefix="inferscale-load-"))
+    cfg = SHAPES[args.shape]
+    model = work / f"{args.shape}-shape"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps(cfg))
+    began = time.monotonic()
+    prefix, tokens = write_users(work, cfg, max(levels), args.facts, args.fact_tokens, args.prefix_tokens)
+    memory_bytes = max(levels) * args.facts * args.fact_tokens * kv_bytes_per_token(cfg)
+    print(f"{max(levels)} users × {args.facts} facts: {memory_bytes / 2**30:.1f} GiB of K/V written in "
+          f"{time.monotonic() - began:.0f} s", flush=True)
+    store = BackendSpec(args.kv_store, {"max_bytes": int(memory_bytes * 1.25) + (1 << 30)})
+    config = Config(model=str(model), data_dir=str(work), kv_store=store, recompute_tokens=0,
+                    **({"fused_write": True} if args.fused_write else {}))
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    log = out.parent / f"{out.name}_server.log"
+    proc, url = start_server(model, config, args, log)
+    try:
+        requests = Requests(str(model), config, prefix, tokens, args.k, args.question_tokens, args.max_tokens)
+        check, rows = asyncio.run(run(url, requests, args, systems, levels))
+    finally:
+        stop_server(proc)
+    try:
+        import torch
+
+        device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+    except Exception:  # noqa: BLE001
+        device = "unknown"
+    mode = "CUDA graphs" if args.cuda_graphs else "eager"
+    result = {"device": device, "model": f"{args.shape} shape, random weights, bf16, {mode}, vllm serve, {device}",
+              "command": " ".join(["python", *sys.argv]), "facts_per_user": args.facts, "k": args.k,
+              "memory_tokens": args.prefix_tokens + args.k * args.fact_tokens, "question_tokens": args.question_tokens,
+              "max_tokens": args.max_tokens, "seconds": args.seconds, "kv_store": args.kv_store,
+              "fused_write": args.fused_write, "memory_gib": memory_bytes / 2**30, "warm_up": check, "rows": rows}
+    out.with_suffix(".json").write_text(json.dumps(result, indent=2))
+    out.with_suffix(".md").write_text(table(result))
+    print(table(result))
+    try:
+        plot(result, out.with_suffix(".png"))
+    except ImportError as exc:  # the numbers matter more than the picture
+        print(f"no plot ({exc})")
+    return 0 if all(r["failed"] == 0 for r in rows) and check["failed"] == 0 else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
