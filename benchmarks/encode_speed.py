@@ -178,7 +178,7 @@ def measure_window(spec: str, model, tokenizer, convs, prefix, batch_size: int, 
 
     window = window_policy(spec)
     encoders = {"before": FactEncoder(model, tokenizer, window, batch_size, share_prefixes=False),
-                "after": FactEncoder(model, tokenizer, window, batch_size)}
+                "after": FactEncoder(model, tokenizer, window, batch_size, share_prefixes=True)}
     warm = conversation_facts(convs[0])[: 2 * batch_size]
     for encoder in encoders.values():  # kernels, allocator
         encoder.encode(warm, convs[0].turns, progress=False, prefix_ids=prefix)

@@ -55,3 +55,10 @@ def test_asking_for_the_device_type_leaves_cuda_uninitialised():
 
     assert compat.platform_device_type() in ("cuda", "cpu")
     assert not torch.cuda.is_initialized()
+
+
+def test_load_failures_are_recomputed_only_where_the_release_answers_right_after_a_rollback():
+    assert compat.load_failure_policy((0, 32), "cpu") == "recompute"
+    assert compat.load_failure_policy((0, 32), "cuda") == "recompute"
+    assert compat.load_failure_policy((0, 26), "cpu") == "recompute"
+    assert compat.load_failure_policy((0, 26), "cuda") == "fail"  # vllm-project/vllm#49250

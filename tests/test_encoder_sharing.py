@@ -151,6 +151,19 @@ def test_a_wrong_context_is_caught(tiny):
 # ---------------------------------------------------------------- what is prefilled
 
 
+def test_shared_prefills_are_the_default_on_a_cpu_only(tiny, monkeypatch):
+    """On a GPU whole rows were faster (benchmarks/results/encode_speed_h200.json): the default
+    follows the model's device; an explicit choice is kept."""
+    _, model, tokenizer = tiny
+    assert FactEncoder(model, tokenizer).share_prefixes is True
+    assert FactEncoder(model, tokenizer, share_prefixes=False).share_prefixes is False
+    import inferscale.encode.encoder as encoder_module
+
+    monkeypatch.setattr(encoder_module, "_device_of", lambda m: torch.device("cuda", 0))
+    assert FactEncoder(model, tokenizer).share_prefixes is False
+    assert FactEncoder(model, tokenizer, share_prefixes=True).share_prefixes is True
+
+
 def test_facts_of_one_turn_share_one_prefill(tiny):
     """Two facts per turn behind 2-turn windows and a prefix, one row at a time: the prefix
     once, each window once, every fact; whole rows prefill all three per fact."""

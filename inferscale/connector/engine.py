@@ -13,14 +13,17 @@ CONNECTOR_MODULE = "inferscale.connector.vllm_adapter"
 def kv_transfer_config(config: Config) -> dict[str, Any]:
     """The ``--kv-transfer-config`` for ``vllm serve`` / ``LLM(kv_transfer_config=...)``.
 
-    Worker-side load failures are recomputed (``kv_load_failure_policy``), so a
-    corrupt or vanished fact slows a request down instead of failing it.
+    Worker-side load failures are recomputed where the vLLM release does that right, so a
+    corrupt or vanished fact slows a request down instead of failing it; elsewhere the
+    request ends with an error (``compat.load_failure_policy``).
     """
+    from inferscale.connector import compat
+
     return {
         "kv_connector": CONNECTOR,
         "kv_connector_module_path": CONNECTOR_MODULE,
         "kv_role": "kv_both",
-        "kv_load_failure_policy": "recompute",
+        "kv_load_failure_policy": compat.load_failure_policy(),
         "kv_connector_extra_config": {"config": config.to_dict()},
     }
 

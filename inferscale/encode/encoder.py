@@ -6,7 +6,7 @@ module record the keys **before RoPE and after any k_norm** (Qwen3, Gemma3)
 and the values. Only the fact's slice is kept, on CPU, in the model's dtype,
 as ``[num_layers, num_tokens, num_kv_heads, head_size]`` (:class:`FactKV`).
 
-Shared prefills (the default, :mod:`inferscale.encode.sharing`): the prefix
+Shared prefills (the default on a CPU, :mod:`inferscale.encode.sharing`): the prefix
 common to every row is prefilled once, every distinct context once (the facts
 of one source turn share their window; a context that begins another is read
 from the longer one's), and the facts run against those K/V from the model's
@@ -16,13 +16,20 @@ the K/V equal a whole-row prefill's up to float rounding (fp32: measured
 with sliding-window layers, where the cache's layout depends on the padding,
 always take whole rows.
 
-Whole rows (``share_prefixes=False``): each ``[context | fact]`` is prefilled
+Whole rows (``share_prefixes=False``, the default on a GPU): each ``[context | fact]`` is prefilled
 in right-padded batches. One row at a time (``batch_size=1``) the K/V are
 bit-identical to a plain forward over the same tokens. In padded batches the
 attention kernel's summation order depends on the padded length, so results
 differ from that by fp32 rounding (measured ≤ 1.3e-5 relative on
 Qwen2.5-0.5B); rows of equal length stay bit-identical. Rows are sorted by
 length to keep padding small.
+
+Which is faster depends on the device (``benchmarks/encode_speed.py``, every LoCoMo
+conversation): on a CPU, where time follows the tokens run, shared prefills took 1.1-1.7x
+less time; on an H200 (Llama-3.1-8B shape, bf16) whole rows took 0.71-0.93x the time of
+shared prefills, since a batch of a few thousand tokens costs the GPU little more than its
+launches and the shared path adds passes and cache copies. ``share_prefixes=None`` picks
+by the model's device.
 """
 
 from __future__ import annotations
@@ -171,17 +178,22 @@ class _KVCapture:
 # ---------------------------------------------------------------- the encoder
 
 
+def _device_of(model: nn.Module) -> torch.device:
+    first = next(model.parameters(), None)
+    return first.device if first is not None else torch.device("cpu")
+
+
 class FactEncoder:
     """Turns facts (and arbitrary token sequences) into pre-RoPE K/V.
 
     ``window`` chooses each fact's context (default: none); ``batch_size`` is
     the most rows one forward pass runs; ``share_prefixes`` prefills shared
-    prefixes once (see the module's docstring). Use as a context manager, or
+    prefixes once (None: on a CPU only; see the module's docstring). Use as a context manager, or
     call :meth:`close`, to release the model.
     """
 
     def __init__(self, model: nn.Module, tokenizer, window: WindowPolicy | None = None, batch_size: int = 8,
-                 fact_style: str = "bullet", share_prefixes: bool = True):
+                 fact_style: str = "bullet", share_prefixes: bool | None = None):
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
         render_fact("", fact_style)  # rejects an unknown style now
@@ -190,13 +202,15 @@ class FactEncoder:
         self.window = window or NoWindow()
         self.batch_size = batch_size
         self.fact_style = fact_style
+        if share_prefixes is None:
+            share_prefixes = _device_of(model).type == "cpu"
         self.share_prefixes = share_prefixes and not has_sliding_window(text_config(model))
         self._attn = attention_modules(model)
         self._pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
 
     @classmethod
     def from_spec(cls, spec, window: WindowPolicy | None = None, dtype: Any = None, batch_size: int = 8,
-                  fact_style: str = "bullet", share_prefixes: bool = True):
+                  fact_style: str = "bullet", share_prefixes: bool | None = None):
         """Load the model named by a ModelSpec / directory / GGUF / known name and wrap it."""
         from inferscale.encode.weights import load_causal_lm
 
