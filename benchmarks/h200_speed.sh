@@ -10,9 +10,9 @@
 set -uo pipefail
 RUN=${RUN:-/tmp/run}
 STEPS=${STEPS:-jasper tests profile ttft load retrieval encode shapes}
-# --fused-write: the connector writes with the fused kernel (Config.fused_write); auto: when the
-# GPU tests of the fused write passed in step "tests"
-FUSED=${FUSED:-auto}
+# the connector's cache write in steps ttft, load, shapes: "" (Config's default, the fused kernel),
+# --layerwise-write or --fused-write
+FUSED=${FUSED:-}
 mkdir -p "$RUN"
 exec > >(tee -a "$RUN/log") 2>&1
 stamp() { echo "== $(date +%T) $*"; }
@@ -30,7 +30,7 @@ PYTHONPATH=$NOW python3 -c 'import vllm, torch; print("vllm", vllm.__version__, 
 if [[ -d .gpu/wheels ]] && ! PYTHONPATH=$NOW python3 -c 'import faiss' 2>/dev/null; then
   python3 -m pip install -q --no-index --no-deps --target /tmp/site .gpu/wheels/*.whl
 fi
-fused_flag() { [[ $FUSED == auto ]] && { [[ -f $RUN/fused_ok ]] && echo --fused-write; return; }; echo "$FUSED"; }
+fused_flag() { echo "$FUSED"; }
 
 if has jasper; then  # CPU work: built beside the correctness tests, ready for step "retrieval"
   stamp "building Jasper in the background (log: $RUN/jasper_build.log)"
@@ -84,7 +84,7 @@ if has tests; then
       tests/test_connector.py tests/test_fused_write.py -q -p no:cacheprovider -k "not fuzz" > "$RUN/tests_fused$fused.log" 2>&1
     status=$?
     grep -v " INFO \| DEBUG " "$RUN/tests_fused$fused.log" | tail -30
-    [[ $fused == 1 && $status == 0 ]] && touch "$RUN/fused_ok"
+    echo "exit status $status"
   done
 fi
 

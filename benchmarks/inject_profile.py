@@ -159,7 +159,10 @@ def profile(llm, prompt: dict, params: dict | None, n: int) -> dict:
 
 
 def fused(args) -> dict:
-    """Config.fused_write when asked for (absent from code that predates it)."""
+    """Config.fused_write when asked for (absent from code that predates it): the default
+    unless ``--fused-write`` or ``--layerwise-write`` says."""
+    if args.layerwise_write:
+        return {"fused_write": False}
     return {"fused_write": True} if args.fused_write else {}
 
 
@@ -174,6 +177,8 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=20)
     parser.add_argument("--profiled", type=int, default=5)
     parser.add_argument("--fused-write", action="store_true", help="Config.fused_write: one kernel per request")
+    parser.add_argument("--layerwise-write", action="store_true",
+                        help="Config.fused_write = false: whole-tensor ops and one backend write per layer")
     parser.add_argument("--cuda-graphs", action="store_true")
     parser.add_argument("--label", default="", help="what code this is (goes into the JSON)")
     parser.add_argument("--out", default="benchmarks/results/inject_profile.json")
@@ -213,7 +218,7 @@ def main() -> None:
     }
     result = {
         "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
-        "label": args.label, "fused_write": args.fused_write, "command": " ".join(["python", *sys.argv]),
+        "label": args.label, "fused_write": fused(args).get("fused_write", "default"), "command": " ".join(["python", *sys.argv]),
         "shape": args.shape, "k": args.k,
         "memory_tokens": len(segment), "kv_store": args.kv_store, "cuda_graphs": args.cuda_graphs,
         "annotated": annotated, **times,

@@ -253,7 +253,10 @@ def plot(result: dict, path: Path) -> None:
 
 
 def fused(args) -> dict:
-    """Config.fused_write when asked for (absent from code that predates it)."""
+    """Config.fused_write when asked for (absent from code that predates it): the default
+    unless ``--fused-write`` or ``--layerwise-write`` says."""
+    if args.layerwise_write:
+        return {"fused_write": False}
     return {"fused_write": True} if args.fused_write else {}
 
 
@@ -267,6 +270,8 @@ def main() -> None:
     parser.add_argument("--kv-stores", default="hbm,pinned", help="one engine per store, in this order")
     parser.add_argument("--recompute", default="0", help="recompute budgets (tokens) to time KV injection with")
     parser.add_argument("--fused-write", action="store_true", help="Config.fused_write: one kernel per request")
+    parser.add_argument("--layerwise-write", action="store_true",
+                        help="Config.fused_write = false: whole-tensor ops and one backend write per layer")
     parser.add_argument("--cuda-graphs", action="store_true", help="capture CUDA graphs (default: eager)")
     parser.add_argument("--shape", default="llama-3.1-8b", choices=sorted(SHAPES))
     parser.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks")
@@ -324,7 +329,7 @@ def main() -> None:
         engine += f", tensor parallel {args.tp}"
     result = {"device": device, "model": f"{args.shape} shape, random weights, bf16, {mode}, {engine} engine",
               "command": " ".join(["python", *sys.argv]), "engine": engine, "kv_stores": stores,
-              "tensor_parallel": args.tp, "fused_write": args.fused_write,
+              "tensor_parallel": args.tp, "fused_write": config.fused_write,
               "fact_tokens": args.fact_tokens, "reps": args.reps, "rows": rows, "store_get": gets}
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -10,8 +10,8 @@
    InferScale connector (``--kv-store``, sized to hold every user), and checks that one request of
    every user gets its memory injected (the connector's report);
 3. for each number of concurrent users and each system, a closed loop for ``--seconds``: every user
-   sends a streamed ``/v1/completions`` request with the ``openai`` async client, waits for the whole
-   answer (``--max-tokens`` tokens, EOS ignored) and sends the next. Every request draws k fresh facts
+   sends a ``/v1/completions`` request with the ``openai`` async client, waits for the whole answer
+   (``--max-tokens`` tokens, EOS ignored) and sends the next. Every request draws k fresh facts
    of that user, in random order:
 
    * ``none``   — the question alone (no memory);
@@ -20,8 +20,11 @@
    * ``prompt`` — the same token ids prefilled (prompt injection; a fresh cache salt per request, so
      vLLM's prefix cache never serves them).
 
-Reported per system and number of users: requests/s, output tokens/s, p50/p99 time to the first
-token and of the whole request, failed requests. Writes ``<out>.json``, ``<out>.md`` and ``<out>.png``.
+Reported per system and number of users: requests/s, output tokens/s, the engine's time to the first
+token (vLLM's own histogram on ``/metrics``: exact mean, p50/p99 as bucket bounds), the client's
+latency p50/p99, failed requests. Answers are not streamed unless ``--stream``: one Python client
+parsing a hundred streams of server-sent events (and the API server producing them) limited
+requests/s before the engine did, for every system alike. Writes ``<out>.json``, ``<out>.md`` and ``<out>.png``.
 """
 
 from __future__ import annotations
@@ -116,10 +119,10 @@ class Requests:
                 "extra_body": {**extra, "cache_salt": salt, "kv_transfer_params": make_params(user, ids, budget)}}
 
 
-async def one(client, requests: Requests, system: str, user: str, stream: bool = True) -> dict:
+async def one(client, requests: Requests, system: str, user: str, stream: bool = False) -> dict:
     body = requests.body(system, user)
     start = time.perf_counter()
-    first, chunks = None, 0
+    first, chunks, report = None, 0, None
     try:
         if stream:
             response = await client.completions.create(model=requests.model, prompt=body["prompt"],
@@ -133,22 +136,25 @@ async def one(client, requests: Requests, system: str, user: str, stream: bool =
             reply = await client.completions.create(model=requests.model, prompt=body["prompt"],
                                                     max_tokens=requests.max_tokens, temperature=0.0,
                                                     extra_body=body["extra_body"])
-            return {"ok": True, "report": (reply.model_extra or {}).get("kv_transfer_params")}
+            report = (reply.model_extra or {}).get("kv_transfer_params")
+            if reply.choices and reply.choices[0].finish_reason not in ("length", "stop"):
+                raise RuntimeError(f"finish_reason {reply.choices[0].finish_reason!r}")
     except Exception as exc:  # noqa: BLE001 — a failed request is a result, not a crash of the benchmark
         return {"ok": False, "error": f"{type(exc).__name__}: {exc}"[:300], "t0": start, "t1": time.perf_counter()}
     end = time.perf_counter()
-    return {"ok": True, "t0": start, "t1": end, "ttft": (first or end) - start, "latency": end - start,
-            "chunks": chunks}
+    return {"ok": True, "t0": start, "t1": end, "ttft": first - start if first else None, "latency": end - start,
+            "chunks": chunks, "report": report}
 
 
-async def closed_loop(client, requests: Requests, system: str, users: list[str], seconds: float) -> list[dict]:
+async def closed_loop(client, requests: Requests, system: str, users: list[str], seconds: float,
+                      stream: bool = False) -> list[dict]:
     """Each user sends a request, waits for the answer, sends the next, until the deadline."""
     deadline = time.perf_counter() + seconds
     done: list[dict] = []
 
     async def user_loop(user: str) -> None:
         while time.perf_counter() < deadline:
-            done.append(await one(client, requests, system, user))
+            done.append(await one(client, requests, system, user, stream))
 
     await asyncio.gather(*(user_loop(u) for u in users))
     return done
@@ -167,11 +173,11 @@ def summarize(system: str, users: int, results: list[dict], seconds: float, max_
         values = sorted(values)
         return values[min(len(values) - 1, int(round(q * (len(values) - 1))))] * 1e3
 
-    ttfts, latencies = [r["ttft"] for r in ok], [r["latency"] for r in ok]
+    ttfts, latencies = [r["ttft"] for r in ok if r.get("ttft") is not None], [r["latency"] for r in ok]
     return {"system": system, "users": users, "requests": len(ok), "failed": len(failed),
             "errors": sorted({r["error"] for r in failed})[:5], "seconds": span,
             "requests_per_s": len(ok) / span, "output_tokens_per_s": len(ok) * max_tokens / span,
-            "ttft_p50_ms": pct(ttfts, 0.5), "ttft_p99_ms": pct(ttfts, 0.99),
+            "client_ttft_p50_ms": pct(ttfts, 0.5), "client_ttft_p99_ms": pct(ttfts, 0.99),
             "latency_p50_ms": pct(latencies, 0.5), "latency_p99_ms": pct(latencies, 0.99)}
 
 
@@ -239,17 +245,67 @@ async def run(url: str, requests: Requests, args, systems: list[str], levels: li
     rows = []
     for level in levels:
         for system in systems:
-            results = await closed_loop(client, requests, system, users[:level], args.seconds)
+            snapshot = histograms(url)
+            results = await closed_loop(client, requests, system, users[:level], args.seconds, args.stream)
+            await asyncio.sleep(0.5)  # the engine's last stats reach /metrics
             row = summarize(system, level, results, args.seconds, args.max_tokens)
+            row.update(histogram_summary(snapshot, histograms(url)))
             rows.append(row)
-            print(f"{level:4d} users {system:8s} {row['requests_per_s']:8.2f} req/s  TTFT p50 "
-                  f"{row['ttft_p50_ms'] or 0:8.1f} p99 {row['ttft_p99_ms'] or 0:8.1f} ms  failed {row['failed']}",
-                  flush=True)
+            print(f"{level:4d} users {system:8s} {row['requests_per_s']:8.2f} req/s  engine TTFT mean "
+                  f"{row.get('ttft_mean_ms', 0):8.1f} ms (p50 ≤ {row.get('ttft_p50_le_ms', 0):.0f}, p99 ≤ "
+                  f"{row.get('ttft_p99_le_ms', 0):.0f})  latency p50 {row['latency_p50_ms'] or 0:8.1f} ms  "
+                  f"failed {row['failed']}", flush=True)
     await client.close()
     after = connector_counters(url)
     check["connector_counts_during_runs"] = {k: after[k] - before.get(k, 0.0) for k in after}
     print(f"connector counters during the timed runs: {check['connector_counts_during_runs']}", flush=True)
     return check, rows
+
+
+#: vLLM's own per-request histograms (measured in the engine, from the request's arrival there)
+HISTOGRAMS = {"ttft": "vllm:time_to_first_token_seconds", "e2e": "vllm:e2e_request_latency_seconds",
+              "queue": "vllm:request_queue_time_seconds"}
+
+
+def histograms(url: str) -> dict[str, dict]:
+    """The server's histograms as {key: {"buckets": {upper bound s: cumulative count}, "sum", "count"}},
+    summed over label sets."""
+    import httpx
+
+    out = {key: {"buckets": {}, "sum": 0.0, "count": 0.0} for key in HISTOGRAMS}
+    text = httpx.get(f"{url}/metrics", timeout=10).text
+    for line in text.splitlines():
+        if line.startswith("#"):
+            continue
+        for key, name in HISTOGRAMS.items():
+            if not line.startswith(name):
+                continue
+            metric, value = line.split("{")[0].split(" ")[0], float(line.rsplit(" ", 1)[1])
+            if metric == f"{name}_bucket":
+                bound = float(line.split('le="')[1].split('"')[0])
+                out[key]["buckets"][bound] = out[key]["buckets"].get(bound, 0.0) + value
+            elif metric == f"{name}_sum":
+                out[key]["sum"] += value
+            elif metric == f"{name}_count":
+                out[key]["count"] += value
+    return out
+
+
+def histogram_summary(before: dict, after: dict) -> dict:
+    """Mean (exact) and p50/p99 (the upper bound of the bucket that holds them) per histogram,
+    of the requests finished between the two snapshots, in ms."""
+    out = {}
+    for key in HISTOGRAMS:
+        count = after[key]["count"] - before[key]["count"]
+        if count <= 0:
+            continue
+        out[f"{key}_mean_ms"] = (after[key]["sum"] - before[key]["sum"]) / count * 1e3
+        cumulative = sorted((bound, after[key]["buckets"][bound] - before[key]["buckets"].get(bound, 0.0))
+                            for bound in after[key]["buckets"])
+        for q in (0.5, 0.99):
+            bound = next((b for b, c in cumulative if c >= q * count), float("inf"))
+            out[f"{key}_p{int(q * 100)}_le_ms"] = bound * 1e3
+    return out
 
 
 def connector_counters(url: str) -> dict[str, float]:
@@ -276,15 +332,18 @@ def table(result: dict) -> str:
              f"{result['facts_per_user']} facts a user, k = {result['k']} ({result['memory_tokens']} memory tokens), "
              f"{result['question_tokens']}-token questions, {result['max_tokens']} output tokens, "
              f"{result['seconds']:.0f} s closed loop per row, KV store {result['kv_store']}.", "",
-             "| users | system | requests/s | × prompt injection | output tok/s | TTFT p50 ms | TTFT p99 ms | "
-             "latency p50 ms | latency p99 ms | failed |", "|---|---|---|---|---|---|---|---|---|---|"]
+             "| users | system | requests/s | × prompt injection | output tok/s | engine TTFT mean ms | "
+             "engine TTFT p50 / p99 ≤ ms | queue mean ms | client latency p50 / p99 ms | failed |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     if counts:
         lines[6:6] = [f"The connector's counters over the timed runs: {json.dumps(counts)}.", ""]
     for r in rows:
         ratio = r["requests_per_s"] / prompt[r["users"]] if prompt.get(r["users"]) else float("nan")
         lines.append(f"| {r['users']} | {r['system']} | {r['requests_per_s']:.2f} | {ratio:.2f} | "
-                     f"{r['output_tokens_per_s']:.0f} | {r['ttft_p50_ms'] or 0:.1f} | {r['ttft_p99_ms'] or 0:.1f} | "
-                     f"{r['latency_p50_ms'] or 0:.1f} | {r['latency_p99_ms'] or 0:.1f} | {r['failed']} |")
+                     f"{r['output_tokens_per_s']:.0f} | {r.get('ttft_mean_ms', 0):.1f} | "
+                     f"{r.get('ttft_p50_le_ms', 0):.0f} / {r.get('ttft_p99_le_ms', 0):.0f} | "
+                     f"{r.get('queue_mean_ms', 0):.1f} | {r['latency_p50_ms'] or 0:.1f} / {r['latency_p99_ms'] or 0:.1f} | "
+                     f"{r['failed']} |")
     return "\n".join(lines) + "\n"
 
 
@@ -298,9 +357,9 @@ def plot(result: dict, path: Path) -> None:
     for system in dict.fromkeys(r["system"] for r in result["rows"]):
         mine = [r for r in result["rows"] if r["system"] == system]
         left.plot([r["users"] for r in mine], [r["requests_per_s"] for r in mine], "o-", label=system)
-        right.plot([r["users"] for r in mine], [r["ttft_p50_ms"] or 0 for r in mine], "o-", label=f"{system} p50")
+        right.plot([r["users"] for r in mine], [r.get("ttft_mean_ms", 0) for r in mine], "o-", label=system)
     left.set_ylabel("requests/s")
-    right.set_ylabel("time to first token, ms")
+    right.set_ylabel("engine time to first token, mean ms")
     for ax in (left, right):
         ax.set_xlabel("concurrent users")
         ax.set_xscale("log")
@@ -323,9 +382,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--budgets", default="0,256", help="recompute budgets B of the KV-injection systems")
     parser.add_argument("--max-tokens", type=int, default=32, help="output tokens per request")
     parser.add_argument("--seconds", type=float, default=15.0, help="closed loop per row")
+    parser.add_argument("--stream", action="store_true", help="stream answers (the client also times the first "
+                        "token; at high concurrency the client and the API server's event handling then limit "
+                        "requests/s before the engine does)")
     parser.add_argument("--kv-store", default="hbm", choices=["hbm", "pinned"])
     parser.add_argument("--cuda-graphs", action="store_true")
-    parser.add_argument("--fused-write", action="store_true", help="Config.fused_write")
+    parser.add_argument("--layerwise-write", action="store_true",
+                        help="Config.fused_write = false (default: the fused write)")
+    parser.add_argument("--fused-write", action="store_true", help="Config.fused_write = true (the default)")
     parser.add_argument("--max-model-len", type=int, default=4096)
     parser.add_argument("--gpu-memory-utilization", type=float, default=None)
     parser.add_argument("--start-timeout", type=float, default=600)
@@ -349,7 +413,7 @@ def main(argv: list[str] | None = None) -> int:
           f"{time.monotonic() - began:.0f} s", flush=True)
     store = BackendSpec(args.kv_store, {"max_bytes": int(memory_bytes * 1.25) + (1 << 30)})
     config = Config(model=str(model), data_dir=str(work), kv_store=store, recompute_tokens=0,
-                    **({"fused_write": True} if args.fused_write else {}))
+                    fused_write=not args.layerwise_write)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     log = out.parent / f"{out.name}_server.log"
@@ -370,7 +434,7 @@ def main(argv: list[str] | None = None) -> int:
               "command": " ".join(["python", *sys.argv]), "facts_per_user": args.facts, "k": args.k,
               "memory_tokens": args.prefix_tokens + args.k * args.fact_tokens, "question_tokens": args.question_tokens,
               "max_tokens": args.max_tokens, "seconds": args.seconds, "kv_store": args.kv_store,
-              "fused_write": args.fused_write, "memory_gib": memory_bytes / 2**30, "warm_up": check, "rows": rows}
+              "fused_write": not args.layerwise_write, "memory_gib": memory_bytes / 2**30, "warm_up": check, "rows": rows}
     out.with_suffix(".json").write_text(json.dumps(result, indent=2))
     out.with_suffix(".md").write_text(table(result))
     print(table(result))

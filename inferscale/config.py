@@ -121,7 +121,8 @@ class Config:
     max_facts_per_turn: int = 5
     #: on CUDA, write a request's memory into the paged cache with one fused kernel per request
     #: (connector/fused_write.py) instead of whole-tensor ops and one backend write per layer
-    fused_write: bool = False
+    #: (where the kernel cannot run, e.g. the CPU or an unknown cache layout, the latter is used)
+    fused_write: bool = True
     #: the server secret that keys cache salts (created, mode 0600, on first use); "" = <data_dir>/secret
     secret_file: str = ""
 

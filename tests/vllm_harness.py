@@ -28,8 +28,9 @@ GREEDY_TOKENS = 8
 #: INFERSCALE_TEST_CUDA_GRAPHS=1 (GPU machine): engines capture CUDA graphs, so injection is
 #: also checked under piecewise and full graph replay
 EAGER = os.environ.get("INFERSCALE_TEST_CUDA_GRAPHS") != "1"
-#: INFERSCALE_TEST_FUSED_WRITE=1 (GPU machine): the connector writes with the fused kernel
-FUSED_WRITE = os.environ.get("INFERSCALE_TEST_FUSED_WRITE") == "1"
+#: INFERSCALE_TEST_FUSED_WRITE=0/1 (GPU machine): the connector writes per layer / with the fused
+#: kernel (unset: Config's default; on a CPU the per-layer path runs either way)
+FUSED_WRITE = {"0": False, "1": True}.get(os.environ.get("INFERSCALE_TEST_FUSED_WRITE", ""), Config.fused_write)
 TOP_LOGPROBS = 5
 
 
