@@ -5,6 +5,7 @@ server's log to $OUT/front.log.
 Run from the repository root, with vLLM importable (see benchmarks/results/README.md):
     OUT=/tmp/out python3 benchmarks/serve_smoke.py
 Last run: vLLM 0.26.0 on an H200 (benchmarks/results/serve_smoke_h200.json).
+``SMOKE_VLLM_ARGS`` adds engine arguments (e.g. ``--tensor-parallel-size 2``).
 """
 import json, os, signal, subprocess, sys, time, traceback
 from pathlib import Path
@@ -47,7 +48,8 @@ try:
     log = open(OUT / "front.log", "wb")
     start = time.time()
     proc = subprocess.Popen([sys.executable, "-m", "inferscale.cli", "serve", str(model), "--config", str(cfg),
-                             "--port", str(port), "--encoder-device", "cuda", "--enforce-eager"],
+                             "--port", str(port), "--encoder-device", "cuda", "--enforce-eager",
+                             *os.environ.get("SMOKE_VLLM_ARGS", "").split()],
                             stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     base = f"http://127.0.0.1:{port}"
     while time.time() - start < 420:

@@ -21,6 +21,15 @@ import torch
 #: bump when the recipe changes, so stale cached directories are not reused
 RECIPE = "v1"
 ARCHS = ("llama", "qwen2", "qwen3")
+#: wider variants for tensor parallelism on GPUs: name -> (architecture, config overrides). Head
+#: size 64 (FlashAttention's smallest common size); "kv8" splits 4 + 4 KV heads over 2 ranks like
+#: Llama-3.1-8B's 8, "kv1" has fewer KV heads than 2 ranks (vLLM replicates the head).
+VARIANTS = {
+    "llama-kv8": ("llama", {"hidden_size": 512, "num_attention_heads": 8, "num_key_value_heads": 8,
+                            "head_dim": 64, "intermediate_size": 1024}),
+    "llama-kv1": ("llama", {"hidden_size": 512, "num_attention_heads": 8, "num_key_value_heads": 1,
+                            "head_dim": 64, "intermediate_size": 1024}),
+}
 DONE_MARKER = ".tiny-complete"
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 VOCAB_SIZE = 1024
@@ -108,9 +117,11 @@ def build_tokenizer():
 
 
 def build_config(arch: str, tokenizer):
-    """A ≈1-3 M parameter config: 4 layers, hidden 128, 4 q / 2 kv heads, head size 32."""
+    """A ≈1-3 M parameter config: 4 layers, hidden 128, 4 q / 2 kv heads, head size 32
+    (a :data:`VARIANTS` name: its architecture with its overrides)."""
     from transformers import LlamaConfig, Qwen2Config, Qwen3Config
 
+    arch, overrides = VARIANTS.get(arch, (arch, {}))
     common = dict(
         vocab_size=len(tokenizer),
         hidden_size=128,
@@ -127,6 +138,7 @@ def build_config(arch: str, tokenizer):
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
     )
+    common.update(overrides)
     if arch == "llama":
         return LlamaConfig(**common, rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
     if arch == "qwen2":  # Qwen2 always has q/k/v bias
@@ -140,7 +152,7 @@ def build_model(arch: str, tokenizer, dtype: str = "float32"):
     """Seeded random weights; biases and norm weights perturbed so that they matter."""
     from transformers import AutoModelForCausalLM
 
-    torch.manual_seed(SEED + ARCHS.index(arch))
+    torch.manual_seed(SEED + (*ARCHS, *VARIANTS).index(arch))
     model = AutoModelForCausalLM.from_config(build_config(arch, tokenizer), dtype=torch.float32)
     with torch.no_grad():
         for name, param in model.named_parameters():
@@ -175,8 +187,8 @@ def tiny_root() -> Path:
 
 def tiny_model_dir(arch: str, dtype: str = "float32", root: Path | None = None) -> Path:
     """The cached directory of a tiny model, built on first use (temp dir + rename)."""
-    if arch not in ARCHS:
-        raise ValueError(f"unknown tiny arch {arch!r} — known: {', '.join(ARCHS)}")
+    if arch not in ARCHS and arch not in VARIANTS:
+        raise ValueError(f"unknown tiny arch {arch!r} — known: {', '.join((*ARCHS, *VARIANTS))}")
     root = root or tiny_root()
     target = root / f"{arch}-{dtype}"
     if (target / DONE_MARKER).is_file():
