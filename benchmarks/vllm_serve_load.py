@@ -320,6 +320,9 @@ def connector_counters(url: str) -> dict[str, float]:
     for line in text.splitlines():
         if line.startswith("vllm:inferscale_") and "_total" in line.split(" ")[0].split("{")[0]:
             name = line.split("{")[0].split(" ")[0].removeprefix("vllm:inferscale_").removesuffix("_total")
+            for label in ("step", "reason", "tier"):
+                if f'{label}="' in line:
+                    name += "." + line.split(f'{label}="')[1].split('"')[0]
             counts[name] = counts.get(name, 0.0) + float(line.rsplit(" ", 1)[1])
     return counts
 

@@ -49,10 +49,14 @@ def test_vllm_serve_injects_memory_from_request_params(tmp_path):
     assert metrics['vllm:inferscale_fallbacks_total{reason="unknown_user"}'] == 1
     assert metrics['vllm:inferscale_fallbacks_total{reason="token_mismatch"}'] == 0
     assert metrics['vllm:inferscale_store_hits_total{tier="disk"}'] == 1  # the first load of alice
+    # host time on the request path: the scheduler planned both requests with memory, the worker loaded one
+    assert metrics["vllm:inferscale_plan_calls_total"] >= 2
+    assert 0 < metrics['vllm:inferscale_host_seconds_total{step="plan"}'] < 1
+    assert 0 < metrics['vllm:inferscale_host_seconds_total{step="load"}'] < 5
 
 
 def _connector_metrics(base: str, wait_for: str, timeout_s: float = 10.0) -> dict[str, float]:
-    """The connector's counters on the server's /metrics (labels other than reason/tier dropped)."""
+    """The connector's counters on the server's /metrics (labels other than reason/tier/step dropped)."""
     from prometheus_client.parser import text_string_to_metric_families
 
     deadline = time.monotonic() + timeout_s
@@ -63,7 +67,7 @@ def _connector_metrics(base: str, wait_for: str, timeout_s: float = 10.0) -> dic
         for family in text_string_to_metric_families(text):
             for sample in family.samples:
                 if sample.name.startswith("vllm:inferscale_") and sample.name.endswith("_total"):
-                    extra = {k: v for k, v in sample.labels.items() if k in ("reason", "tier")}
+                    extra = {k: v for k, v in sample.labels.items() if k in ("reason", "tier", "step")}
                     label = ",".join(f'{k}="{v}"' for k, v in extra.items())
                     out[sample.name + (f"{{{label}}}" if label else "")] = sample.value
         if any(key.startswith(wait_for) and value for key, value in out.items()) or time.monotonic() > deadline:

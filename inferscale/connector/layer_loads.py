@@ -73,6 +73,10 @@ class LayerLoads:
         for index in sorted(self._pending):
             self.wait_layer(index)
 
+    def is_pending(self, index: int) -> bool:
+        """Whether layer ``index`` has writes the forward stream does not wait for yet."""
+        return index in self._pending
+
     @property
     def pending(self) -> frozenset[int]:
         return frozenset(self._pending)

@@ -9,6 +9,10 @@ and there hands it to the metrics the connector class registered
 - ``vllm:inferscale_injected_requests_total`` and ``vllm:inferscale_injected_tokens_total``
 - ``vllm:inferscale_fallbacks_total{reason}`` (every :class:`~inferscale.connector.stats.Fallback`)
 - ``vllm:inferscale_store_hits_total{tier}`` (where a load found the user's K/V)
+- ``vllm:inferscale_host_seconds_total{step}`` (host time on the request path: ``plan`` on the
+  scheduler, ``load`` and ``wait`` on the worker; divided by ``plan_calls`` or
+  ``injected_requests``, the mean per call or per request)
+- ``vllm:inferscale_plan_calls_total`` (the scheduler's matches of a request with memory)
 
 each labelled, like vLLM's own, with ``model_name`` and ``engine``.
 """
@@ -22,7 +26,9 @@ from inferscale.connector import compat
 from inferscale.connector.stats import (
     FALLBACK_PREFIX,
     HIT_PREFIX,
+    HOST_PREFIX,
     INJECTED_REQUESTS,
+    PLAN_CALLS,
     INJECTED_TOKENS,
     Fallback,
     add_counts,
@@ -31,7 +37,7 @@ from inferscale.connector.stats import (
 
 @dataclass
 class InferScaleStats(compat.KVConnectorStats):
-    """Counts (``data``: name → int) of one interval; sums when aggregated."""
+    """Counts and seconds (``data``: name → number) of one interval; sums when aggregated."""
 
     def reset(self) -> None:
         self.data = {}
@@ -63,6 +69,9 @@ class InferScalePromMetrics(compat.KVConnectorPromMetrics):
         self.fallbacks = self._counter("fallbacks", "Requests whose memory was prefilled normally, by reason.",
                                        "reason")
         self.hits = self._counter("store_hits", "Loads of a user's K/V, by the store tier that held it.", "tier")
+        self.host = self._counter("host_seconds", "Host time the connector spent on the request path, by step.",
+                                  "step")
+        self.plans = self._counter("plan_calls", "Times the scheduler matched a request against its memory.")
         for engine in self.per_engine_labelvalues:
             for reason in Fallback:  # every reason shows, at 0 until it happens
                 self.fallbacks(engine, reason.value)
@@ -79,6 +88,10 @@ class InferScalePromMetrics(compat.KVConnectorPromMetrics):
                 self.fallbacks(engine_idx, key.removeprefix(FALLBACK_PREFIX)).inc(value)
             elif key.startswith(HIT_PREFIX):
                 self.hits(engine_idx, key.removeprefix(HIT_PREFIX)).inc(value)
+            elif key.startswith(HOST_PREFIX):
+                self.host(engine_idx, key.removeprefix(HOST_PREFIX)).inc(value)
+            elif key == PLAN_CALLS:
+                self.plans(engine_idx).inc(value)
 
     def _counter(self, name: str, documentation: str, extra_label: str | None = None):
         """A counter ``vllm:inferscale_<name>``; returns ``child(engine[, label value])``."""

@@ -20,6 +20,10 @@ INJECTED_REQUESTS = "injected_requests"
 INJECTED_TOKENS = "injected_tokens"
 FALLBACK_PREFIX = "fallback."
 HIT_PREFIX = "store_hit."
+#: seconds of host time the connector spent, by step: "plan" (scheduler: matching a request with
+#: memory), "load" (worker: queueing a step's loads), "wait" (worker: the forward stream's waits)
+HOST_PREFIX = "host_seconds."
+PLAN_CALLS = "plan_calls"
 
 
 class Fallback(str, Enum):
@@ -37,7 +41,8 @@ class Fallback(str, Enum):
 
 
 class ConnectorStats:
-    """Thread-safe counters: injected requests/tokens, fallbacks by reason, store hits by tier."""
+    """Thread-safe counters: injected requests/tokens, fallbacks by reason, store hits by tier,
+    host seconds by step."""
 
     def __init__(self):
         self._lock = threading.Lock()
@@ -52,6 +57,10 @@ class ConnectorStats:
     def record_hit(self, tier: str) -> None:
         """A load found the user's K/V in ``tier`` (a store name: "pinned", "hbm", "disk")."""
         self._add({HIT_PREFIX + tier: 1})
+
+    def record_host_time(self, step: str, seconds: float, calls: str | None = None) -> None:
+        """``seconds`` of host time in ``step`` (and one more call of ``calls``, when given)."""
+        self._add({HOST_PREFIX + step: seconds, **({calls: 1} if calls else {})})
 
     def snapshot(self) -> dict[str, int]:
         with self._lock:

@@ -21,6 +21,7 @@ pass, layer by layer.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -36,7 +37,7 @@ from inferscale.connector.loader import LoadSpec, SegmentLoader, kv_head_range, 
 from inferscale.connector.metrics import InferScalePromMetrics, InferScaleStats, stats_or_none
 from inferscale.connector.planner import NO_MEMORY, Plan, plan_request
 from inferscale.connector.report import client_report
-from inferscale.connector.stats import ConnectorStats, Fallback
+from inferscale.connector.stats import PLAN_CALLS, ConnectorStats, Fallback
 from inferscale.storage.disk import DiskStore
 
 logger = compat.init_logger("vllm.inferscale.connector")
@@ -81,10 +82,12 @@ class InferScaleConnector(compat.KVConnectorBase_V1):
     # ---------------- scheduler side ----------------
 
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int, bool]:
+        began = time.perf_counter()
         plan = plan_request(self.disk, self.salts, request.prompt_token_ids or [], request.kv_transfer_params,
                             request.cache_salt, num_computed_tokens, self.blend)
         if plan is not NO_MEMORY:
             self._plans[request.request_id] = plan
+            self.stats.record_host_time("plan", time.perf_counter() - began, calls=PLAN_CALLS)
         return plan.num_external, False
 
     def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
@@ -164,6 +167,7 @@ class InferScaleConnector(compat.KVConnectorBase_V1):
             return
         if self.loader is None:
             raise RuntimeError("KV caches were never registered with the connector")
+        began = time.perf_counter()
         with self.layer_loads.issuing():
             if self._fused_views(forward_context) is not None:
                 self._write_fused(loads)
@@ -171,6 +175,7 @@ class InferScaleConnector(compat.KVConnectorBase_V1):
                 self._write(forward_context, self._prepare(loads))
         if getattr(forward_context, "attn_metadata", None) is None:
             self.layer_loads.wait_all()
+        self._host_time("load", time.perf_counter() - began)
 
     def _fused_views(self, forward_context) -> fused_write.CacheViews | None:
         """The paged caches as the fused kernel addresses them; None when it is off
@@ -248,8 +253,14 @@ class InferScaleConnector(compat.KVConnectorBase_V1):
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         index = self._layer_of.get(layer_name)
-        if index is not None:
+        if index is not None and self.layer_loads.is_pending(index):
+            began = time.perf_counter()
             self.layer_loads.wait_layer(index)
+            self._host_time("wait", time.perf_counter() - began)
+
+    def _host_time(self, step: str, seconds: float) -> None:
+        if self._counts_hits:  # every rank does the same work: rank 0 counts it
+            self.stats.record_host_time(step, seconds)
 
     def save_kv_layer(self, layer_name: str, kv_layer, attn_metadata, **kwargs: Any) -> None:
         return None
