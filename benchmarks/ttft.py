@@ -194,6 +194,7 @@ def query_to_first_token(llm, disk, prefix, facts, ks, question, reps: int, salt
     import torch
 
     from inferscale.compose.request import make_params
+    from inferscale.connector.compat import greedy_sampling
     from inferscale.retrieval.embed_local import SentenceTransformerEmbedder
     from inferscale.retrieval.exact import ExactRetriever
 
@@ -207,22 +208,28 @@ def query_to_first_token(llm, disk, prefix, facts, ks, question, reps: int, salt
     text = "What did I do on my weekends with my friends last spring?"
     out = {}
     for k in ks:
-        def one() -> float:
-            start = time.perf_counter()
-            (hits,) = retriever.search("bench", embedder.embed([text]), k)
+        def one() -> dict[str, float]:
+            marks = [time.perf_counter()]
+            query = embedder.embed([text])
+            marks.append(time.perf_counter())
+            (hits,) = retriever.search("bench", query, k)
+            marks.append(time.perf_counter())
             order = [hit.fact_id for hit in hits]
             segment = list(prefix)
             for token_ids in disk.token_ids("bench", order):
                 segment.extend(token_ids)
             salt = salts.segment("bench", disk.generation("bench"), segment, 0) + f":{uuid.uuid4().hex}"
             prompt = {"prompt_token_ids": segment + question, "cache_salt": salt}
-            from inferscale.connector.compat import greedy_sampling
+            sampling = greedy_sampling(1, make_params("bench", order, 0))
+            marks.append(time.perf_counter())
+            llm.generate([prompt], sampling, use_tqdm=False)
+            marks.append(time.perf_counter())
+            steps = ("embed", "retrieve", "compose", "generate")
+            return {"total": (marks[-1] - marks[0]) * 1e3,
+                    **{name: (b - a) * 1e3 for name, a, b in zip(steps, marks, marks[1:])}}
 
-            llm.generate([prompt], greedy_sampling(1, make_params("bench", order, 0)), use_tqdm=False)
-            return (time.perf_counter() - start) * 1e3
-
-        times = [one() for _ in range(reps + 1)]
-        out[k] = statistics.median(times[1:])
+        runs = [one() for _ in range(reps + 1)][1:]
+        out[k] = {key: statistics.median(run[key] for run in runs) for key in runs[0]}
     return out
 
 
@@ -317,8 +324,9 @@ def main() -> None:
             q2ft = query_to_first_token(llm, disk, prefix, facts, ks, question, args.reps, salts, args.embedder)
             for row in rows:
                 if row["kv_store"] == store and row["recompute_tokens"] == budgets[0]:
-                    row["q2ft_ms"] = q2ft[row["k"]]
-                    row["q2ft_minus_kv_ms"] = q2ft[row["k"]] - row["kv_ms"]
+                    row["q2ft_ms"] = q2ft[row["k"]]["total"]
+                    row["q2ft_minus_kv_ms"] = q2ft[row["k"]]["total"] - row["kv_ms"]
+                    row["q2ft_steps_ms"] = {key: v for key, v in q2ft[row["k"]].items() if key != "total"}
         shutdown(llm)
         del llm
     gets = store_get_times(disk, facts, ks, args.reps)
@@ -347,10 +355,13 @@ def main() -> None:
               f"{r['injected_tokens']} | {r['none_ms']:.2f} | {r['kv_ms']:.2f} | {r['cached_ms']:.2f} | "
               f"{r['prompt_ms']:.2f} | {r['kv_vs_none']:.2f} | {r['kv_vs_prompt']:.2f} | {r['prompt_vs_none']:.2f} |")
     if any("q2ft_ms" in r for r in rows):
-        print("\n| store | k | KV injection ms | query-to-first-token ms | difference ms |\n|---|---|---|---|---|")
+        print("\n| store | k | KV injection ms | query-to-first-token ms | difference ms | embed | retrieve | compose "
+              "| generate |\n|---|---|---|---|---|---|---|---|---|")
         for r in rows:
             if "q2ft_ms" in r:
-                print(f"| {r['kv_store']} | {r['k']} | {r['kv_ms']:.2f} | {r['q2ft_ms']:.2f} | {r['q2ft_minus_kv_ms']:.2f} |")
+                steps = " | ".join(f"{r['q2ft_steps_ms'][s]:.2f}" for s in ("embed", "retrieve", "compose", "generate"))
+                print(f"| {r['kv_store']} | {r['k']} | {r['kv_ms']:.2f} | {r['q2ft_ms']:.2f} | {r['q2ft_minus_kv_ms']:.2f} "
+                      f"| {steps} |")
     if gets:
         print("\n| k | MiB | PCIe floor ms | pinned get ms | × floor | hbm get ms |\n|---|---|---|---|---|---|")
         for k, g in gets.items():
