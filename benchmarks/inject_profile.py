@@ -120,6 +120,38 @@ def median_ms(llm, prompt: dict, params: dict | None, reps: int) -> float:
     return statistics.median(times[2:])
 
 
+def warm_salts(llm, segment: list[int], n: int) -> list[str]:
+    """``n`` fresh salts, each with ``segment`` (and one more token) in vLLM's prefix cache."""
+    from inferscale.connector.compat import greedy_sampling
+
+    salts = [f"warm:{uuid.uuid4().hex}" for _ in range(n)]
+    for salt in salts:
+        llm.generate([{"prompt_token_ids": segment + [1000], "cache_salt": salt}], greedy_sampling(1), use_tqdm=False)
+    return salts
+
+
+def cached_one(llm, prompt: dict, salt: str) -> float:
+    """ms of one request whose head is already in vLLM's prefix cache under ``salt``."""
+    from inferscale.connector.compat import greedy_sampling
+
+    start = time.perf_counter()
+    llm.generate([dict(prompt, cache_salt=salt)], greedy_sampling(1), use_tqdm=False)
+    return (time.perf_counter() - start) * 1e3
+
+
+def interleaved(llm, variants: dict, segment: list[int], reps: int) -> dict[str, float]:
+    """Median ms of each variant, measured round by round (one request of each per round), so
+    that a slow phase of the engine or the machine weighs on all of them alike; variant
+    ``cached`` is the KV prompt with its head served from vLLM's prefix cache."""
+    salts = warm_salts(llm, segment, reps + 2) if "cached" in variants else []
+    times: dict[str, list[float]] = {name: [] for name in variants}
+    for round_ in range(reps + 2):
+        for name, (prompt, params) in variants.items():
+            ms = cached_one(llm, prompt, salts[round_]) if name == "cached" else one(llm, prompt, params)
+            times[name].append(ms)
+    return {f"{name}_ms": statistics.median(values[2:]) for name, values in times.items()}
+
+
 def host_times(llm, prompt: dict, params: dict | None, n: int) -> dict:
     """Per-request host ms inside each range, without the profiler (``n`` requests)."""
     HOST_MS.clear()
@@ -134,13 +166,22 @@ def host_times(llm, prompt: dict, params: dict | None, n: int) -> dict:
 
 def profile(llm, prompt: dict, params: dict | None, n: int) -> dict:
     """Per-request host/GPU ms of each range and counts of CUDA runtime calls."""
+    return _profiled(lambda: [one(llm, prompt, params) for _ in range(n)], n)
+
+
+def profile_cached(llm, prompt: dict, segment: list[int], n: int) -> dict:
+    """As :func:`profile`, for requests whose head vLLM's prefix cache serves (warmed first, unprofiled)."""
+    salts = warm_salts(llm, segment, n)
+    return _profiled(lambda: [cached_one(llm, prompt, salt) for salt in salts], n)
+
+
+def _profiled(run, n: int) -> dict:
     import torch
     from torch.profiler import ProfilerActivity
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
     with torch.profiler.profile(activities=activities) as prof:
-        for _ in range(n):
-            one(llm, prompt, params)
+        run()
     averages = prof.key_averages()
     labels = {label for _, _, label in STEPS}
     ranges, calls, kernels = {}, {}, []
@@ -211,11 +252,10 @@ def main() -> None:
     question = torch.randint(1000, 100000, (args.question_tokens,)).tolist()
     kv_prompt = {"prompt_token_ids": segment + question, "cache_salt": bench_salt(config, segment)}
     params = make_params("bench", ids, 0)
-    times = {
-        "none_ms": median_ms(llm, {"prompt_token_ids": question}, None, args.reps),
-        "kv_ms": median_ms(llm, kv_prompt, params, args.reps),
-        "prompt_ms": median_ms(llm, {"prompt_token_ids": segment + question, "cache_salt": "text"}, None, args.reps),
-    }
+    plain = {"prompt_token_ids": segment + question}
+    times = interleaved(llm, {"none": ({"prompt_token_ids": question}, None), "kv": (kv_prompt, params),
+                              "cached": (plain, None), "prompt": (dict(plain, cache_salt="text"), None)},
+                        segment, args.reps)
     result = {
         "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
         "label": args.label, "fused_write": fused(args).get("fused_write", "default"), "command": " ".join(["python", *sys.argv]),
@@ -225,6 +265,7 @@ def main() -> None:
         "kv_host_ms": host_times(llm, kv_prompt, params, args.reps),
         "kv": profile(llm, kv_prompt, params, args.profiled),
         "none": profile(llm, {"prompt_token_ids": question}, None, args.profiled),
+        "cached": profile_cached(llm, plain, segment, args.profiled),
     }
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=2))
@@ -235,18 +276,25 @@ def main() -> None:
 def print_report(r: dict) -> None:
     print(f"\n{r['device']} {r['label']}: {r['shape']}, k={r['k']} ({r['memory_tokens']} memory tokens), "
           f"{r['kv_store']}, {'CUDA graphs' if r['cuda_graphs'] else 'eager'}, in-process")
-    print(f"generate ms: question alone {r['none_ms']:.2f} | KV injection {r['kv_ms']:.2f} "
-          f"({r['kv_ms'] / r['none_ms']:.2f}x) | prompt injection {r['prompt_ms']:.2f}")
+    print(f"generate ms (interleaved rounds): question alone {r['none_ms']:.2f} | KV injection {r['kv_ms']:.2f} "
+          f"({r['kv_ms'] / r['none_ms']:.2f}x) | head in prefix cache {r.get('cached_ms', float('nan')):.2f} | "
+          f"prompt injection {r['prompt_ms']:.2f}")
     print("\n| step (per request) | calls | host ms | host ms, profiled | GPU ms |\n|---|---|---|---|---|")
     for label, row in r["kv"]["ranges"].items():
         print(f"| {label} | {row['calls']:.0f} | {r['kv_host_ms'].get(label, 0):.3f} | {row['host_ms']:.3f} | "
               f"{row['gpu_ms']:.3f} |")
-    print("\n| CUDA runtime call | KV injection | question alone |\n|---|---|---|")
+    cached = r.get("cached", {"cuda_calls": {}, "top_kernels": []})
+    print("\n| CUDA runtime call | KV injection | head in prefix cache | question alone |\n|---|---|---|---|")
     for name in SYNC_EVENTS:
-        print(f"| {name} | {r['kv']['cuda_calls'].get(name, 0):.0f} | {r['none']['cuda_calls'].get(name, 0):.0f} |")
+        print(f"| {name} | {r['kv']['cuda_calls'].get(name, 0):.0f} | {cached['cuda_calls'].get(name, 0):.0f} | "
+              f"{r['none']['cuda_calls'].get(name, 0):.0f} |")
     print("\n| kernel (KV injection) | calls | GPU ms |\n|---|---|---|")
     for row in r["kv"]["top_kernels"][:10]:
         print(f"| {row['kernel'][:80]} | {row['calls']:.0f} | {row['gpu_ms']:.3f} |")
+    for name, title in (("cached", "head in prefix cache"), ("none", "question alone")):
+        print(f"\n| kernel ({title}) | calls | GPU ms |\n|---|---|---|")
+        for row in r.get(name, {}).get("top_kernels", [])[:10]:
+            print(f"| {row['kernel'][:80]} | {row['calls']:.0f} | {row['gpu_ms']:.3f} |")
 
 
 if __name__ == "__main__":

@@ -6,8 +6,8 @@ Facts are random pre-RoPE K/V of ``--fact-tokens`` tokens each (k = 50 × 20
 tokens ≈ 1,000 tokens ≈ 128 MiB of bf16 K/V for this shape).
 
 For every k it measures the wall time of ``LLM.generate`` with one output
-token (median of ``--reps``), each request with a fresh cache salt so vLLM's
-prefix cache never helps:
+token (median of ``--reps``, the variants interleaved round by round), each
+request with a fresh cache salt so vLLM's prefix cache never helps:
 
 * ``none``   — the question alone (the floor: no memory at all);
 * ``kv``     — ``[prefix | k facts | question]`` with the facts injected, once per recompute
@@ -101,9 +101,12 @@ def write_memory(data: Path, cfg: dict, ks: list[int], fact_tokens: int, prefix_
     return disk, list(prefix.token_ids), facts
 
 
-def time_generate(llm, prompt: dict, params: dict | None, reps: int, warm_tokens: int = 0) -> tuple[float, int]:
-    """Median ms of one-token ``generate``; with ``warm_tokens``, an untimed request for the
-    prompt's first tokens (same salt) fills vLLM's prefix cache first."""
+def time_generate(llm, variants: dict[str, tuple[dict, dict | None, int]], reps: int) -> dict[str, tuple[float, int]]:
+    """Median ms of one-token ``generate`` per variant (name → prompt, params, warm tokens), and
+    its cached-token count, measured round by round — one request of each variant per round — so
+    that a slow phase of the engine or the machine weighs on all of them alike. Every request
+    gets a fresh cache salt; with ``warm tokens``, an untimed request for the prompt's first
+    tokens (same salt) fills vLLM's prefix cache first."""
     from inferscale.connector.compat import greedy_sampling
 
     def one(p: dict, extra: dict | None):
@@ -112,14 +115,16 @@ def time_generate(llm, prompt: dict, params: dict | None, reps: int, warm_tokens
         (out,) = llm.generate([p], sp, use_tqdm=False)
         return (time.perf_counter() - start) * 1e3, out.num_cached_tokens
 
-    times, cached = [], 0
-    for _ in range(reps + 1):  # the first run warms this shape up
-        p = dict(prompt, cache_salt=(prompt.get("cache_salt", "plain") + ":" + uuid.uuid4().hex))
-        if warm_tokens:
-            one(dict(p, prompt_token_ids=p["prompt_token_ids"][:warm_tokens + 1]), None)
-        ms, cached = one(p, params)
-        times.append(ms)
-    return statistics.median(times[1:]), cached
+    times: dict[str, list[float]] = {name: [] for name in variants}
+    cached: dict[str, int] = {}
+    for _ in range(reps + 1):  # the first round warms every shape up
+        for name, (prompt, params, warm_tokens) in variants.items():
+            p = dict(prompt, cache_salt=(prompt.get("cache_salt", "plain") + ":" + uuid.uuid4().hex))
+            if warm_tokens:
+                one(dict(p, prompt_token_ids=p["prompt_token_ids"][:warm_tokens + 1]), None)
+            ms, cached[name] = one(p, params)
+            times[name].append(ms)
+    return {name: (statistics.median(values[1:]), cached[name]) for name, values in times.items()}
 
 
 def store_get_times(disk, facts, ks, reps: int) -> dict:
@@ -160,23 +165,27 @@ def store_get_times(disk, facts, ks, reps: int) -> dict:
 
 
 def measure(llm, prefix, facts, ks, budgets, question, reps: int, store: str, salts, epoch: str) -> list[dict]:
-    """One engine's rows: the question alone, prompt injection, KV injection per budget, prefix cache."""
+    """One engine's rows: per k and budget, the question alone, KV injection, the head from vLLM's
+    prefix cache and prompt injection, measured in interleaved rounds."""
     from inferscale.compose.blend import injected_length
     from inferscale.compose.request import make_params
 
     rows = []
-    none_ms, _ = time_generate(llm, {"prompt_token_ids": question}, None, reps)
     for k in ks:
         ids = [f"f{i}" for i in range(k)]
         segment = prefix + [t for i in ids for t in facts[i].token_ids]
         lengths = [len(prefix)] + [len(facts[i].token_ids) for i in ids]
-        text_ms, _ = time_generate(llm, {"prompt_token_ids": segment + question, "cache_salt": "text"}, None, reps)
         for budget in budgets:
-            prompt = {"prompt_token_ids": segment + question, "cache_salt": salts.segment("bench", epoch, segment, budget)}
-            kv_ms, injected = time_generate(llm, prompt, make_params("bench", ids, budget), reps)
             claim = injected_length(lengths, budget)
-            cached_ms, hit = time_generate(llm, {"prompt_token_ids": segment + question, "cache_salt": "warm"},
-                                           None, reps, warm_tokens=claim)
+            prompt = {"prompt_token_ids": segment + question, "cache_salt": salts.segment("bench", epoch, segment, budget)}
+            got = time_generate(llm, {
+                "none": ({"prompt_token_ids": question}, None, 0),
+                "kv": (prompt, make_params("bench", ids, budget), 0),
+                "cached": ({"prompt_token_ids": segment + question, "cache_salt": "warm"}, None, claim),
+                "prompt": ({"prompt_token_ids": segment + question, "cache_salt": "text"}, None, 0),
+            }, reps)
+            (none_ms, _), (kv_ms, injected), (cached_ms, hit), (text_ms, _) = (got[n] for n in ("none", "kv", "cached",
+                                                                                               "prompt"))
             rows.append({"kv_store": store, "k": k, "recompute_tokens": budget, "memory_tokens": len(segment),
                          "recomputed_tokens": len(segment) - claim, "injected_tokens": injected,
                          "none_ms": none_ms, "kv_ms": kv_ms, "cached_ms": cached_ms, "cached_tokens": hit,
