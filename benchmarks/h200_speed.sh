@@ -9,7 +9,7 @@
 # .gpu/locomo, .gpu/vendor (Jasper's sources), .gpu/wheels (faiss-cpu).
 set -uo pipefail
 RUN=${RUN:-/tmp/run}
-STEPS=${STEPS:-jasper tests profile ttft load retrieval encode shapes}
+STEPS=${STEPS:-tests profile ttft load shapes}  # also: jasper retrieval encode serve start
 # the connector's cache write in steps ttft, load, shapes: "" (Config's default, the fused kernel),
 # --layerwise-write or --fused-write
 FUSED=${FUSED:-}
@@ -89,9 +89,10 @@ if has tests; then
 fi
 
 if has profile; then
-  for which in ${PROFILES:-now fused}; do
+  for which in ${PROFILES:-fused layerwise}; do  # before: the code in .gpu/before
     stamp "profile of one injected request ($which)"
     path=$NOW flag=; [[ $which == before ]] && path=$BEFORE; [[ $which == fused ]] && flag=--fused-write
+    [[ $which == layerwise ]] && flag=--layerwise-write
     PYTHONPATH=$path timeout 420 python3 benchmarks/inject_profile.py --cuda-graphs --k 50 --kv-store hbm $flag \
       --label "$which" --out "$RUN/inject_profile_$which.json" 2>&1 | grep -v " INFO \| DEBUG "
   done
