@@ -153,3 +153,68 @@ def test_an_api_key_guards_everything_but_health_and_metrics(client, state):
     assert client.get("/v1/users", headers={"Authorization": "Bearer wrong"}).status_code == 401
     assert client.get("/v1/users", headers={"Authorization": "Bearer s3cret"}).status_code == 200
     assert client.get("/metrics").status_code == 200
+
+
+class FailingLoadEngine:
+    """An engine that ends every request carrying memory K/V with ``finish_reason="error"``, as
+    vLLM does with ``kv_load_failure_policy="fail"`` when a segment turns out corrupt on load (a
+    fault the CPU build's "recompute" policy never shows), and answers text prompts."""
+
+    def __init__(self):
+        import http.server
+        import threading
+
+        self.bodies: list[dict] = []
+        engine = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_POST(self):
+                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                engine.bodies.append(body)
+                failed = bool(body.get("kv_transfer_params"))
+                choice = {"index": 0, "text": "" if failed else "Miso", "finish_reason": "error" if failed else "length"}
+                answer = {"id": "cmpl-1", "object": "text_completion", "created": 0, "model": "tiny", "choices": [choice]}
+                if body.get("stream"):
+                    payload = f"data: {json.dumps(answer)}\n\ndata: [DONE]\n\n".encode()
+                    content_type = "text/event-stream"
+                else:
+                    payload, content_type = json.dumps(answer).encode(), "application/json"
+                self.send_response(200)
+                self.send_header("Content-Type", content_type)
+                self.send_header("Content-Length", str(len(payload)))
+                self.end_headers()
+                self.wfile.write(payload)
+
+            def log_message(self, *args):
+                pass
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def close(self):
+        self.server.shutdown()
+
+
+def test_a_memory_the_engine_could_not_load_is_answered_from_the_facts_as_text(state):
+    client_of = state.engine_url
+    engine = FailingLoadEngine()
+    state.api_key, state.engine_url = None, engine.url
+    try:
+        with TestClient(create_app(state)) as client:
+            client.post("/v1/memories", json={"user_id": "carol", "facts": ["Carol's cat is called Miso."]})
+            chat = {"model": "tiny", "user": "carol", "messages": [{"role": "user", "content": "My cat's name?"}]}
+            answer = client.post("/v1/chat/completions", json=chat).json()
+            assert answer["choices"][0]["message"]["content"] == "Miso"
+            assert answer["inferscale"]["mode"] == "prompt" and answer["inferscale"]["retried"] == "load_error"
+            with client.stream("POST", "/v1/chat/completions", json={**chat, "stream": True}) as response:
+                lines = [line for line in response.iter_lines() if line.startswith("data:")]
+            first = json.loads(lines[0][5:])
+            assert first["choices"][0]["delta"].get("content") == "Miso" and first["inferscale"]["retried"] == "load_error"
+    finally:
+        state.engine_url = client_of
+        engine.close()
+    kinds = ["kv" if body.get("kv_transfer_params") else "text" for body in engine.bodies]
+    assert kinds == ["kv", "text", "kv", "text"], "each chat: the injected request once, then the facts as text"
+    kv, text = engine.bodies[0]["prompt"], engine.bodies[1]["prompt"]
+    assert text == kv, "the text request prefills the very tokens the injected one carried"

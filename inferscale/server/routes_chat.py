@@ -5,10 +5,17 @@ model's chat template and the cache salt happen here, through
 :meth:`GenerationAPI.retrieve` and :meth:`GenerationAPI.prompt`; vLLM gets
 token ids on ``/v1/completions`` and prefills only what is not injected.
 Without a user, the request goes to vLLM's own chat endpoint unchanged.
+
+An engine whose ``kv_load_failure_policy`` is ``"fail"`` (``compat.load_failure_policy``)
+ends a request whose memory the worker could not load with ``finish_reason="error"``
+and no text; the front then answers the same chat once more with the facts as text
+(prompt injection), so the user gets an answer from the same memory, never one from
+wrong K/V, and ``inferscale.retried`` says why.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import time
@@ -39,14 +46,43 @@ async def chat_completions(request: Request) -> Response:
     state.metrics.chats.labels(call.mode).inc()
     if call.user_id is None:
         return await _plain_chat(state, body)
+    return await _answer(state, call)
+
+
+async def _answer(state: ServerState, call: ChatCall, retried: str | None = None) -> Response:
     prompt, info = await run_in_threadpool(compose, state, call)
+    if retried:
+        info["retried"] = retried
     upstream = completion_body(call, prompt.prompt, prompt.kv_transfer_params, state.served_model)
     if call.stream:
-        return await _stream(state, upstream, info)
+        return await _stream(state, call, upstream, info)
     status, answer = await forward.post_json(state.client, "/v1/completions", upstream)
     if status != 200:
         return JSONResponse(answer, status_code=status)
+    if _load_failed(call, answer):
+        return await _as_text(state, call)
     return JSONResponse(chat_completion(answer, info))
+
+
+def _load_failed(call: ChatCall, completion: Any) -> bool:
+    """The engine ended an injected request with an error (its memory could not be loaded)."""
+    if call.mode != "kv" or not isinstance(completion, dict):
+        return False
+    choices = completion.get("choices") or [{}]
+    return isinstance(choices[0], dict) and choices[0].get("finish_reason") == "error"
+
+
+def _parsed(data: str) -> Any:
+    try:
+        return json.loads(data)
+    except ValueError:
+        return None
+
+
+async def _as_text(state: ServerState, call: ChatCall) -> Response:
+    logger.warning("inferscale: the engine could not load %s's memory; answering with the facts as text",
+                   call.user_id)
+    return await _answer(state, dataclasses.replace(call, mode="prompt"), retried="load_error")
 
 
 def compose(state: ServerState, call: ChatCall) -> tuple[PromptRequest, dict[str, Any]]:
@@ -73,16 +109,27 @@ def _compose(state: ServerState, call: ChatCall) -> tuple[PromptRequest, dict[st
     return prompt, info
 
 
-async def _stream(state: ServerState, upstream: dict[str, Any], info: dict[str, Any]) -> Response:
+async def _stream(state: ServerState, call: ChatCall, upstream: dict[str, Any], info: dict[str, Any]) -> Response:
     response = await forward.open_stream(state.client, "/v1/completions", upstream)
     if response.status_code != 200:
         return await forward.error_from(response)
+    stream = forward.sse_events(response)
+    first = await anext(stream, None)  # a failed load ends the stream at its first event
+    if first not in (None, "[DONE]") and _load_failed(call, _parsed(first)):
+        await response.aclose()
+        return await _as_text(state, call)
+
+    async def replayed():
+        if first is not None:
+            yield first
+        async for data in stream:
+            yield data
 
     async def events():
         started: set[int] = set()
         pending = info  # sent with the first chunk (the engine's report does not come with streams)
         try:
-            async for data in forward.sse_events(response):
+            async for data in replayed():
                 chunk = data if data == "[DONE]" else json.loads(data)
                 if isinstance(chunk, dict) and "error" not in chunk:
                     chunk, pending = chat_chunk(chunk, started, pending), None
