@@ -1,8 +1,10 @@
-"""The front's pure parts: the engine's command line, GPU sharing, chat parsing and reshaping."""
+"""The front's pure parts: the engine's command line and environment, GPU sharing, the host-memory
+settings, chat parsing and reshaping."""
 
 from __future__ import annotations
 
 import json
+import platform
 import socket
 
 import pytest
@@ -10,7 +12,7 @@ import pytest
 import tiny_models
 from inferscale.config import Config
 from inferscale.errors import ConfigError
-from inferscale.server import gpu, launch
+from inferscale.server import gpu, host_memory, launch, serve
 from inferscale.server.chat import completion_body, parse_chat
 from inferscale.server.convert import chat_chunk, chat_completion
 from inferscale.server.errors import APIError
@@ -27,6 +29,33 @@ def test_the_engine_listens_on_loopback_with_the_connector_and_the_users_argumen
     assert cmd[cmd.index("--served-model-name") + 1] == "qwen" and cmd[cmd.index("--max-model-len") + 1] == "12288"
     gpu_cmd = launch.engine_command("/m", "qwen", Config(), 4321, None, [], "cuda")
     assert "--enforce-eager" not in gpu_cmd and "--max-model-len" not in gpu_cmd
+
+
+def test_the_engine_starts_with_the_host_memory_settings_where_the_environment_sets_none(monkeypatch):
+    env = host_memory.engine_environment({"PATH": "/bin", "MALLOC_ARENA_MAX": "8"}, "cpu")
+    assert env["PATH"] == "/bin" and env["MALLOC_ARENA_MAX"] == "8"  # the user's value wins
+    assert env["MALLOC_MMAP_THRESHOLD_"] == str(256 << 10) and env["ONEDNN_PRIMITIVE_CACHE_CAPACITY"] == "256"
+    assert "ONEDNN_PRIMITIVE_CACHE_CAPACITY" not in host_memory.engine_environment({}, "cuda")  # oneDNN: CPU only
+    assert host_memory.engine_environment({}, "cuda")["MALLOC_ARENA_MAX"] == "2"
+    monkeypatch.setenv("VLLM_API_KEY", "secret")
+    monkeypatch.delenv("MALLOC_ARENA_MAX", raising=False)
+    engine_env = serve._engine_environment("cpu")
+    assert "VLLM_API_KEY" not in engine_env and engine_env["MALLOC_ARENA_MAX"] == "2"
+
+
+def test_the_front_applies_the_malloc_settings_its_environment_does_not_set(monkeypatch):
+    calls = []
+    monkeypatch.setattr(host_memory, "_mallopt", lambda: lambda param, value: calls.append((param, value)) or 1)
+    applied = host_memory.configure_this_process({"MALLOC_ARENA_MAX": "4"})
+    assert applied == {"MALLOC_MMAP_THRESHOLD_": str(256 << 10)}
+    assert calls == [(-3, 256 << 10)]  # glibc read MALLOC_ARENA_MAX itself when the process started
+    monkeypatch.setattr(host_memory, "_mallopt", lambda: None)  # not glibc: nothing to do
+    assert host_memory.configure_this_process({}) == {}
+
+
+@pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="mallopt is glibc's")
+def test_mallopt_is_found_in_glibc():
+    assert host_memory._mallopt() is not None
 
 
 @pytest.mark.parametrize("arg", ["--host", "--port=9", "--kv-transfer-config", "--api-key=x", "--uds"])
