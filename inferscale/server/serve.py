@@ -20,7 +20,8 @@ from dataclasses import dataclass, field
 from inferscale.api import Context
 from inferscale.config import Config
 from inferscale.errors import ConfigError
-from inferscale.server import gpu, host_memory, launch
+from inferscale import host_memory
+from inferscale.server import gpu, launch
 from inferscale.server.state import ServerState
 
 logger = logging.getLogger(__name__)
@@ -43,12 +44,12 @@ class ServeOptions:
 
 def serve(options: ServeOptions) -> int:
     """Run until interrupted (0) or until the engine dies (1)."""
-    applied = host_memory.configure_this_process()  # first: before the front's threads and arenas exist
+    applied = host_memory.configure_front()  # first: before the front's threads and arenas exist
     from inferscale.connector import compat
 
     compat.check_release()
     if applied:
-        logger.info("malloc settings: %s (server/host_memory.py)", ", ".join(f"{k}={v}" for k, v in applied.items()))
+        logger.info("host memory: %s (inferscale/host_memory.py)", ", ".join(f"{k}={v}" for k, v in applied.items()))
     signal.signal(signal.SIGTERM, _stop_on_sigterm)  # so the engine is stopped and memory closed on the way out
     launch.check_vllm_args(options.vllm_args)
     launch.check_port_free(options.host, options.port)
