@@ -1,16 +1,21 @@
-"""The front's pure parts: the engine's command line, GPU sharing, chat parsing and reshaping."""
+"""The front's pure parts: the engine's command line and environment, GPU sharing, the host-memory
+settings, chat parsing and reshaping."""
 
 from __future__ import annotations
 
 import json
+import platform
 import socket
+import threading
+import time
 
 import pytest
 
 import tiny_models
 from inferscale.config import Config
 from inferscale.errors import ConfigError
-from inferscale.server import gpu, launch
+from inferscale import host_memory
+from inferscale.server import gpu, launch, serve
 from inferscale.server.chat import completion_body, parse_chat
 from inferscale.server.convert import chat_chunk, chat_completion
 from inferscale.server.errors import APIError
@@ -27,6 +32,72 @@ def test_the_engine_listens_on_loopback_with_the_connector_and_the_users_argumen
     assert cmd[cmd.index("--served-model-name") + 1] == "qwen" and cmd[cmd.index("--max-model-len") + 1] == "12288"
     gpu_cmd = launch.engine_command("/m", "qwen", Config(), 4321, None, [], "cuda")
     assert "--enforce-eager" not in gpu_cmd and "--max-model-len" not in gpu_cmd
+
+
+def test_the_engine_starts_with_the_host_memory_settings_where_the_environment_sets_none(monkeypatch):
+    env = host_memory.engine_environment({"PATH": "/bin", "MALLOC_ARENA_MAX": "8"}, "cpu")
+    assert env["PATH"] == "/bin" and env["MALLOC_ARENA_MAX"] == "8"  # the user's value wins
+    assert env["INFERSCALE_MALLOC_TRIM_S"] == "10" and env["ONEDNN_PRIMITIVE_CACHE_CAPACITY"] == "256"
+    assert "MALLOC_MMAP_THRESHOLD_" not in env  # the front's only: the engine's steps allocate too much for it
+    assert "ONEDNN_PRIMITIVE_CACHE_CAPACITY" not in host_memory.engine_environment({}, "cuda")  # oneDNN: CPU only
+    assert host_memory.engine_environment({}, "cuda")["MALLOC_ARENA_MAX"] == "2"
+    monkeypatch.setenv("VLLM_API_KEY", "secret")
+    monkeypatch.delenv("MALLOC_ARENA_MAX", raising=False)
+    engine_env = serve._engine_environment("cpu")
+    assert "VLLM_API_KEY" not in engine_env and engine_env["MALLOC_ARENA_MAX"] == "2"
+
+
+class FakeLibc:
+    def __init__(self):
+        self.calls = []
+
+    def mallopt(self, param, value):
+        self.calls.append(("mallopt", param, value))
+        return 1
+
+    def malloc_trim(self, pad):
+        self.calls.append(("malloc_trim", pad))
+        return 1
+
+
+def test_the_front_applies_the_malloc_settings_its_environment_does_not_set(monkeypatch):
+    libc = FakeLibc()
+    monkeypatch.setattr(host_memory, "_glibc", lambda: libc)
+    applied = host_memory.configure_front({"MALLOC_ARENA_MAX": "4"})  # glibc read it at the process's start
+    assert applied == {"MALLOC_MMAP_THRESHOLD_": str(256 << 10)} and libc.calls == [("mallopt", -3, 256 << 10)]
+    monkeypatch.setattr(host_memory, "_glibc", lambda: None)  # not glibc: nothing to do
+    assert host_memory.configure_front({}) == {} and not host_memory.start_trimming(1.0)
+
+
+def test_the_worker_trims_every_interval_in_one_thread(monkeypatch):
+    libc = FakeLibc()
+    monkeypatch.setattr(host_memory, "_glibc", lambda: libc)
+    monkeypatch.setattr(host_memory, "_trimming", None)
+    monkeypatch.setattr(host_memory, "_stop_trimming", threading.Event())
+    assert not host_memory.start_trimming(0.0)  # INFERSCALE_MALLOC_TRIM_S=0: off
+    try:
+        assert host_memory.start_trimming(0.01)
+        thread = host_memory._trimming
+        deadline = time.monotonic() + 10
+        while ("malloc_trim", 0) not in libc.calls and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert ("malloc_trim", 0) in libc.calls
+        assert host_memory.start_trimming(5.0) and host_memory._trimming is thread  # one thread per process
+    finally:
+        host_memory.stop_trimming()
+    assert not thread.is_alive()
+
+
+def test_the_trim_interval_comes_from_the_environment():
+    assert host_memory.trim_interval({}) == 0.0 and host_memory.trim_interval({}, 10.0) == 10.0
+    assert host_memory.trim_interval({"INFERSCALE_MALLOC_TRIM_S": "2.5"}) == 2.5
+    assert host_memory.trim_interval({"INFERSCALE_MALLOC_TRIM_S": "soon"}, 10.0) == 0.0
+
+
+@pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="mallopt and malloc_trim are glibc's")
+def test_glibc_is_found_and_trims():
+    libc = host_memory._glibc()
+    assert libc is not None and libc.malloc_trim(0) in (0, 1)
 
 
 @pytest.mark.parametrize("arg", ["--host", "--port=9", "--kv-transfer-config", "--api-key=x", "--uds"])

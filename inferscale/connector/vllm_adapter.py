@@ -27,6 +27,7 @@ from typing import Any
 
 import torch
 
+from inferscale import host_memory
 from inferscale.compose.rope import RotaryEmbedding
 from inferscale.compose.salt import CacheSalts
 from inferscale.config import Config, build
@@ -135,6 +136,7 @@ class InferScaleConnector(compat.KVConnectorBase_V1):
     # ---------------- worker side ----------------
 
     def _init_worker(self, vllm_config) -> None:
+        host_memory.start_trimming(host_memory.trim_interval())  # when INFERSCALE_MALLOC_TRIM_S asks for it
         hf_config = vllm_config.model_config.hf_config
         text_config = getattr(hf_config, "get_text_config", lambda: hf_config)()
         self.rope = RotaryEmbedding.from_hf_config(text_config)

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from inferscale.api import Context
 from inferscale.config import Config
 from inferscale.errors import ConfigError
+from inferscale import host_memory
 from inferscale.server import gpu, launch
 from inferscale.server.state import ServerState
 
@@ -43,9 +44,12 @@ class ServeOptions:
 
 def serve(options: ServeOptions) -> int:
     """Run until interrupted (0) or until the engine dies (1)."""
+    applied = host_memory.configure_front()  # first: before the front's threads and arenas exist
     from inferscale.connector import compat
 
     compat.check_release()
+    if applied:
+        logger.info("host memory: %s (inferscale/host_memory.py)", ", ".join(f"{k}={v}" for k, v in applied.items()))
     signal.signal(signal.SIGTERM, _stop_on_sigterm)  # so the engine is stopped and memory closed on the way out
     launch.check_vllm_args(options.vllm_args)
     launch.check_port_free(options.host, options.port)
@@ -85,15 +89,17 @@ def _engine(options: ServeOptions, context: Context, device_type: str) -> tuple[
         launch.context_length(options.config, max_positions(str(context.model_dir)))
     port = options.engine_port or launch.free_port()
     cmd = launch.engine_command(context.model_dir, served, options.config, port, max_len, args, device_type)
-    return launch.EngineProcess(cmd, port, _engine_environment()), served
+    return launch.EngineProcess(cmd, port, _engine_environment(device_type)), served
 
 
-def _engine_environment() -> dict[str, str]:
-    """The engine on loopback takes no API key (the front checks --api-key); a VLLM_API_KEY
+def _engine_environment(device_type: str) -> dict[str, str]:
+    """The front's environment with the host-memory settings (:mod:`host_memory`) where it sets
+    none. The engine on loopback takes no API key (the front checks --api-key); a VLLM_API_KEY
     left in the environment would lock the front out of its own engine."""
     if "VLLM_API_KEY" in os.environ:
         logger.warning("VLLM_API_KEY is not passed to the engine; use --api-key to protect the front")
-    return {k: v for k, v in os.environ.items() if k != "VLLM_API_KEY"}
+    environ = {k: v for k, v in os.environ.items() if k != "VLLM_API_KEY"}
+    return host_memory.engine_environment(environ, device_type)
 
 
 def _shared_gpu_utilization(context: Context, device: str) -> float:
