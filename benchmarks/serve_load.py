@@ -315,6 +315,10 @@ def slope_mb_per_min(samples: list[dict], start: float, end: float) -> float | N
     return statistics.linear_regression(*zip(*points)).slope * 60
 
 
+def log_errors(text: str) -> int:
+    return sum(("Traceback" in line or " ERROR " in line) for line in text.splitlines())
+
+
 def summarize(run: Run, phases: dict, ready_s: float, log_text: str) -> dict:
     start, end = phases["load_start"], phases["load_end"]
     during = [e for e in run.events if e["t0"] >= start]
@@ -351,7 +355,7 @@ def summarize(run: Run, phases: dict, ready_s: float, log_text: str) -> dict:
         "rss_slope_second_half_mb_per_min": slope_mb_per_min(run.memory, (start + end) / 2, end),
         "server_ready_s": ready_s, "setup_s": phases["setup_s"], "load_s": end - start,
         "host_loadavg_1min": [min(s["loadavg"] for s in steady), max(s["loadavg"] for s in steady)] if steady else None,
-        "server_log_errors": sum(("Traceback" in line or " ERROR " in line) for line in log_text.splitlines()),
+        "server_log_errors": log_errors(log_text),
         "fallbacks_metric": [line for line in phases["metrics"].splitlines()
                              if line.startswith("vllm:inferscale_fallbacks_total") and not line.endswith(" 0.0")],
     }
@@ -442,13 +446,18 @@ def main(argv: list[str] | None = None) -> int:
     server = Server(args.model, data, args.port or free_port(), work / "server.log", tuple(args.serve_args))
     run = Run(args, make_users(args.users, args.facts, args.seed))
     command = " ".join(["python benchmarks/serve_load.py", *(argv if argv is not None else sys.argv[1:])])
+    served = 0
     try:
         ready_s = server.start()
         phases = asyncio.run(load(run, server))
     finally:
+        served = server.log.stat().st_size if server.log.exists() else 0  # what was logged while serving
         exit_code = server.stop()
-    summary = summarize(run, phases, ready_s, server.log.read_text(errors="replace"))
+    log = server.log.read_bytes()
+    summary = summarize(run, phases, ready_s, log[:served].decode(errors="replace"))
     summary["front_exit_code"] = exit_code
+    # vLLM's engine may log EngineDeadError while the front stops it: counted apart
+    summary["shutdown_log_errors"] = log_errors(log[served:].decode(errors="replace"))
     result = {"command": command, "model": args.model, "cpus": os.cpu_count(), "loadavg_end": os.getloadavg(),
               "args": {k: v for k, v in vars(args).items() if k != "serve_args"}, "summary": summary,
               "phases": {k: v for k, v in phases.items() if k != "metrics"}, "memory": run.memory,
