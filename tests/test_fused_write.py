@@ -48,10 +48,10 @@ def check(case: int, device: str = "cpu") -> None:
     rank_heads = heads.stop - heads.start
     caches = [flash_attention_views(6, rank_heads, block_size, head_size, dst_dtype, device) for _ in range(layers)]
     slots = torch.randperm(6 * block_size, generator=gen)[: total - start].to(device)
-    sources = token_sources(blocks, start, total).to(torch.device(device))
+    sources = token_sources(blocks, start, total, slots.tolist()).to(torch.device(device))
     views = CacheViews.of([(k, v) for _, k, v in caches])
     cos, sin = rope.table(torch.device(device), total)
-    write_segment(views, sources, slots, cos, sin, start, heads.start, rotary, style == "neox", scale, first_fact)
+    write_segment(views, sources, cos, sin, start, heads.start, rotary, style == "neox", scale, first_fact)
 
     stacked = torch.cat(blocks, dim=2)
     keys = rope.rotate_range(stacked[0][:, start:, heads], start)
@@ -95,16 +95,14 @@ def test_sources_point_at_each_tokens_rows():
     from inferscale.connector.fused_write import token_sources
 
     blocks = [torch.zeros(2, 3, n, 2, 4) for n in (2, 5)]
-    sources = token_sources(blocks, 1, 7)
+    sources = token_sources(blocks, 1, 7, [40, 41, 7, 8, 9, 90])
     row = 2 * 4 * 4  # bytes of one token's heads
     expected_k = [blocks[0].data_ptr() + row] + [blocks[1].data_ptr() + i * row for i in range(5)]
     assert sources.k_addr.tolist() == expected_k
     assert sources.layer_stride.tolist() == [2 * 8] + [5 * 8] * 5
     assert (sources.v_addr - sources.k_addr).tolist() == [3 * 2 * 8 * 4] + [3 * 5 * 8 * 4] * 5
-    placed = sources.with_slots([40, 41, 7, 8, 9, 90])
-    assert placed.slots.tolist() == [40, 41, 7, 8, 9, 90] and placed.k_addr.tolist() == expected_k
-    assert sources.slots.tolist() == [-1] * 6, "with_slots must not change the sources it was called on"
+    assert sources.slots.tolist() == [40, 41, 7, 8, 9, 90]
     with pytest.raises(ValueError):
-        sources.with_slots([1, 2])
+        token_sources(blocks, 1, 7, [1, 2])  # a slot per token
     with pytest.raises(ValueError):
-        token_sources([blocks[0], torch.zeros(2, 3, 4, 2, 4).transpose(3, 4)], 0, 1)
+        token_sources([blocks[0], torch.zeros(2, 3, 4, 2, 4).transpose(3, 4)], 0, 1, [0])

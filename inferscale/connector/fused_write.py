@@ -77,8 +77,8 @@ class Sources:
     """Where each token's K/V lies and where it goes, packed in one int64 ``table`` so that it
     reaches the device in one copy: row 0 the address of the token's layer-0 key row, row 1
     of its value row, row 2 the distance (elements) from one layer's row to the next, row 3
-    its cache slot (-1 until :meth:`with_slots`); and the blocks the addresses point into
-    (kept alive by the caller until the kernel has run)."""
+    its cache slot; and the blocks the addresses point into (kept alive by the caller until
+    the kernel has run)."""
 
     table: torch.Tensor
     dtype: torch.dtype
@@ -101,23 +101,16 @@ class Sources:
     def slots(self) -> torch.Tensor:
         return self.table[3]
 
-    def with_slots(self, slots: Sequence[int]) -> Sources:
-        """The same sources with the tokens' cache slots filled in (one per token)."""
-        if len(slots) != self.table.shape[1]:
-            raise ValueError(f"{len(slots)} slots for {self.table.shape[1]} tokens")
-        table = self.table.clone()
-        table[3] = torch.from_numpy(np.asarray(slots, dtype=np.int64))
-        return Sources(table, self.dtype, self.num_heads, self.blocks)
-
     def to(self, device: torch.device) -> Sources:
         """On ``device``: one pinned, asynchronous copy of the table (no host sync)."""
         table = self.table.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else self.table
         return Sources(table, self.dtype, self.num_heads, self.blocks)
 
 
-def token_sources(blocks: Sequence[torch.Tensor], start: int, end: int) -> Sources:
+def token_sources(blocks: Sequence[torch.Tensor], start: int, end: int, slots: Sequence[int]) -> Sources:
     """Sources of tokens ``start..end-1`` of the concatenation of ``blocks`` (each a fact's
-    ``[2, L, T_f, H, D]`` block, contiguous; keys at ``[0]``, values at ``[1]``).
+    ``[2, L, T_f, H, D]`` block, contiguous; keys at ``[0]``, values at ``[1]``), to be written
+    to cache ``slots`` (one per token).
 
     The per-token arithmetic runs in NumPy: on a few thousand tokens it costs microseconds,
     where the same dozen small torch ops cost a tenth of a millisecond of host time on the
@@ -129,6 +122,8 @@ def token_sources(blocks: Sequence[torch.Tensor], start: int, end: int) -> Sourc
         if not block.is_contiguous() or block.dtype != first.dtype or block.shape[3:] != first.shape[3:] \
                 or block.shape[1] != num_layers:
             raise ValueError("fact blocks must be contiguous [2, L, T, H, D] of one layout")
+    if len(slots) != end - start:
+        raise ValueError(f"{len(slots)} slots for {end - start} tokens")
     lengths = np.fromiter((b.shape[2] for b in blocks), dtype=np.int64, count=len(blocks))
     bases = np.fromiter((b.data_ptr() for b in blocks), dtype=np.int64, count=len(blocks))
     which = np.repeat(np.arange(len(blocks)), lengths)[start:end]
@@ -138,7 +133,7 @@ def token_sources(blocks: Sequence[torch.Tensor], start: int, end: int) -> Sourc
     table[2] = lengths[which] * row  # layer stride
     table[0] = bases[which] + (np.arange(start, end, dtype=np.int64) - offsets[which]) * row * size
     table[1] = table[0] + num_layers * table[2] * size
-    table[3] = -1
+    table[3] = slots
     return Sources(torch.from_numpy(table), first.dtype, num_heads, tuple(blocks))
 
 
@@ -182,21 +177,21 @@ if triton is not None:
         tl.store(v_out + dst, value.to(DST), mask=mask)
 
 
-def write_segment(cache: CacheViews, sources: Sources, slots: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+def write_segment(cache: CacheViews, sources: Sources, cos: torch.Tensor, sin: torch.Tensor,
                   start: int, head0: int, rotary_dim: int, neox: bool, key_scale: float = 1.0,
                   first_fact: int = 0) -> None:
-    """Write tokens ``start..`` (``len(slots)`` of them, their sources on the cache's device)
+    """Write tokens ``start..`` (those of ``sources``, on the cache's device) to their slots
     into every layer of the cache; ``cos``/``sin`` are the ``[positions, rotary_dim]`` float32
     table of :meth:`RotaryEmbedding.table`; keys of tokens from ``first_fact`` on (relative
     to ``start``) are multiplied by ``key_scale``."""
     if triton is None:
         raise RuntimeError("the fused cache write needs Triton")
-    num_tokens, num_layers = len(slots), len(cache.k_bases)
+    num_tokens, num_layers = sources.table.shape[1], len(cache.k_bases)
     if num_tokens == 0:
         return
     width = triton.next_power_of_2(cache.num_heads * cache.head_size)
     _write_kernel[(num_tokens, num_layers)](
-        sources.k_addr, sources.v_addr, sources.layer_stride, slots, cache.k_bases, cache.v_bases, cos, sin,
+        sources.k_addr, sources.v_addr, sources.layer_stride, sources.slots, cache.k_bases, cache.v_bases, cos, sin,
         start, first_fact, float(key_scale), head0, *cache.strides,
         SRC=_TL_DTYPES[sources.dtype], DST=_TL_DTYPES[cache.dtype], BLOCK_SIZE=cache.block_size,
         HEADS=cache.num_heads, HEAD_SIZE=cache.head_size, ROTARY=rotary_dim, NEOX=neox, WIDTH=width,

@@ -76,7 +76,3 @@ class LayerLoads:
     def is_pending(self, index: int) -> bool:
         """Whether layer ``index`` has writes the forward stream does not wait for yet."""
         return index in self._pending
-
-    @property
-    def pending(self) -> frozenset[int]:
-        return frozenset(self._pending)

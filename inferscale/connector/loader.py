@@ -91,7 +91,7 @@ class SegmentLoader:
         blocks, prefix_len, total = self._read(self._held, spec)
         _check_range(spec, total)
         _check_shape(blocks[0][0], num_layers, head_size)
-        return token_sources(blocks, spec.start, spec.end), prefix_len - spec.start
+        return token_sources(blocks, spec.start, spec.end, spec.slots), prefix_len - spec.start
 
     def _read(self, read, spec: LoadSpec):
         """``read(spec)``, once more after reloading the user when the memory tier turns out

@@ -28,8 +28,8 @@ from inferscale.connector.stats import (
     HIT_PREFIX,
     HOST_PREFIX,
     INJECTED_REQUESTS,
-    PLAN_CALLS,
     INJECTED_TOKENS,
+    PLAN_CALLS,
     Fallback,
     add_counts,
 )

@@ -58,9 +58,13 @@ class ConnectorStats:
         """A load found the user's K/V in ``tier`` (a store name: "pinned", "hbm", "disk")."""
         self._add({HIT_PREFIX + tier: 1})
 
-    def record_host_time(self, step: str, seconds: float, calls: str | None = None) -> None:
-        """``seconds`` of host time in ``step`` (and one more call of ``calls``, when given)."""
-        self._add({HOST_PREFIX + step: seconds, **({calls: 1} if calls else {})})
+    def record_host_time(self, step: str, seconds: float) -> None:
+        """``seconds`` of host time in ``step``."""
+        self._add({HOST_PREFIX + step: seconds})
+
+    def record_plan(self, seconds: float) -> None:
+        """The scheduler matched a request with its memory in ``seconds``."""
+        self._add({HOST_PREFIX + "plan": seconds, PLAN_CALLS: 1})
 
     def snapshot(self) -> dict[str, int]:
         with self._lock:

@@ -38,7 +38,7 @@ from inferscale.connector.loader import LoadSpec, SegmentLoader, kv_head_range, 
 from inferscale.connector.metrics import InferScalePromMetrics, InferScaleStats, stats_or_none
 from inferscale.connector.planner import NO_MEMORY, Plan, plan_request
 from inferscale.connector.report import client_report
-from inferscale.connector.stats import PLAN_CALLS, ConnectorStats, Fallback
+from inferscale.connector.stats import ConnectorStats, Fallback
 from inferscale.storage.disk import DiskStore
 
 logger = compat.init_logger("vllm.inferscale.connector")
@@ -88,7 +88,7 @@ class InferScaleConnector(compat.KVConnectorBase_V1):
                             request.cache_salt, num_computed_tokens, self.blend)
         if plan is not NO_MEMORY:
             self._plans[request.request_id] = plan
-            self.stats.record_host_time("plan", time.perf_counter() - began, calls=PLAN_CALLS)
+            self.stats.record_plan(time.perf_counter() - began)
         return plan.num_external, False
 
     def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
@@ -200,8 +200,8 @@ class InferScaleConnector(compat.KVConnectorBase_V1):
             try:
                 tier = self._tier(spec)
                 sources, first_fact = self.loader.sources(spec, len(self.layer_names), self.head_size)
-                sources = sources.with_slots(spec.slots).to(self.loader.device)
-                fused_write.write_segment(views, sources, sources.slots, cos, sin, spec.start, self.heads.start,
+                sources = sources.to(self.loader.device)
+                fused_write.write_segment(views, sources, cos, sin, spec.start, self.heads.start,
                                           self.rope.rotary_dim, self.rope.style == "neox", spec.key_scale, first_fact)
                 keep.append(sources)  # its table and the blocks it points into
                 self._count_hit(tier)
