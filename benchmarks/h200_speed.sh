@@ -13,24 +13,11 @@ STEPS=${STEPS:-tests profile ttft load shapes}  # also: jasper retrieval encode 
 # the connector's cache write in steps ttft, load, shapes: "" (Config's default, the fused kernel),
 # --layerwise-write or --fused-write
 FUSED=${FUSED:-}
-mkdir -p "$RUN"
-exec > >(tee -a "$RUN/log") 2>&1
-stamp() { echo "== $(date +%T) $*"; }
-has() { [[ " $STEPS " == *" $1 "* ]]; }
-
-if [[ ! -d /tmp/site/vllm ]]; then
-  stamp unpacking
-  mkdir -p /tmp/site && chmod +x .gpu/zstd
-  cat /tmp/parts/vllm-0.26.0-site.tar.zst.* | .gpu/zstd -d -q | tar -x -C /tmp/site
-fi
-export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
-export INFERSCALE_CACHE=/tmp/isc VLLM_CACHE_ROOT=/tmp/isc/vllm
+source benchmarks/gpu_block.sh
 NOW=/tmp/site:$PWD BEFORE=/tmp/site:$PWD/.gpu/before
-PYTHONPATH=$NOW python3 -c 'import vllm, torch; print("vllm", vllm.__version__, "torch", torch.__version__, torch.cuda.get_device_name())'
 if [[ -d .gpu/wheels ]] && ! PYTHONPATH=$NOW python3 -c 'import faiss' 2>/dev/null; then
   python3 -m pip install -q --no-index --no-deps --target /tmp/site .gpu/wheels/*.whl
 fi
-fused_flag() { echo "$FUSED"; }
 
 if has jasper; then  # CPU work: built beside the correctness tests, ready for step "retrieval"
   stamp "building Jasper in the background (log: $RUN/jasper_build.log)"
@@ -99,16 +86,16 @@ if has profile; then
 fi
 
 if has ttft; then
-  stamp "TTFT vs k, Llama-3.1-8B shape, multiprocess engine, CUDA graphs, hbm + pinned, query-to-first-token ($(fused_flag))"
+  stamp "TTFT vs k, Llama-3.1-8B shape, multiprocess engine, CUDA graphs, hbm + pinned, query-to-first-token ($FUSED)"
   PYTHONPATH=$NOW timeout 600 python3 benchmarks/ttft.py --cuda-graphs --shape llama-3.1-8b --kv-stores hbm,pinned \
-    --ks 1,5,10,25,50,100 --reps 20 $(fused_flag) --embedder .gpu/minilm --out "$RUN/ttft_llama8b_h200.json" 2>&1 \
+    --ks 1,5,10,25,50,100 --reps 20 $FUSED --embedder .gpu/minilm --out "$RUN/ttft_llama8b_h200.json" 2>&1 \
     | grep -v " INFO \| DEBUG "
 fi
 
 if has load; then
-  stamp "load through vllm serve: 1/10/50/100 users, 200 facts each, k = 50, Qwen2.5-7B shape ($(fused_flag))"
+  stamp "load through vllm serve: 1/10/50/100 users, 200 facts each, k = 50, Qwen2.5-7B shape ($FUSED)"
   PYTHONPATH=$NOW timeout 900 python3 benchmarks/vllm_serve_load.py --shape qwen2.5-7b --cuda-graphs \
-    --gpu-memory-utilization 0.5 --seconds 10 $(fused_flag) --out "$RUN/vllm_serve_load_h200" 2>&1 | grep -v " INFO \| DEBUG "
+    --gpu-memory-utilization 0.5 --seconds 10 $FUSED --out "$RUN/vllm_serve_load_h200" 2>&1 | grep -v " INFO \| DEBUG "
 fi
 
 if has retrieval; then
@@ -138,7 +125,7 @@ if has shapes; then
   for shape in qwen2.5-7b qwen3-14b; do
     stamp "TTFT vs k, $shape shape"
     PYTHONPATH=$NOW timeout 500 python3 benchmarks/ttft.py --cuda-graphs --shape $shape --kv-stores hbm,pinned \
-      --ks 1,10,50,100 --reps 20 $(fused_flag) --out "$RUN/ttft_${shape}_h200.json" 2>&1 | grep -v " INFO \| DEBUG "
+      --ks 1,10,50,100 --reps 20 $FUSED --out "$RUN/ttft_${shape}_h200.json" 2>&1 | grep -v " INFO \| DEBUG "
   done
 fi
 stamp done

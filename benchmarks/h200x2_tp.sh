@@ -5,18 +5,8 @@
 set -uo pipefail
 RUN=${RUN:-/tmp/run}
 STEPS=${STEPS:-check ttft serve}
-mkdir -p "$RUN"
-exec > >(tee -a "$RUN/log") 2>&1
-stamp() { echo "== $(date +%T) $*"; }
-has() { [[ " $STEPS " == *" $1 "* ]]; }
-if [[ ! -d /tmp/site/vllm ]]; then
-  stamp unpacking
-  mkdir -p /tmp/site && chmod +x .gpu/zstd
-  cat /tmp/parts/vllm-0.26.0-site.tar.zst.* | .gpu/zstd -d -q | tar -x -C /tmp/site
-fi
-export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
-export INFERSCALE_CACHE=/tmp/isc VLLM_CACHE_ROOT=/tmp/isc/vllm NCCL_NVLS_ENABLE=0
-python3 -c 'import vllm, torch; print("vllm", vllm.__version__, "GPUs", torch.cuda.device_count(), torch.cuda.get_device_name())'
+source benchmarks/gpu_block.sh
+export PYTHONPATH=/tmp/site:$PWD
 nvidia-smi topo -m || true
 
 if has check; then

@@ -115,11 +115,6 @@ def one(llm, prompt: dict, params: dict | None) -> float:
     return ms
 
 
-def median_ms(llm, prompt: dict, params: dict | None, reps: int) -> float:
-    times = [one(llm, prompt, params) for _ in range(reps + 2)]
-    return statistics.median(times[2:])
-
-
 def warm_salts(llm, segment: list[int], n: int) -> list[str]:
     """``n`` fresh salts, each with ``segment`` (and one more token) in vLLM's prefix cache."""
     from inferscale.connector.compat import greedy_sampling

@@ -54,11 +54,17 @@ def get(url: str, body: dict | None = None, timeout: float = 2.0) -> dict | None
 
 
 def start(model: Path, extra: list[str], graphs: bool, log: Path, timeout: float) -> tuple[subprocess.Popen, str, float | None]:
+    """vLLM's OpenAI server on a model shape with random weights, on 127.0.0.1 (``extra`` last, so
+    its options win); (process, URL, seconds until ``/health`` answered, or None)."""
+    from inferscale.connector.compat import server_command
+
     port = free_port()
-    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model), "--load-format", "dummy",
+    cmd = [*server_command(), "--model", str(model), "--load-format", "dummy",
            "--skip-tokenizer-init", "--dtype", "bfloat16", "--max-model-len", "4096", "--gpu-memory-utilization", "0.4",
            "--host", "127.0.0.1", "--port", str(port), *([] if graphs else ["--enforce-eager"]), *extra]
-    env = {**os.environ, "PYTHONFAULTHANDLER": "1"}
+    repo = str(Path(__file__).resolve().parents[1])  # the connector, importable in the engine's processes
+    path = os.pathsep.join(p for p in (repo, os.environ.get("PYTHONPATH", "")) if p)
+    env = {"VLLM_CPU_KVCACHE_SPACE": "2", **os.environ, "PYTHONPATH": path, "PYTHONFAULTHANDLER": "1"}
     proc = subprocess.Popen(cmd, stdout=log.open("wb"), stderr=subprocess.STDOUT, env=env, start_new_session=True)
     url, began = f"http://127.0.0.1:{port}", time.monotonic()
     while time.monotonic() - began < timeout and proc.poll() is None:

@@ -32,9 +32,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import random
-import signal
 import statistics
 import subprocess
 import sys
@@ -44,7 +42,8 @@ import uuid
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from served import REPO, free_port  # noqa: E402
+import serve_start  # noqa: E402
+from served import REPO  # noqa: E402
 from ttft import SHAPES  # noqa: E402
 
 sys.path.insert(0, str(REPO))
@@ -182,45 +181,19 @@ def summarize(system: str, users: int, results: list[dict], seconds: float, max_
 
 
 def start_server(model: Path, config, args, log: Path) -> tuple[subprocess.Popen, str]:
-    from inferscale.connector.compat import server_command
+    """``serve_start.start`` with the connector and this run's options; an error if it never answers."""
     from inferscale.connector.engine import kv_transfer_config
 
-    port = free_port()
-    cmd = [*server_command(), "--model", str(model), "--load-format", "dummy", "--skip-tokenizer-init",
-           "--dtype", "bfloat16", "--max-model-len", str(args.max_model_len), "--host", "127.0.0.1",
-           "--port", str(port), "--kv-transfer-config", json.dumps(kv_transfer_config(config)),
-           *([] if args.cuda_graphs else ["--enforce-eager"]), *args.vllm_args]
-    if args.gpu_memory_utilization:
-        cmd += ["--gpu-memory-utilization", str(args.gpu_memory_utilization)]
-    path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)
-    env = {**os.environ, "PYTHONPATH": path, "PYTHONFAULTHANDLER": "1"}
-    env.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
-    proc = subprocess.Popen(cmd, stdout=log.open("wb"), stderr=subprocess.STDOUT, env=env, start_new_session=True)
-    url = f"http://127.0.0.1:{port}"
-    import httpx
-
-    began = time.monotonic()
-    while time.monotonic() - began < args.start_timeout:
-        if proc.poll() is not None:
-            raise RuntimeError(f"vllm serve exited with {proc.returncode}:\n{log.read_text(errors='replace')[-4000:]}")
-        try:
-            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                print(f"vllm serve answered /health after {time.monotonic() - began:.1f} s", flush=True)
-                return proc, url
-        except httpx.HTTPError:
-            pass
-        time.sleep(1)
-    stop_server(proc)
-    raise RuntimeError(f"vllm serve not ready after {args.start_timeout} s:\n{log.read_text(errors='replace')[-4000:]}")
-
-
-def stop_server(proc: subprocess.Popen) -> None:
-    if proc.poll() is None:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
+    extra = ["--kv-transfer-config", json.dumps(kv_transfer_config(config)), "--max-model-len", str(args.max_model_len),
+             *(["--gpu-memory-utilization", str(args.gpu_memory_utilization)] if args.gpu_memory_utilization else []),
+             *args.vllm_args]
+    proc, url, seconds = serve_start.start(model, extra, args.cuda_graphs, log, args.start_timeout)
+    if seconds is None:
+        serve_start.stop(proc, dump=True)
+        raise RuntimeError(f"vllm serve did not answer within {args.start_timeout} s:\n"
+                           f"{log.read_text(errors='replace')[-4000:]}")
+    print(f"vllm serve answered /health after {seconds:.1f} s", flush=True)
+    return proc, url
 
 
 async def run(url: str, requests: Requests, args, systems: list[str], levels: list[int]) -> tuple[dict, list[dict]]:
@@ -241,22 +214,22 @@ async def run(url: str, requests: Requests, args, systems: list[str], levels: li
     print(f"warm-up: {check['users']} users, {check['failed']} failed; first report {injected[:1]}", flush=True)
     for system in systems:  # one untimed round per system: CUDA graphs and kernels for each shape warm up
         await closed_loop(client, requests, system, users[: min(4, len(users))], 1.0)
-    before = connector_counters(url)
+    before = connector_counters(scrape(url))
     rows = []
     for level in levels:
         for system in systems:
-            snapshot = histograms(url)
+            snapshot = scrape(url)
             results = await closed_loop(client, requests, system, users[:level], args.seconds, args.stream)
             await asyncio.sleep(0.5)  # the engine's last stats reach /metrics
             row = summarize(system, level, results, args.seconds, args.max_tokens)
-            row.update(histogram_summary(snapshot, histograms(url)))
+            row.update(histogram_summary(snapshot, scrape(url)))
             rows.append(row)
             print(f"{level:4d} users {system:8s} {row['requests_per_s']:8.2f} req/s  engine TTFT mean "
                   f"{row.get('ttft_mean_ms', 0):8.1f} ms (p50 ≤ {row.get('ttft_p50_le_ms', 0):.0f}, p99 ≤ "
                   f"{row.get('ttft_p99_le_ms', 0):.0f})  latency p50 {row['latency_p50_ms'] or 0:8.1f} ms  "
                   f"failed {row['failed']}", flush=True)
     await client.close()
-    after = connector_counters(url)
+    after = connector_counters(scrape(url))
     check["connector_counts_during_runs"] = {k: after[k] - before.get(k, 0.0) for k in after}
     print(f"connector counters during the timed runs: {check['connector_counts_during_runs']}", flush=True)
     return check, rows
@@ -267,64 +240,43 @@ HISTOGRAMS = {"ttft": "vllm:time_to_first_token_seconds", "e2e": "vllm:e2e_reque
               "queue": "vllm:request_queue_time_seconds"}
 
 
-def histograms(url: str) -> dict[str, dict]:
-    """The server's histograms as {key: {"buckets": {upper bound s: cumulative count}, "sum", "count"}},
-    summed over label sets."""
+def scrape(url: str) -> dict[str, float]:
+    """Every sample on the server's ``/metrics``, summed over the labels that only name the model
+    and the engine: keyed ``name`` or ``name{label=value}`` for ``le``, ``step``, ``reason``, ``tier``."""
     import httpx
+    from prometheus_client.parser import text_string_to_metric_families
 
-    out = {key: {"buckets": {}, "sum": 0.0, "count": 0.0} for key in HISTOGRAMS}
-    text = httpx.get(f"{url}/metrics", timeout=10).text
-    for line in text.splitlines():
-        if line.startswith("#"):
-            continue
-        for key, name in HISTOGRAMS.items():
-            if not line.startswith(name):
-                continue
-            metric, value = line.split("{")[0].split(" ")[0], float(line.rsplit(" ", 1)[1])
-            if metric == f"{name}_bucket":
-                bound = float(line.split('le="')[1].split('"')[0])
-                out[key]["buckets"][bound] = out[key]["buckets"].get(bound, 0.0) + value
-            elif metric == f"{name}_sum":
-                out[key]["sum"] += value
-            elif metric == f"{name}_count":
-                out[key]["count"] += value
+    out: dict[str, float] = {}
+    for family in text_string_to_metric_families(httpx.get(f"{url}/metrics", timeout=10).text):
+        for sample in family.samples:
+            kept = [f"{k}={v}" for k, v in sample.labels.items() if k in ("le", "step", "reason", "tier")]
+            key = sample.name + (f"{{{','.join(kept)}}}" if kept else "")
+            out[key] = out.get(key, 0.0) + sample.value
     return out
 
 
-def histogram_summary(before: dict, after: dict) -> dict:
+def histogram_summary(before: dict[str, float], after: dict[str, float]) -> dict:
     """Mean (exact) and p50/p99 (the upper bound of the bucket that holds them) per histogram,
-    of the requests finished between the two snapshots, in ms."""
+    of the requests finished between the two :func:`scrape` snapshots, in ms."""
     out = {}
-    for key in HISTOGRAMS:
-        count = after[key]["count"] - before[key]["count"]
+    for key, name in HISTOGRAMS.items():
+        count = after.get(f"{name}_count", 0.0) - before.get(f"{name}_count", 0.0)
         if count <= 0:
             continue
-        out[f"{key}_mean_ms"] = (after[key]["sum"] - before[key]["sum"]) / count * 1e3
-        cumulative = sorted((bound, after[key]["buckets"][bound] - before[key]["buckets"].get(bound, 0.0))
-                            for bound in after[key]["buckets"])
+        out[f"{key}_mean_ms"] = (after[f"{name}_sum"] - before.get(f"{name}_sum", 0.0)) / count * 1e3
+        prefix = f"{name}_bucket{{le="
+        cumulative = sorted((float(k[len(prefix):-1]), v - before.get(k, 0.0)) for k, v in after.items()
+                            if k.startswith(prefix))
         for q in (0.5, 0.99):
             bound = next((b for b, c in cumulative if c >= q * count), float("inf"))
             out[f"{key}_p{int(q * 100)}_le_ms"] = bound * 1e3
     return out
 
 
-def connector_counters(url: str) -> dict[str, float]:
-    """The connector's counters on vLLM's ``/metrics`` (injected requests and tokens, fallbacks, store hits)."""
-    import httpx
-
-    counts: dict[str, float] = {}
-    try:
-        text = httpx.get(f"{url}/metrics", timeout=10).text
-    except httpx.HTTPError:
-        return counts
-    for line in text.splitlines():
-        if line.startswith("vllm:inferscale_") and "_total" in line.split(" ")[0].split("{")[0]:
-            name = line.split("{")[0].split(" ")[0].removeprefix("vllm:inferscale_").removesuffix("_total")
-            for label in ("step", "reason", "tier"):
-                if f'{label}="' in line:
-                    name += "." + line.split(f'{label}="')[1].split('"')[0]
-            counts[name] = counts.get(name, 0.0) + float(line.rsplit(" ", 1)[1])
-    return counts
+def connector_counters(snapshot: dict[str, float]) -> dict[str, float]:
+    """The connector's counters in a :func:`scrape` snapshot (injections, fallbacks, store hits, host time)."""
+    return {k.removeprefix("vllm:inferscale_"): v for k, v in snapshot.items()
+            if k.startswith("vllm:inferscale_") and "_total" in k}
 
 
 def table(result: dict) -> str:
@@ -425,7 +377,7 @@ def main(argv: list[str] | None = None) -> int:
         requests = Requests(str(model), config, prefix, tokens, args.k, args.question_tokens, args.max_tokens)
         check, rows = asyncio.run(run(url, requests, args, systems, levels))
     finally:
-        stop_server(proc)
+        serve_start.stop(proc, dump=False)
     try:
         import torch
 
