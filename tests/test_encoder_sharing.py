@@ -18,21 +18,15 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from inferscale.encode import FactEncoder, FactsWindow, NoWindow, TokensWindow, Turn, TurnsWindow
+from inferscale.encode import FactEncoder, FactsWindow, NoWindow, TokensWindow, TurnsWindow
 from inferscale.encode.encoder import has_sliding_window
 from inferscale.encode.sharing import Row, common_prefix_length, nest, plan
 from inferscale.encode.weights import load_causal_lm
 from inferscale.facts import Fact
+from test_encoder import TURNS  # the same five LoCoMo-like turns
 
 SHARE_REL_TOL = 1e-5
 
-TURNS = [
-    Turn("D1:1", "Caroline", "Hey Mel! I went to an LGBTQ support group yesterday and it was powerful."),
-    Turn("D1:2", "Melanie", "That sounds great. I just finished painting a lake at sunrise."),
-    Turn("D1:3", "Caroline", "I am researching adoption agencies; I want to give a kid a loving home."),
-    Turn("D1:4", "Melanie", "Wow! By the way, I am running a charity race for mental health next month."),
-    Turn("D1:5", "Caroline", "My sister moved to Lisbon last year and works as a nurse there."),
-]
 SENTENCES = [
     "Caroline attended an LGBTQ support group.",
     "Melanie painted a lake at sunrise.",
