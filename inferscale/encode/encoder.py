@@ -202,9 +202,7 @@ class FactEncoder:
         self.window = window or NoWindow()
         self.batch_size = batch_size
         self.fact_style = fact_style
-        if share_prefixes is None:
-            share_prefixes = _device_of(model).type == "cpu"
-        self.share_prefixes = share_prefixes and not has_sliding_window(text_config(model))
+        self._share = share_prefixes if not has_sliding_window(text_config(model)) else False
         self._attn = attention_modules(model)
         self._pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
 
@@ -216,6 +214,14 @@ class FactEncoder:
 
         model, tokenizer = load_causal_lm(spec, dtype=dtype)
         return cls(model, tokenizer, window, batch_size, fact_style, share_prefixes)
+
+    @property
+    def share_prefixes(self) -> bool:
+        """Whether shared prefixes are prefilled once: as asked, else on a CPU only (where the
+        model is now: a server may move it to a GPU after building the encoder)."""
+        if self._share is not None:
+            return self._share
+        return _device_of(self._live_model()).type == "cpu"
 
     # -- shape of the K/V this encoder produces
 
@@ -388,7 +394,7 @@ class FactEncoder:
         from transformers import DynamicCache
 
         model = self._live_model()
-        device = next(model.parameters()).device
+        device = _device_of(model)
         lengths = torch.tensor(past.lengths if past else [0] * len(seqs))
         input_ids, mask = self._pad(seqs)
         seen = torch.arange(past.width if past else 0) < lengths[:, None]
