@@ -76,6 +76,12 @@ SMOKE = {**LLAMA_31_8B, "hidden_size": 256, "intermediate_size": 512, "num_hidde
 SHAPES = {"llama-3.1-8b": LLAMA_31_8B, "qwen2.5-7b": QWEN25_7B, "qwen3-14b": QWEN3_14B, "smoke": SMOKE}
 
 
+def kv_shape(cfg: dict) -> tuple[int, int, int]:
+    """(layers, KV heads, head size) of a model shape: one token's K or V per layer and head."""
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    return cfg["num_hidden_layers"], cfg["num_key_value_heads"], head_dim
+
+
 def write_memory(data: Path, cfg: dict, ks: list[int], fact_tokens: int, prefix_tokens: int, seed: int = 0,
                  min_facts: int = 0):
     import torch
@@ -84,8 +90,7 @@ def write_memory(data: Path, cfg: dict, ks: list[int], fact_tokens: int, prefix_
     from inferscale.kv import FactKV
     from inferscale.storage.disk import DiskStore
 
-    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
-    shape = (cfg["num_hidden_layers"], cfg["num_key_value_heads"], head_dim)
+    shape = kv_shape(cfg)
     gen = torch.Generator().manual_seed(seed)
 
     def fact(n: int) -> FactKV:

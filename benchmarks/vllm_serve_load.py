@@ -44,14 +44,14 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import serve_start  # noqa: E402
 from served import REPO  # noqa: E402
-from ttft import SHAPES  # noqa: E402
+from ttft import SHAPES, kv_shape  # noqa: E402
 
 sys.path.insert(0, str(REPO))
 
 
 def kv_bytes_per_token(cfg: dict) -> int:
-    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
-    return 2 * cfg["num_hidden_layers"] * cfg["num_key_value_heads"] * head_dim * 2  # K and V, bf16
+    layers, heads, head_dim = kv_shape(cfg)
+    return 2 * layers * heads * head_dim * 2  # K and V, bf16
 
 
 def write_users(data: Path, cfg: dict, users: int, facts: int, fact_tokens: int, prefix_tokens: int,
@@ -64,8 +64,7 @@ def write_users(data: Path, cfg: dict, users: int, facts: int, fact_tokens: int,
     from inferscale.kv import FactKV
     from inferscale.storage.disk import DiskStore
 
-    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
-    layers, heads = cfg["num_hidden_layers"], cfg["num_key_value_heads"]
+    layers, heads, head_dim = kv_shape(cfg)
     gen = torch.Generator().manual_seed(seed)
     kv = torch.randn((2, layers, facts * fact_tokens, heads, head_dim), generator=gen).to(torch.bfloat16)
     rng = random.Random(seed)
