@@ -11,7 +11,7 @@ from inferscale.compose.blend import AUTO_RECOMPUTE_TOKENS, Blend, injected_leng
 from inferscale.compose.rope import RotaryEmbedding
 from inferscale.compose.segment import PREFIX_FACT, SYSTEM_USER
 from inferscale.config import Config
-from inferscale.connector.loader import LoadSpec, SegmentLoader, kv_head_range
+from inferscale.connector.loader import LoadSpec, SegmentLoader, kv_head_range, slots_for
 from inferscale.compose.request import SegmentRequest, make_params
 from inferscale.compose.salt import CacheSalts
 from inferscale.connector.planner import plan_request
@@ -147,6 +147,17 @@ def _spec(disk, order, start, end, key_scale=1.0, recompute=None) -> LoadSpec:
     memory = SegmentRequest("ann", tuple(order), recompute, None)
     salt = memory.salt(SALTS, disk.generation("ann"), segment)
     return LoadSpec("r1", memory, start, end, len(segment), tuple(range(start, end)), salt, key_scale)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.sampled_from([1, 16, 32]), st.lists(st.integers(0, 10_000), min_size=1, max_size=40), st.data())
+def test_slots_follow_the_block_table(block_size, block_ids, data):
+    """Token position p of the request lands in slot block_ids[p // block_size] * block_size + p % block_size."""
+    end = data.draw(st.integers(0, len(block_ids) * block_size))
+    start = data.draw(st.integers(0, end))
+    slots = slots_for(block_ids, block_size, start, end)
+    assert slots.dtype.name == "int64"
+    assert slots.tolist() == [block_ids[p // block_size] * block_size + p % block_size for p in range(start, end)]
 
 
 def test_key_scale_multiplies_only_the_facts_keys(disk):

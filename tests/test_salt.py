@@ -32,6 +32,21 @@ def test_salt_depends_on_everything_it_covers():
     assert KEY.text("alice", "e1") != KEY.text("bob", "e1") and KEY.text("alice", "e1") != KEY.text("alice", "e2")
 
 
+def test_salt_reads_token_ids_of_any_integer_kind():
+    """The scheduler hashes a list, the worker a tuple built from the store, the server NumPy
+    or torch ids: one segment has one salt; ids that do not fit 64 bits are refused."""
+    import numpy as np
+    import torch
+
+    ids = [0, 1, 151_643, 2**31, 2**63 - 1]
+    base = KEY.segment("ann", "e", ids)
+    assert {KEY.segment("ann", "e", kind) for kind in (tuple(ids), np.array(ids, dtype=np.int64),
+                                                        torch.tensor(ids).tolist())} == {base}
+    assert KEY.segment("ann", "e", ids[:-1]) != base and KEY.segment("ann", "e", []) != KEY.segment("ann", "e", [0])
+    with pytest.raises(OverflowError):
+        KEY.segment("ann", "e", [2**63])
+
+
 def test_salt_tells_apart_every_recipe():
     salts = {KEY.segment("ann", "e", [1, 2, 3], b, c) for b in (None, 0, 32) for c in (None, 1.0, 1.25)}
     assert len(salts) == 9

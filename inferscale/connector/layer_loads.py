@@ -53,12 +53,13 @@ class LayerLoads:
 
     def all_queued(self, keep: list) -> None:
         """Every layer's writes are queued, by one kernel (call inside :meth:`issuing`);
-        ``keep`` stays referenced until that work has run (the tensors it reads)."""
+        ``keep`` stays referenced until that work has run (the tensors it reads). The forward
+        pass waits once, before layer 0; the other layers find nothing pending."""
         if self.stream is None:
             return
         event = torch.cuda.Event()
         event.record(self.stream)
-        self._pending = dict.fromkeys(range(self.num_layers), event)
+        self._pending = {0: event}
         self._kept.append((event, keep))
 
     def wait_layer(self, index: int) -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from inferscale.compose.rope import RotaryEmbedding
@@ -39,7 +40,7 @@ class LoadSpec:
     start: int
     end: int
     segment_len: int
-    slots: tuple[int, ...]
+    slots: Sequence[int]  # an int64 array from the scheduler (:func:`slots_for`)
     salt: str
     key_scale: float = 1.0
 
@@ -129,7 +130,7 @@ class SegmentLoader:
 
     def slot_mapping(self, spec: LoadSpec) -> torch.Tensor:
         """The spec's cache slots on the loader's device, copied without a host sync."""
-        slots = torch.tensor(spec.slots, dtype=torch.long)
+        slots = torch.as_tensor(np.asarray(spec.slots, dtype=np.int64))
         if self.device.type != "cuda":
             return slots.to(self.device)
         return slots.pin_memory().to(self.device, non_blocking=True)
@@ -164,6 +165,8 @@ def _check_shape(keys: torch.Tensor, num_layers: int, head_size: int) -> None:
         )
 
 
-def slots_for(block_ids: Sequence[int], block_size: int, start: int, end: int) -> tuple[int, ...]:
-    """Cache slots of token positions ``start..end-1`` given the request's block table."""
-    return tuple(block_ids[p // block_size] * block_size + p % block_size for p in range(start, end))
+def slots_for(block_ids: Sequence[int], block_size: int, start: int, end: int) -> np.ndarray:
+    """Cache slots (int64) of token positions ``start..end-1`` given the request's block table."""
+    positions = np.arange(start, end, dtype=np.int64)
+    blocks = np.asarray(block_ids, dtype=np.int64)[positions // block_size]
+    return blocks * block_size + positions % block_size

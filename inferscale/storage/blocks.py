@@ -32,9 +32,16 @@ def gather_blocks(blocks: Sequence[torch.Tensor], device: torch.device) -> torch
     moved with a plain (synchronous) ``.to``.
     """
     if blocks[0].device.type == "cpu" and device.type == "cuda":
-        parts = [block.to(device, non_blocking=True) for block in blocks]
+        parts = move_blocks(blocks, device)
         return parts[0] if len(parts) == 1 else torch.cat(parts, dim=2)
     return torch.cat(list(blocks), dim=2).to(device)
+
+
+def move_blocks(blocks: Sequence[torch.Tensor], device: torch.device) -> list[torch.Tensor]:
+    """Each block on ``device``: host blocks bound for a GPU are copied with ``non_blocking=True``
+    (stream-ordered on the current CUDA stream; from pinned memory one DMA per block)."""
+    non_blocking = device.type == "cuda"
+    return [block.to(device, non_blocking=non_blocking) for block in blocks]
 
 
 def batch_from_blocks(

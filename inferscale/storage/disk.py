@@ -34,6 +34,7 @@ import threading
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
+from functools import lru_cache
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -211,13 +212,11 @@ class DiskStore(KVStore):
 
     def user_dir(self, user_id: str) -> Path:
         """The user's directory (format 3)."""
-        check_ids(user_id, ())
-        return self.root / USERS_DIR / user_file_stem(user_id)
+        return self.root / USERS_DIR / _checked_stem(user_id)
 
     def legacy_path(self, user_id: str) -> Path:
         """Where a format 1/2 file of the user would be."""
-        check_ids(user_id, ())
-        return self.root / f"{user_file_stem(user_id)}{SUFFIX}"
+        return self.root / f"{_checked_stem(user_id)}{SUFFIX}"
 
     # -- reading ---------------------------------------------------------------
 
@@ -357,3 +356,18 @@ class DiskStore(KVStore):
 
 def _read_index(path: Path, user_id: str) -> UserIndex:
     return UserIndex.decode(path.read_bytes(), user_id, str(path))
+
+
+def _checked_stem(user_id: str) -> str:
+    """The user's file stem, the id checked first."""
+    if not isinstance(user_id, str):
+        check_ids(user_id, ())  # raises the error it gives for any bad id
+    return _stem(user_id)
+
+
+@lru_cache(maxsize=4096)
+def _stem(user_id: str) -> str:
+    # remembered: every request reads a user's index a few times, and checking and encoding
+    # the id cost more than the lookup
+    check_ids(user_id, ())
+    return user_file_stem(user_id)

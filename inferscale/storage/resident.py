@@ -32,7 +32,7 @@ from inferscale.devices import auto_device, check_device, resolve_device, runtim
 from inferscale.errors import CapacityError, UnknownUserError
 from inferscale.kv import FactKV, KVBatch
 from inferscale.storage.base import KVStore
-from inferscale.storage.blocks import batch_from_blocks, empty_batch, gather_blocks
+from inferscale.storage.blocks import batch_from_blocks, empty_batch, gather_blocks, move_blocks
 from inferscale.storage.index import new_generation
 from inferscale.storage.layout import KVLayout, check_ids, check_layout, is_internal, require_facts
 from inferscale.storage.lru import UsageOrder
@@ -135,8 +135,8 @@ class ResidentStore(KVStore):
                ) -> list[torch.Tensor]:
         """The facts' ``[2, L, T, H, D]`` blocks on ``device``, for a reader that takes them as
         they are (the fused cache write): the held blocks themselves when they already lie
-        there (no copy; the caller must not write to them), else the facts gathered into one
-        block there (one copy per fact, as :meth:`get`)."""
+        there (no copy; the caller must not write to them), else a copy of each there (no
+        gather into one block: the reader takes a list)."""
         target = resolve_device(device, self.device)
         user = self._require(user_id, self._users.get(user_id))
         require_facts(user_id, fact_ids, user.blocks)
@@ -144,7 +144,7 @@ class ResidentStore(KVStore):
         held = [user.blocks[f] for f in fact_ids]
         if not held or all(block.device == target for block in held):
             return held
-        return [gather_blocks(held, target)]
+        return move_blocks(held, target)
 
     def token_ids(self, user_id: str, fact_ids: Sequence[str]) -> list[tuple[int, ...]]:
         user = self._require(user_id, self._users.get(user_id))
