@@ -93,7 +93,22 @@ def model_dir(name: str, dtype: str, request) -> Path:
     return tiny_models.tiny_model_dir(name, dtype)
 
 
+#: the engine this module has running. vLLM keeps one KV-connector agent per process, so a second
+#: in-process engine started beside the first would drive its workers with the first one's connector
+#: (and its data directory): each fixture's engine is stopped before the next one starts
+_LIVE: list[Served] = []
+
+
+def stop(served: Served) -> None:
+    if served in _LIVE:
+        _LIVE.remove(served)
+        vh.close_engine(served.llm)
+        served.encoder.close()
+
+
 def start(name, dtype, request, tmp_path_factory, **engine_kwargs) -> Served:
+    for running in list(_LIVE):
+        stop(running)
     path = model_dir(name, dtype, request)
     data = tmp_path_factory.mktemp(f"mem-{name}-{dtype}")
     encoder = FactEncoder.from_spec(str(path), dtype=ENCODE_DTYPE.get(dtype, "float32"))
@@ -104,7 +119,9 @@ def start(name, dtype, request, tmp_path_factory, **engine_kwargs) -> Served:
     vh.write_prefix(disk, encoder, prefix)
     llm = vh.make_engine(path, data, dtype, **engine_kwargs)
     rope = RotaryEmbedding.from_hf_config(encoder.model.config)
-    return Served(name, dtype, llm, encoder, tokenizer, disk, fmt, prefix, rope)
+    served = Served(name, dtype, llm, encoder, tokenizer, disk, fmt, prefix, rope)
+    _LIVE.append(served)
+    return served
 
 
 @pytest.fixture(scope="module", params=MODELS, ids=lambda p: f"{p[0]}-{p[1]}")
@@ -112,8 +129,7 @@ def served(request, tmp_path_factory):
     s = start(*request.param, request, tmp_path_factory)
     s.llm.apply_model(vllm_probe.install)
     yield s
-    vh.close_engine(s.llm)
-    s.encoder.close()
+    stop(s)
 
 
 def test_injection_matches_plain_prefill(served, error_log):
@@ -305,8 +321,7 @@ def replay(request, tmp_path_factory):
     s = start(*request.param, request, tmp_path_factory, connector=("ReplayConnector", "plugins.replay_connector"))
     s.llm.apply_model(vllm_probe.install)
     yield s
-    vh.close_engine(s.llm)
-    s.encoder.close()
+    stop(s)
 
 
 def test_reinjecting_vllms_own_kv_is_bit_exact(replay, error_log):
@@ -323,6 +338,7 @@ def test_reinjecting_vllms_own_kv_is_bit_exact(replay, error_log):
     tokens, _, out = vh.greedy(replay.llm, prompt, params, salt)
     delta, agree = vh.logprob_gap(out, plain)
     error_log[f"replay of vLLM's own KV max|Δlogprob| {replay.name} {replay.dtype}"] = delta
+    assert vh.report(out).get("injected_tokens") == len(segment)  # replayed, not recomputed after a failed load
     assert out.num_cached_tokens == len(segment)
     if torch.cuda.is_available():
         assert delta <= TOLERANCE[replay.dtype]

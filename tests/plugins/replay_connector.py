@@ -14,6 +14,9 @@ from inferscale.connector.vllm_adapter import InferScaleConnector
 
 
 class ReplayConnector(InferScaleConnector):
+    def _fused_views(self, forward_context):
+        return None  # the replay goes through the per-layer write, whose source it replaces
+
     def _segment(self, spec) -> Segment:
         writes = [vllm_probe.first_write(index) for index in range(len(self.layer_names))]
         keys = torch.stack([key[spec.start:spec.end] for key, _ in writes])
