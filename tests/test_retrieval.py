@@ -457,6 +457,21 @@ def test_query_graphs_match_sentence_transformers(minilm):
     assert sorted(graphs._graphs) == [16]  # one bucket prepared, for the two short texts
 
 
+def test_embedder_encodes_as_before_when_the_graph_path_fails(minilm):
+    """A model the padded forward does not suit (a fault injected here) is embedded by
+    sentence-transformers' encode, and the graph path is not tried again."""
+    from inferscale.retrieval.embed_local import SentenceTransformerEmbedder
+
+    class Unsuited:
+        def embed(self, text):
+            raise TypeError("forward() got an unexpected keyword argument 'token_type_ids'")
+
+    embedder = SentenceTransformerEmbedder(SentenceTransformerEmbedder.Options(device="cpu"))
+    embedder._model, embedder._graphs = minilm._model, Unsuited()
+    assert torch.allclose(embedder.embed(["hello"]), minilm.embed(["hello"]), atol=1e-6)
+    assert embedder._graphs is False and embedder._query_graphs() is None
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_query_graphs_replay_on_the_gpu():
     """On a GPU the graph is captured and replayed; every query gives the eager vector."""

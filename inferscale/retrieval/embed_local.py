@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import logging
 import threading
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -14,6 +15,8 @@ from inferscale.devices import auto_device, check_device
 from inferscale.retrieval.base import Embedder
 from inferscale.retrieval.checks import check_positive, check_texts, unit_rows
 from inferscale.retrieval.query_graphs import QueryGraphs
+
+logger = logging.getLogger(__name__)
 
 
 class SentenceTransformerEmbedder(Embedder):
@@ -67,7 +70,11 @@ class SentenceTransformerEmbedder(Embedder):
         if not texts:
             return torch.empty(0, self.dim, dtype=torch.float32)
         if len(texts) == 1 and (graphs := self._query_graphs()) is not None:
-            vector = graphs.embed(texts[0])
+            try:
+                vector = graphs.embed(texts[0])
+            except Exception as exc:  # a model the padded forward does not suit: encode as before
+                logger.warning("embedder: single-text graphs turned off (%s: %s)", type(exc).__name__, exc)
+                self._graphs, vector = False, None
             if vector is not None:
                 return unit_rows(vector.to("cpu", torch.float32))
         with torch_threads(self.options.num_threads), torch.inference_mode():

@@ -5,7 +5,7 @@ small kernels, each issued from Python, and sentence-transformers adds its
 batching around them. On the request path (embed → retrieve → compose →
 generate) that host time is latency. :class:`QueryGraphs` pads the question to
 a length bucket and replays a graph captured once per bucket: the tokenizer,
-two small copies, one replay and the pooled vector back.
+one small copy, one replay and the pooled vector back.
 
 It covers the common model shape — a Hugging Face encoder, mean pooling, an
 optional normalisation — and says so through :meth:`QueryGraphs.supports`;
@@ -42,6 +42,7 @@ class QueryGraphs:
         self.capture = capture
         self.tokenizer = model.tokenizer
         self.encoder = model[0].auto_model
+        self._token_types = "token_type_ids" in getattr(self.tokenizer, "model_input_names", ())
         self.device = next(self.encoder.parameters()).device
         limit = int(getattr(model, "max_seq_length", None) or buckets[-1])
         self.buckets = tuple(b for b in buckets if b <= limit) or (limit,)
@@ -80,8 +81,8 @@ class QueryGraphs:
     def _forward(self, inputs: torch.Tensor) -> torch.Tensor:
         input_ids, keep = inputs[:1], inputs[1:] != 0
         mask = keep[:, None, None, :].expand(-1, 1, keep.shape[1], -1)  # [1, 1, L, L], True: attend
-        hidden = self.encoder(input_ids=input_ids, attention_mask=mask,
-                              token_type_ids=torch.zeros_like(input_ids)).last_hidden_state
+        extra = {"token_type_ids": torch.zeros_like(input_ids)} if self._token_types else {}
+        hidden = self.encoder(input_ids=input_ids, attention_mask=mask, **extra).last_hidden_state
         weights = keep.unsqueeze(-1).to(hidden.dtype)
         return ((hidden * weights).sum(1) / weights.sum(1).clamp(min=1)).float()
 
