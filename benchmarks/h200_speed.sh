@@ -9,7 +9,7 @@
 # .gpu/locomo, .gpu/vendor (Jasper's sources), .gpu/wheels (faiss-cpu).
 set -uo pipefail
 RUN=${RUN:-/tmp/run}
-STEPS=${STEPS:-tests profile ttft load shapes}  # also: jasper retrieval encode serve start
+STEPS=${STEPS:-tests ttft load-short load}  # also: profile shapes jasper retrieval encode serve start
 # the connector's cache write in steps ttft, load, shapes: "" (Config's default, the fused kernel),
 # --layerwise-write or --fused-write
 FUSED=${FUSED:-}
@@ -96,6 +96,13 @@ if has load; then
   stamp "load through vllm serve: 1/10/50/100 users, 200 facts each, k = 50, Qwen2.5-7B shape ($FUSED)"
   PYTHONPATH=$NOW timeout 900 python3 benchmarks/vllm_serve_load.py --shape qwen2.5-7b --cuda-graphs \
     --gpu-memory-utilization 0.5 --seconds 10 $FUSED --out "$RUN/vllm_serve_load_h200" 2>&1 | grep -v " INFO \| DEBUG "
+fi
+
+if has load-short; then  # the prefill-bound case: answers of 2 tokens
+  stamp "load through vllm serve with 2-token answers: 1/10/50/100 users, k = 50, Qwen2.5-7B shape ($FUSED)"
+  PYTHONPATH=$NOW timeout 900 python3 benchmarks/vllm_serve_load.py --shape qwen2.5-7b --cuda-graphs \
+    --gpu-memory-utilization 0.5 --seconds 10 --max-tokens 2 --budgets 0 $FUSED \
+    --out "$RUN/vllm_serve_load_short_h200" 2>&1 | grep -v " INFO \| DEBUG "
 fi
 
 if has retrieval; then
