@@ -17,6 +17,7 @@ from pathlib import Path
 
 import torch
 
+from inferscale.retrieval.checks import unit_rows
 from inferscale.retrieval.embed_local import SentenceTransformerEmbedder
 from inferscale.retrieval.query_graphs import QueryGraphs
 
@@ -56,13 +57,10 @@ def main() -> None:
     eager = QueryGraphs(model, capture=False)
     graphed = QueryGraphs(model)
 
-    def unit(vector: torch.Tensor) -> torch.Tensor:
-        return torch.nn.functional.normalize(vector.to("cpu", torch.float32), dim=-1)
-
     paths = {
         "sentence-transformers encode": lambda q: embedder.embed([q]),
-        "padded forward, eager": lambda q: unit(eager.embed(q)),
-        "padded forward, CUDA graph": lambda q: unit(graphed.embed(q)),
+        "padded forward, eager": lambda q: unit_rows(eager.embed(q).cpu()),
+        "padded forward, CUDA graph": lambda q: unit_rows(graphed.embed(q).cpu()),
     }
     reference = {q: embedder.embed([q]) for q in QUESTIONS}
     rows = []
