@@ -32,6 +32,12 @@ def auto_device(name: torch.device | str | None) -> torch.device:
     return resolve_device(name, torch.device("cpu"))
 
 
+def module_device(module: torch.nn.Module) -> torch.device:
+    """Where a model's weights are (its first parameter's device; the CPU for one without any)."""
+    first = next(module.parameters(), None)
+    return first.device if first is not None else torch.device("cpu")
+
+
 def runtime_device(runtime: Mapping[str, object]) -> str | None:
     """The ``device`` a worker passed to :func:`inferscale.config.build`, as a string."""
     device = runtime.get("device")

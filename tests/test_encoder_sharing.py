@@ -154,7 +154,7 @@ def test_shared_prefills_are_the_default_on_a_cpu_only(tiny, monkeypatch):
     import inferscale.encode.encoder as encoder_module
 
     default = FactEncoder(model, tokenizer)
-    monkeypatch.setattr(encoder_module, "_device_of", lambda m: torch.device("cuda", 0))
+    monkeypatch.setattr(encoder_module, "module_device", lambda m: torch.device("cuda", 0))
     assert FactEncoder(model, tokenizer).share_prefixes is False
     assert default.share_prefixes is False, "decided where the model is now, not where it was built"
     assert FactEncoder(model, tokenizer, share_prefixes=True).share_prefixes is True

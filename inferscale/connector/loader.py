@@ -48,6 +48,10 @@ class LoadSpec:
     def user_id(self) -> str:
         return self.request.user_id
 
+    def block_ids(self, block_size: int) -> set[int]:
+        """The cache blocks this load writes into."""
+        return set((np.asarray(self.slots, dtype=np.int64) // block_size).tolist())
+
 
 def kv_head_range(num_kv_heads: int, tp_size: int, tp_rank: int) -> slice:
     """The KV heads one tensor-parallel rank holds (vLLM replicates heads when tp > heads)."""

@@ -25,7 +25,6 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
 import torch
 
 from inferscale import host_memory
@@ -105,9 +104,10 @@ class InferScaleConnector(compat.KVConnectorBase_V1):
                 continue
             start = plan.claim_len - plan.num_external
             slots = slots_for(block_ids, self.block_size, start, plan.claim_len)
-            meta.loads.append(LoadSpec(req_id, plan.request, start, plan.claim_len, plan.segment_len, slots,
-                                       plan.salt, plan.blend.key_scale))
-            self._loaded_blocks[req_id] = set((slots // self.block_size).tolist())
+            spec = LoadSpec(req_id, plan.request, start, plan.claim_len, plan.segment_len, slots, plan.salt,
+                            plan.blend.key_scale)
+            meta.loads.append(spec)
+            self._loaded_blocks[req_id] = spec.block_ids(self.block_size)
         return meta
 
     def update_connector_output(self, connector_output) -> None:
@@ -252,7 +252,7 @@ class InferScaleConnector(compat.KVConnectorBase_V1):
     def _load_failed(self, spec: LoadSpec, exc: Exception) -> None:
         logger.warning("inferscale: loading memory for %s failed (%s: %s); it will be recomputed",
                        spec.req_id, type(exc).__name__, exc)
-        self._load_errors.update((np.asarray(spec.slots) // self.block_size).tolist())
+        self._load_errors.update(spec.block_ids(self.block_size))
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         index = self._layer_of.get(layer_name)

@@ -47,6 +47,7 @@ from inferscale.encode import sharing
 from inferscale.encode.policies import NoWindow
 from inferscale.encode.sharing import Row as _Row
 from inferscale.encode.window import Turn, WindowPolicy
+from inferscale.devices import module_device
 from inferscale.errors import ModelMismatchError
 from inferscale.facts import Fact, render_fact
 from inferscale.kv import FactKV
@@ -178,11 +179,6 @@ class _KVCapture:
 # ---------------------------------------------------------------- the encoder
 
 
-def _device_of(model: nn.Module) -> torch.device:
-    first = next(model.parameters(), None)
-    return first.device if first is not None else torch.device("cpu")
-
-
 class FactEncoder:
     """Turns facts (and arbitrary token sequences) into pre-RoPE K/V.
 
@@ -221,7 +217,7 @@ class FactEncoder:
         model is now: a server may move it to a GPU after building the encoder)."""
         if self._share is not None:
             return self._share
-        return _device_of(self._live_model()).type == "cpu"
+        return module_device(self._live_model()).type == "cpu"
 
     # -- shape of the K/V this encoder produces
 
@@ -394,7 +390,7 @@ class FactEncoder:
         from transformers import DynamicCache
 
         model = self._live_model()
-        device = _device_of(model)
+        device = module_device(model)
         lengths = torch.tensor(past.lengths if past else [0] * len(seqs))
         input_ids, mask = self._pad(seqs)
         seen = torch.arange(past.width if past else 0) < lengths[:, None]

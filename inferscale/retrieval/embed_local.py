@@ -11,7 +11,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from inferscale.devices import auto_device, check_device
+from inferscale.devices import auto_device, check_device, module_device
 from inferscale.retrieval.base import Embedder
 from inferscale.retrieval.checks import check_positive, check_texts, unit_rows
 from inferscale.retrieval.query_graphs import QueryGraphs
@@ -91,8 +91,7 @@ class SentenceTransformerEmbedder(Embedder):
         """The graph path for single texts: on a GPU, for a model it supports, unless turned off."""
         if self._graphs is None:
             model = self._load()
-            device = next(model.parameters()).device
-            usable = self.options.query_graphs and device.type == "cuda" and QueryGraphs.supports(model)
+            usable = self.options.query_graphs and module_device(model).type == "cuda" and QueryGraphs.supports(model)
             self._graphs = QueryGraphs(model) if usable else False
         return self._graphs or None
 

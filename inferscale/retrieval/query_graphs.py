@@ -22,6 +22,8 @@ from dataclasses import dataclass
 
 import torch
 
+from inferscale.devices import module_device
+
 #: padded lengths a graph is captured for (tokens, with [CLS] and [SEP])
 BUCKETS: tuple[int, ...] = (16, 32, 64, 128)
 
@@ -43,7 +45,7 @@ class QueryGraphs:
         self.tokenizer = model.tokenizer
         self.encoder = model[0].auto_model
         self._token_types = "token_type_ids" in getattr(self.tokenizer, "model_input_names", ())
-        self.device = next(self.encoder.parameters()).device
+        self.device = module_device(self.encoder)
         limit = int(getattr(model, "max_seq_length", None) or buckets[-1])
         self.buckets = tuple(b for b in buckets if b <= limit) or (limit,)
         self._graphs: dict[int, _Graph] = {}
