@@ -11,6 +11,14 @@ from dataclasses import dataclass
 
 import torch
 
+#: token ids are vocabulary indices: 0 <= id < 2**63 (cache salts hash them as int64)
+TOKEN_ID_LIMIT = 1 << 63
+
+
+def token_ids_valid(ids) -> bool:
+    """Whether every id is an int (not a bool) in ``0 <= id < TOKEN_ID_LIMIT``."""
+    return all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < TOKEN_ID_LIMIT for t in ids)
+
 
 @dataclass
 class FactKV:
@@ -22,6 +30,8 @@ class FactKV:
 
     def __post_init__(self):
         self.token_ids = tuple(int(t) for t in self.token_ids)
+        if not token_ids_valid(self.token_ids):
+            raise ValueError(f"token ids must lie in 0..2**63-1, got {self.token_ids[:8]}...")
         if self.keys.shape != self.values.shape or self.keys.dim() != 4:
             raise ValueError(
                 f"keys and values must both be [layers, tokens, kv_heads, head_size], "

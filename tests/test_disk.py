@@ -371,6 +371,25 @@ def test_corrupt_index_is_refused(disk, damage):
     assert disk.users() == []
 
 
+@pytest.mark.parametrize("bad", [-1, 2**63])
+def test_token_ids_outside_the_vocabulary_range_are_refused(disk, bad):
+    """Token ids are int64 vocabulary indices (cache salts hash them as such): a fact with another
+    id is refused on write, and an index naming one — checksum and all — is corrupt on read."""
+    good = make_fact(2)
+    with pytest.raises(ValueError, match="token ids"):
+        FactKV([bad, 5], good.keys, good.values)
+    disk.put("alice", {"f0": good})
+    path = disk.user_dir("alice") / "index.json"
+    index = index_format.UserIndex.decode(path.read_bytes(), "alice", str(path))
+    entry = index.facts["f0"]
+    forged = index_format.UserIndex(index.user_id, index.generation, index.layout,
+                                    {"f0": index_format.FactEntry(entry.segment, (bad, *entry.token_ids[1:]), entry.record)},
+                                    index.segments)
+    path.write_bytes(forged.encode())
+    with pytest.raises(CorruptDataError, match="0..2\\*\\*63-1"):
+        fresh(disk).token_ids("alice", ["f0"])
+
+
 def test_index_of_another_user_is_corrupt(disk):
     disk.put("alice", make_facts(1))
     disk.user_dir("alice").rename(disk.user_dir("bob"))

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 
 from inferscale.errors import CorruptDataError
 from inferscale.facts import check_id
+from inferscale.kv import token_ids_valid
 from inferscale.storage.layout import KVLayout
 
 FORMAT = "inferscale-kv-index"
@@ -189,8 +190,8 @@ def _facts(items, segments: Mapping[str, SegmentInfo]) -> dict[str, FactEntry]:
         if fact_id in out or item["segment"] not in segments:
             raise ValueError(f"fact {fact_id!r} is repeated or names an unknown segment")
         ids = item["token_ids"]
-        if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
-            raise ValueError(f"fact {fact_id!r}: token_ids must be a list of integers")
+        if not isinstance(ids, list) or not token_ids_valid(ids):
+            raise ValueError(f"fact {fact_id!r}: token_ids must be a list of integers in 0..2**63-1")
         out[fact_id] = FactEntry(item["segment"], tuple(ids), _record(item))
     if set(segments) - {e.segment for e in out.values()}:
         raise ValueError("a segment holds no fact")
