@@ -34,7 +34,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from ttft import SHAPES, write_memory  # noqa: E402
+from ttft import SHAPES, fused, write_memory  # noqa: E402
 
 #: (module, attribute path, range name): the steps of an injected request
 STEPS = [
@@ -192,14 +192,6 @@ def _profiled(run, n: int) -> dict:
             kernels.append({"kernel": event.key[:120], "gpu_ms": self_device / 1e3 / n, "calls": event.count / n})
     kernels.sort(key=lambda row: -row["gpu_ms"])
     return {"ranges": ranges, "cuda_calls": calls, "top_kernels": kernels[:15]}
-
-
-def fused(args) -> dict:
-    """Config.fused_write when asked for (absent from code that predates it): the default
-    unless ``--fused-write`` or ``--layerwise-write`` says."""
-    if args.layerwise_write:
-        return {"fused_write": False}
-    return {"fused_write": True} if args.fused_write else {}
 
 
 def main() -> None:
