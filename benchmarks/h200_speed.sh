@@ -64,7 +64,7 @@ if has start; then
 fi
 
 if has tests; then
-  for fused in 0 1; do
+  for fused in ${TEST_WRITES:-0 1}; do  # 1: the fused write (the default), 0: per layer
     stamp "connector tests on the GPU (tiny Llama, bf16, CUDA graphs, fused write $fused)"
     PYTHONPATH=$NOW INFERSCALE_TEST_MODELS=llama:bfloat16 INFERSCALE_REPLAY_MODELS=llama:bfloat16 \
       INFERSCALE_TEST_CUDA_GRAPHS=1 INFERSCALE_TEST_FUSED_WRITE=$fused timeout 420 python3 -m pytest \
@@ -77,11 +77,14 @@ fi
 
 if has profile; then
   for which in ${PROFILES:-fused layerwise}; do  # before: the code in .gpu/before
-    stamp "profile of one injected request ($which)"
-    path=$NOW flag=; [[ $which == before ]] && path=$BEFORE; [[ $which == fused ]] && flag=--fused-write
-    [[ $which == layerwise ]] && flag=--layerwise-write
-    PYTHONPATH=$path timeout 420 python3 benchmarks/inject_profile.py --cuda-graphs --k 50 --kv-store hbm $flag \
-      --label "$which" --out "$RUN/inject_profile_$which.json" 2>&1 | grep -v " INFO \| DEBUG "
+    for k in ${PROFILE_KS:-50}; do
+      stamp "profile of one injected request ($which, k = $k)"
+      path=$NOW flag=; [[ $which == before ]] && path=$BEFORE; [[ $which == fused ]] && flag=--fused-write
+      [[ $which == layerwise ]] && flag=--layerwise-write
+      PYTHONPATH=$path timeout 420 python3 benchmarks/inject_profile.py --cuda-graphs --k "$k" --kv-store hbm $flag \
+        --label "$which" --out "$RUN/inject_profile_${which}_k$k.json" --trace "$RUN/inject_trace_${which}_k$k" 2>&1 \
+        | grep -v " INFO \| DEBUG "
+    done
   done
 fi
 

@@ -210,6 +210,8 @@ def main() -> None:
     parser.add_argument("--cuda-graphs", action="store_true")
     parser.add_argument("--label", default="", help="what code this is (goes into the JSON)")
     parser.add_argument("--out", default="benchmarks/results/inject_profile.json")
+    parser.add_argument("--trace", help="also write Chrome traces (gzipped) of one KV-injected request and one "
+                                        "question alone to TRACE_kv.json.gz and TRACE_none.json.gz")
     args = parser.parse_args()
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # one process: one profiler sees everything
 
@@ -257,7 +259,29 @@ def main() -> None:
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=2))
     print_report(result)
+    if args.trace:
+        for name, (prompt, extra) in {"kv": (kv_prompt, params), "none": ({"prompt_token_ids": question}, None)}.items():
+            write_trace(lambda: one(llm, prompt, extra), f"{args.trace}_{name}.json.gz")
     os._exit(0)
+
+
+def write_trace(run, path: str) -> None:
+    """A Chrome trace (host and GPU) of ``run()``, gzipped, at ``path``."""
+    import gzip
+    import shutil
+
+    import torch
+    from torch.profiler import ProfilerActivity
+
+    run()  # warm
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    with torch.profiler.profile(activities=activities) as prof:
+        run()
+    raw = Path(tempfile.mkdtemp()) / "trace.json"
+    prof.export_chrome_trace(str(raw))
+    with raw.open("rb") as src, gzip.open(path, "wb") as dst:
+        shutil.copyfileobj(src, dst)
+    print(f"trace: {path} ({Path(path).stat().st_size >> 10} KiB)")
 
 
 def print_report(r: dict) -> None:

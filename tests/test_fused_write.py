@@ -34,6 +34,7 @@ def flash_attention_views(num_blocks: int, heads: int, block_size: int, head_siz
 
 def check(case: int, device: str = "cpu") -> None:
     from inferscale.connector.fused_write import CacheViews, token_sources, write_segment
+    from inferscale.storage.blocks import HeldBlocks
 
     style, fraction, src_dtype, dst_dtype, heads, scale = CASES[case]
     gen = torch.Generator().manual_seed(case)
@@ -48,7 +49,7 @@ def check(case: int, device: str = "cpu") -> None:
     rank_heads = heads.stop - heads.start
     caches = [flash_attention_views(6, rank_heads, block_size, head_size, dst_dtype, device) for _ in range(layers)]
     slots = torch.randperm(6 * block_size, generator=gen)[: total - start].to(device)
-    sources = token_sources(blocks, start, total, slots.tolist()).to(torch.device(device))
+    sources = token_sources(HeldBlocks.of(blocks), start, total, slots.tolist()).to(torch.device(device))
     views = CacheViews.of([(k, v) for _, k, v in caches])
     cos, sin = rope.table(torch.device(device), total)
     write_segment(views, sources, cos, sin, start, heads.start, rotary, style == "neox", scale, first_fact)
@@ -93,9 +94,11 @@ def test_fused_write_matches_rope_and_touches_only_its_slots(case):
 
 def test_sources_point_at_each_tokens_rows():
     from inferscale.connector.fused_write import token_sources
+    from inferscale.storage.blocks import HeldBlocks
 
     blocks = [torch.zeros(2, 3, n, 2, 4) for n in (2, 5)]
-    sources = token_sources(blocks, 1, 7, [40, 41, 7, 8, 9, 90])
+    held = HeldBlocks.of(blocks[:1]) + HeldBlocks.of(blocks[1:])  # as the loader joins prefix and facts
+    sources = token_sources(held, 1, 7, [40, 41, 7, 8, 9, 90])
     row = 2 * 4 * 4  # bytes of one token's heads
     expected_k = [blocks[0].data_ptr() + row] + [blocks[1].data_ptr() + i * row for i in range(5)]
     assert sources.k_addr.tolist() == expected_k
@@ -103,6 +106,10 @@ def test_sources_point_at_each_tokens_rows():
     assert (sources.v_addr - sources.k_addr).tolist() == [3 * 2 * 8 * 4] + [3 * 5 * 8 * 4] * 5
     assert sources.slots.tolist() == [40, 41, 7, 8, 9, 90]
     with pytest.raises(ValueError):
-        token_sources(blocks, 1, 7, [1, 2])  # a slot per token
-    with pytest.raises(ValueError):
-        token_sources([blocks[0], torch.zeros(2, 3, 4, 2, 4).transpose(3, 4)], 0, 1, [0])
+        token_sources(held, 1, 7, [1, 2])  # a slot per token
+    with pytest.raises(ValueError):  # not contiguous
+        HeldBlocks.of([blocks[0], torch.zeros(2, 3, 4, 2, 4).transpose(3, 4)])
+    with pytest.raises(ValueError):  # another layout
+        HeldBlocks.of([blocks[0], torch.zeros(2, 3, 4, 2, 8)])
+    with pytest.raises(ValueError):  # another layout, joined
+        held + HeldBlocks.of([torch.zeros(2, 3, 4, 2, 4, dtype=torch.bfloat16)])

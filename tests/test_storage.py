@@ -225,6 +225,31 @@ def test_pinned_packs_each_user_into_one_buffer():
     assert all(block.is_pinned() == CUDA for block in blocks.values())
 
 
+@pytest.mark.parametrize("name", ["hbm", "pinned"])
+def test_held_blocks_are_the_facts_blocks_in_request_order(name, tmp_path):
+    """The fused write's view of a request's facts: the same blocks, addresses and lengths as
+    inspecting each block, in the request's order; a put renews them (new blocks, new table)."""
+    from inferscale.storage.blocks import HeldBlocks
+
+    store = make_store(name, tmp_path)
+    facts = make_facts(6)
+    store.put("alice", facts)
+    order = ["f4", "f0", "f5", "f2"]
+    held = store.held_blocks("alice", order, "cpu")
+    inspected = HeldBlocks.of(store.blocks("alice", order, "cpu"))
+    assert [b.data_ptr() for b in held.blocks] == held.addresses.tolist() == inspected.addresses.tolist()
+    assert held.lengths.tolist() == [facts[f].num_tokens for f in order] == inspected.lengths.tolist()
+    assert held.layout == inspected.layout
+    for block, fact_id in zip(held.blocks, order):
+        assert torch.equal(block[0], facts[fact_id].keys) and torch.equal(block[1], facts[fact_id].values)
+    assert store.held_blocks("alice", [], "cpu").lengths.tolist() == []
+    with pytest.raises(MissingFactError):
+        store.held_blocks("alice", ["f0", "nope"], "cpu")
+    store.put("alice", {"f0": make_fact(4, seed=99)})
+    again = store.held_blocks("alice", ["f0"], "cpu")
+    assert torch.equal(again.blocks[0][0], make_fact(4, seed=99).keys) and again.lengths.tolist() == [4]
+
+
 def test_get_survives_a_concurrent_repack():
     """A batch taken before a re-pack keeps its values (it never aliases the store)."""
     store = PinnedHostStore(PinnedHostStore.Options(device="cpu"))

@@ -29,6 +29,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from inferscale.storage.blocks import HeldBlocks
+
 try:
     import triton
     import triton.language as tl
@@ -107,34 +109,26 @@ class Sources:
         return Sources(table, self.dtype, self.num_heads, self.blocks)
 
 
-def token_sources(blocks: Sequence[torch.Tensor], start: int, end: int, slots: Sequence[int]) -> Sources:
-    """Sources of tokens ``start..end-1`` of the concatenation of ``blocks`` (each a fact's
-    ``[2, L, T_f, H, D]`` block, contiguous; keys at ``[0]``, values at ``[1]``), to be written
-    to cache ``slots`` (one per token).
+def token_sources(held: HeldBlocks, start: int, end: int, slots: Sequence[int]) -> Sources:
+    """Sources of tokens ``start..end-1`` of the concatenation of ``held``'s blocks, to be
+    written to cache ``slots`` (one per token).
 
-    The per-token arithmetic runs in NumPy: on a few thousand tokens it costs microseconds,
-    where the same dozen small torch ops cost a tenth of a millisecond of host time on the
-    request's critical path."""
-    first = blocks[0]
-    _, num_layers, _, num_heads, head_size = first.shape
-    row = num_heads * head_size
-    for block in blocks:
-        if not block.is_contiguous() or block.dtype != first.dtype or block.shape[3:] != first.shape[3:] \
-                or block.shape[1] != num_layers:
-            raise ValueError("fact blocks must be contiguous [2, L, T, H, D] of one layout")
+    The per-token arithmetic runs in NumPy over the blocks' addresses and lengths: on a few
+    thousand tokens it costs microseconds, where the same dozen small torch ops cost a tenth
+    of a millisecond of host time on the request's critical path."""
     if len(slots) != end - start:
         raise ValueError(f"{len(slots)} slots for {end - start} tokens")
-    lengths = np.fromiter((b.shape[2] for b in blocks), dtype=np.int64, count=len(blocks))
-    bases = np.fromiter((b.data_ptr() for b in blocks), dtype=np.int64, count=len(blocks))
-    which = np.repeat(np.arange(len(blocks)), lengths)[start:end]
+    layout, lengths = held.layout, held.lengths
+    row = layout.num_kv_heads * layout.head_size
+    which = np.repeat(np.arange(len(lengths)), lengths)[start:end]
     offsets = np.cumsum(lengths) - lengths
-    size = first.element_size()
+    size = layout.dtype.itemsize
     table = np.empty((4, len(which)), dtype=np.int64)
     table[2] = lengths[which] * row  # layer stride
-    table[0] = bases[which] + (np.arange(start, end, dtype=np.int64) - offsets[which]) * row * size
-    table[1] = table[0] + num_layers * table[2] * size
+    table[0] = held.addresses[which] + (np.arange(start, end, dtype=np.int64) - offsets[which]) * row * size
+    table[1] = table[0] + layout.num_layers * table[2] * size
     table[3] = slots
-    return Sources(torch.from_numpy(table), first.dtype, num_heads, tuple(blocks))
+    return Sources(torch.from_numpy(table), layout.dtype, layout.num_kv_heads, held.blocks)
 
 
 if triton is not None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from itertools import chain
 
 import numpy as np
 import torch
@@ -20,6 +21,7 @@ from inferscale.compose.salt import CacheSalts
 from inferscale.errors import MissingFactError, ModelMismatchError
 from inferscale.kv import KVBatch
 from inferscale.storage.base import KVStore
+from inferscale.storage.blocks import HeldBlocks
 from inferscale.storage.tiered import ensure_user
 
 
@@ -80,7 +82,7 @@ class SegmentLoader:
         """
         batch = self._read(self._gather, spec)
         _check_range(spec, batch.num_tokens)
-        _check_shape(batch.keys, num_layers, head_size)
+        _check_model(batch.keys.shape[0], batch.keys.shape[-1], num_layers, head_size)
         keys = self.rope.rotate_range(batch.keys[:, spec.start:spec.end, self.heads], spec.start)
         if spec.key_scale != 1.0:
             keys[:, max(0, batch.offsets[1] - spec.start):] *= spec.key_scale
@@ -95,7 +97,7 @@ class SegmentLoader:
         the first fact token's index relative to ``spec.start``; checked as :meth:`load` checks."""
         blocks, prefix_len, total = self._read(self._held, spec)
         _check_range(spec, total)
-        _check_shape(blocks[0][0], num_layers, head_size)
+        _check_model(blocks.layout.num_layers, blocks.layout.head_size, num_layers, head_size)
         return token_sources(blocks, spec.start, spec.end, spec.slots), prefix_len - spec.start
 
     def _read(self, read, spec: LoadSpec):
@@ -110,7 +112,7 @@ class SegmentLoader:
             raise ValueError("stored facts changed since the request was scheduled (token ids differ)")
         return found
 
-    def _held(self, spec: LoadSpec) -> tuple[list[torch.Tensor], int, int] | None:
+    def _held(self, spec: LoadSpec) -> tuple[HeldBlocks, int, int] | None:
         """(the segment's blocks on the device, prefix tokens, segment tokens); None when the
         cached facts are not the scheduled ones."""
         for user in (SYSTEM_USER, spec.user_id):
@@ -118,15 +120,22 @@ class SegmentLoader:
         try:
             prefix_ids = self.store.token_ids(SYSTEM_USER, [PREFIX_FACT])
             fact_ids = self.store.token_ids(spec.user_id, spec.request.fact_ids)
-            blocks = self.store.blocks(SYSTEM_USER, [PREFIX_FACT], self.device)
+            blocks = self._held_blocks(SYSTEM_USER, [PREFIX_FACT])
             if spec.request.fact_ids:
-                blocks += self.store.blocks(spec.user_id, spec.request.fact_ids, self.device)
+                blocks += self._held_blocks(spec.user_id, spec.request.fact_ids)
         except MissingFactError:
             return None
-        tokens = [t for ids in (*prefix_ids, *fact_ids) for t in ids]
+        tokens = list(chain(*prefix_ids, *fact_ids))
         if not self._salt_matches(spec, tokens):
             return None
         return blocks, len(prefix_ids[0]), len(tokens)
+
+    def _held_blocks(self, user_id: str, fact_ids: Sequence[str]) -> HeldBlocks:
+        """The facts' blocks on the loader's device, through the store's table when it keeps one."""
+        held = getattr(self.store, "held_blocks", None)
+        if held is not None:
+            return held(user_id, fact_ids, self.device)
+        return HeldBlocks.of(self.store.blocks(user_id, fact_ids, self.device))
 
     def _salt_matches(self, spec: LoadSpec, tokens: list[int]) -> bool:
         epoch = self.store.generation(spec.user_id)
@@ -161,10 +170,10 @@ def _check_range(spec: LoadSpec, segment_len: int) -> None:
         raise ValueError(f"segment has {segment_len} tokens, request expects {spec.segment_len}")
 
 
-def _check_shape(keys: torch.Tensor, num_layers: int, head_size: int) -> None:
-    if keys.shape[0] != num_layers or keys.shape[-1] != head_size:
+def _check_model(stored_layers: int, stored_head_size: int, num_layers: int, head_size: int) -> None:
+    if stored_layers != num_layers or stored_head_size != head_size:
         raise ModelMismatchError(
-            f"stored K/V has {keys.shape[0]} layers × head size {keys.shape[-1]}, "
+            f"stored K/V has {stored_layers} layers × head size {stored_head_size}, "
             f"the served model {num_layers} × {head_size}: memory was encoded with another model"
         )
 

@@ -15,6 +15,7 @@ less (:mod:`inferscale.connector.report`).
 from __future__ import annotations
 
 import hmac
+from itertools import chain
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -87,13 +88,14 @@ def plan_request(
     except (OSError, ValueError) as exc:
         return Plan(request, fallback=Fallback.STORE_ERROR, detail=f"{type(exc).__name__}: {exc}")
     blend = blend.override(request.recompute_tokens, request.key_scale)
-    salt = request.salt(salts, epoch, [t for part in parts for t in part])
-    return _match(request, parts, list(prompt_token_ids), cache_salt, salt, num_computed_tokens, blend)
+    segment = list(chain.from_iterable(parts))
+    salt = request.salt(salts, epoch, segment)
+    prompt = prompt_token_ids if isinstance(prompt_token_ids, list) else list(prompt_token_ids)
+    return _match(request, parts, segment, prompt, cache_salt, salt, num_computed_tokens, blend)
 
 
-def _match(request: SegmentRequest, parts: list[tuple[int, ...]], prompt: list[int], cache_salt: str | None,
-           salt: str, num_computed: int, blend: Blend) -> Plan:
-    segment = [t for part in parts for t in part]
+def _match(request: SegmentRequest, parts: list[tuple[int, ...]], segment: list[int], prompt: list[int],
+           cache_salt: str | None, salt: str, num_computed: int, blend: Blend) -> Plan:
     m = len(segment)
     if not salt_matches(cache_salt, salt):  # checked first: a request without it learns nothing more
         return Plan(request, m, fallback=Fallback.MISSING_CACHE_SALT,

@@ -10,11 +10,61 @@ values, in one allocation.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from inferscale.kv import FactKV, KVBatch
 from inferscale.storage.layout import KVLayout
+
+
+@dataclass(frozen=True)
+class HeldBlocks:
+    """Blocks as a reader that addresses them in place sees them (the fused cache write): the
+    blocks themselves (whoever holds this keeps them alive), their data pointers and token
+    counts (int64 NumPy arrays, one entry per block), and the layout they all share. Every
+    block is contiguous."""
+
+    blocks: tuple[torch.Tensor, ...]
+    addresses: np.ndarray
+    lengths: np.ndarray
+    layout: KVLayout
+
+    @classmethod
+    def of(cls, blocks: Sequence[torch.Tensor]) -> HeldBlocks:
+        """Checked: ``[2, L, T, H, D]`` blocks, contiguous, of one layout, on one device."""
+        if not blocks:
+            raise ValueError("no blocks")
+        first = blocks[0]
+        if first.dim() != 5 or first.shape[0] != 2:
+            raise ValueError(f"a block is [2, L, T, H, D], got {tuple(first.shape)}")
+        for block in blocks:
+            if not block.is_contiguous() or block.dtype != first.dtype or block.device != first.device \
+                    or block.dim() != 5 or block.shape[:2] != first.shape[:2] or block.shape[3:] != first.shape[3:]:
+                raise ValueError("blocks must be contiguous [2, L, T, H, D] of one layout, on one device")
+        _, layers, _, heads, size = first.shape
+        return cls(tuple(blocks), np.fromiter((b.data_ptr() for b in blocks), np.int64, len(blocks)),
+                   np.fromiter((b.shape[2] for b in blocks), np.int64, len(blocks)),
+                   KVLayout(int(layers), int(heads), int(size), first.dtype))
+
+    @classmethod
+    def empty(cls, layout: KVLayout) -> HeldBlocks:
+        none = np.zeros(0, dtype=np.int64)
+        return cls((), none, none, layout)
+
+    def __add__(self, other: HeldBlocks) -> HeldBlocks:
+        if other.layout != self.layout or (self.blocks and other.blocks
+                                           and other.blocks[0].device != self.blocks[0].device):
+            raise ValueError(f"blocks of two layouts: {self.layout.describe()} and {other.layout.describe()}")
+        return HeldBlocks(self.blocks + other.blocks, np.concatenate((self.addresses, other.addresses)),
+                          np.concatenate((self.lengths, other.lengths)), self.layout)
+
+    def select(self, rows: Sequence[int]) -> HeldBlocks:
+        """The blocks at ``rows``, in that order."""
+        index = np.asarray(rows, dtype=np.int64)
+        return HeldBlocks(tuple(self.blocks[i] for i in rows), self.addresses[index], self.lengths[index],
+                          self.layout)
 
 
 def stack_block(kv: FactKV, device: torch.device) -> torch.Tensor:

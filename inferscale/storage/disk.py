@@ -81,6 +81,9 @@ class DiskStore(KVStore):
         self.root.mkdir(parents=True, exist_ok=True)
         self._cache: OrderedDict[tuple, UserIndex] = OrderedDict()
         self._cache_lock = threading.Lock()
+        #: user -> (their index file, their format 1/2 file), as strings: every request stats
+        #: the index a few times, and building the paths cost more than the stat
+        self._index_paths = lru_cache(maxsize=4096)(self._paths_of_index)
 
     # -- the KVStore interface -------------------------------------------------
 
@@ -251,21 +254,25 @@ class DiskStore(KVStore):
 
     def _index(self, user_id: str) -> UserIndex | None:
         """The user's index (format 3, else a format 1/2 file's), cached while the file is unchanged."""
-        current = self.user_dir(user_id) / INDEX_NAME
+        paths = self._index_paths if isinstance(user_id, str) else self._paths_of_index  # the latter raises
+        current, legacy_file = paths(user_id)
         return (self._cached(current, user_id, _read_index)
-                or self._cached(self.legacy_path(user_id), user_id, legacy.read_index)
+                or self._cached(legacy_file, user_id, legacy.read_index)
                 or self._cached(current, user_id, _read_index))  # converted meanwhile
 
-    def _cached(self, path: Path, user_id: str, read: Callable[[Path, str], UserIndex]) -> UserIndex | None:
+    def _paths_of_index(self, user_id: str) -> tuple[str, str]:
+        return str(self.user_dir(user_id) / INDEX_NAME), str(self.legacy_path(user_id))
+
+    def _cached(self, path: str, user_id: str, read: Callable[[Path, str], UserIndex]) -> UserIndex | None:
         try:
-            key = (str(path), *files.identity(os.stat(path)))
+            key = (path, *files.identity(os.stat(path)))
         except FileNotFoundError:
             return None
         with self._cache_lock:
             if (hit := self._cache.get(key)) is not None:
                 return hit
         try:
-            index = read(path, user_id)
+            index = read(Path(path), user_id)
         except FileNotFoundError:
             return None
         with self._cache_lock:

@@ -24,6 +24,7 @@ import threading
 from abc import abstractmethod
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Any
 
 import torch
@@ -32,7 +33,7 @@ from inferscale.devices import auto_device, check_device, resolve_device, runtim
 from inferscale.errors import CapacityError, UnknownUserError
 from inferscale.kv import FactKV, KVBatch
 from inferscale.storage.base import KVStore
-from inferscale.storage.blocks import batch_from_blocks, empty_batch, gather_blocks, move_blocks
+from inferscale.storage.blocks import HeldBlocks, batch_from_blocks, empty_batch, gather_blocks, move_blocks
 from inferscale.storage.index import new_generation
 from inferscale.storage.layout import KVLayout, check_ids, check_layout, is_internal, require_facts
 from inferscale.storage.lru import UsageOrder
@@ -55,6 +56,12 @@ class UserKV:
     @property
     def nbytes(self) -> int:
         return _nbytes(self.layout, self.token_ids.values())
+
+    @cached_property
+    def held(self) -> tuple[dict[str, int], HeldBlocks]:
+        """Each fact's row in one :class:`HeldBlocks` of all the user's blocks (built on first
+        use: a request then picks its facts' rows instead of inspecting each block)."""
+        return {fact_id: row for row, fact_id in enumerate(self.blocks)}, HeldBlocks.of(list(self.blocks.values()))
 
 
 class ResidentStore(KVStore):
@@ -145,6 +152,21 @@ class ResidentStore(KVStore):
         if not held or all(block.device == target for block in held):
             return held
         return move_blocks(held, target)
+
+    def held_blocks(self, user_id: str, fact_ids: Sequence[str], device: torch.device | str | None = None
+                    ) -> HeldBlocks:
+        """:meth:`blocks` with their addresses (for the fused cache write); blocks held on
+        ``device`` are picked from the user's table without looking at each one."""
+        target = resolve_device(device, self.device)
+        user = self._require(user_id, self._users.get(user_id))
+        require_facts(user_id, fact_ids, user.blocks)
+        if not fact_ids:
+            return HeldBlocks.empty(user.layout)
+        if next(iter(user.blocks.values())).device != target:
+            return HeldBlocks.of(self.blocks(user_id, fact_ids, target))
+        self._order.touch(user_id)
+        rows, held = user.held
+        return held.select([rows[f] for f in fact_ids])
 
     def token_ids(self, user_id: str, fact_ids: Sequence[str]) -> list[tuple[int, ...]]:
         user = self._require(user_id, self._users.get(user_id))
