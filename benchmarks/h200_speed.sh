@@ -9,7 +9,7 @@
 # .gpu/locomo, .gpu/vendor (Jasper's sources), .gpu/wheels (faiss-cpu).
 set -uo pipefail
 RUN=${RUN:-/tmp/run}
-STEPS=${STEPS:-tests ttft load-short load}  # also: profile shapes jasper retrieval encode serve start
+STEPS=${STEPS:-tests ttft load-short load}  # also: kernel profile shapes jasper retrieval encode serve start
 # the connector's cache write in steps ttft, load, shapes: "" (Config's default, the fused kernel),
 # --layerwise-write or --fused-write
 FUSED=${FUSED:-}
@@ -75,6 +75,11 @@ if has tests; then
   done
 fi
 
+if has kernel; then  # the fused write alone, against the reference (quick)
+  stamp "fused cache write on the GPU"
+  PYTHONPATH=$NOW timeout 300 python3 -m pytest tests/test_fused_write.py -q -p no:cacheprovider 2>&1 | tail -5
+fi
+
 if has profile; then
   for which in ${PROFILES:-fused layerwise}; do  # before: the code in .gpu/before
     for k in ${PROFILE_KS:-50}; do
@@ -90,8 +95,8 @@ fi
 
 if has ttft; then
   stamp "TTFT vs k, Llama-3.1-8B shape, multiprocess engine, CUDA graphs, hbm + pinned, query-to-first-token ($FUSED)"
-  PYTHONPATH=$NOW timeout 600 python3 benchmarks/ttft.py --cuda-graphs --shape llama-3.1-8b --kv-stores hbm,pinned \
-    --ks 1,5,10,25,50,100 --reps 20 $FUSED --embedder .gpu/minilm --out "$RUN/ttft_llama8b_h200.json" 2>&1 \
+  PYTHONPATH=$NOW timeout 600 python3 benchmarks/ttft.py --cuda-graphs --shape llama-3.1-8b --kv-stores "${TTFT_STORES:-hbm,pinned}" \
+    --ks "${TTFT_KS:-1,5,10,25,50,100}" --reps 20 $FUSED --embedder .gpu/minilm --out "$RUN/ttft_llama8b_h200.json" 2>&1 \
     | grep -v " INFO \| DEBUG "
 fi
 
