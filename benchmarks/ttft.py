@@ -191,6 +191,9 @@ def measure(llm, prefix, facts, ks, budgets, question, reps: int, store: str, sa
             }, reps)
             (none_ms, _), (kv_ms, injected), (cached_ms, hit), (text_ms, _) = (got[n] for n in ("none", "kv", "cached",
                                                                                                "prompt"))
+            if injected < claim:  # a load failed or fell back: its time is not KV injection's
+                raise RuntimeError(f"k={k}, {store}: {injected} of {claim} memory tokens injected "
+                                   "(see the engine log for the connector's warning)")
             rows.append({"kv_store": store, "k": k, "recompute_tokens": budget, "memory_tokens": len(segment),
                          "recomputed_tokens": len(segment) - claim, "injected_tokens": injected,
                          "none_ms": none_ms, "kv_ms": kv_ms, "cached_ms": cached_ms, "cached_tokens": hit,
