@@ -56,7 +56,7 @@ class HeldBlocks:
     def __add__(self, other: HeldBlocks) -> HeldBlocks:
         if other.layout != self.layout or (self.blocks and other.blocks
                                            and other.blocks[0].device != self.blocks[0].device):
-            raise ValueError(f"blocks of two layouts: {self.layout.describe()} and {other.layout.describe()}")
+            raise ValueError(f"blocks of two layouts or devices: {self.layout.describe()} and {other.layout.describe()}")
         return HeldBlocks(self.blocks + other.blocks, np.concatenate((self.addresses, other.addresses)),
                           np.concatenate((self.lengths, other.lengths)), self.layout)
 
