@@ -224,6 +224,12 @@ def test_bad_inputs_raise_clear_errors(retriever):
         retriever.add("u1", ["c"], unit(2, DIM))
     with pytest.raises(ValueError, match="NaN"):
         retriever.add("u1", ["c"], torch.full((1, DIM), float("nan")))
+    for user in ("u1", "someone-else"):  # a query with NaN or infinity is refused, whoever it searches
+        for bad in (float("nan"), float("inf")):
+            query = unit(2, DIM)
+            query[1, 3] = bad
+            with pytest.raises(ValueError, match="NaN or infinity"):
+                retriever.search(user, query, 3)
     with pytest.raises(ValueError, match="k must be"):
         retriever.search("u1", unit(1, DIM), -1)
     assert retriever.count("u1") == 2

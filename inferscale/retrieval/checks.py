@@ -57,8 +57,10 @@ class DimLock:
     def __init__(self, dim: int | None = None):
         self.dim = dim
 
-    def matrix(self, x: torch.Tensor, what: str, *, fix: bool) -> torch.Tensor:
-        """``x`` as a ``[n, dim]`` float tensor; ``fix`` lets it set the width."""
+    def matrix(self, x: torch.Tensor, what: str, *, fix: bool, finite: bool = True) -> torch.Tensor:
+        """``x`` as a ``[n, dim]`` float tensor; ``fix`` lets it set the width; ``finite=False``
+        leaves the NaN/infinity check to the caller (:func:`require_finite`, or folded into
+        work the caller reads back from the device anyway)."""
         if not isinstance(x, torch.Tensor):
             raise TypeError(f"{what} must be a torch.Tensor, got {type(x).__name__}")
         if x.ndim == 1:
@@ -71,9 +73,14 @@ class DimLock:
             self.dim = int(x.shape[1])
         if self.dim is not None and x.shape[1] != self.dim:
             raise ValueError(f"{what} have dim {x.shape[1]}, this retriever holds dim {self.dim}")
-        if not bool(torch.isfinite(x).all()):
-            raise ValueError(f"{what} contain NaN or infinity")
+        if finite:
+            require_finite(x, what)
         return x
+
+
+def require_finite(x: torch.Tensor, what: str) -> None:
+    if not bool(torch.isfinite(x).all()):
+        raise ValueError(f"{what} contain NaN or infinity")
 
 
 def last_wins(fact_ids: list[str], x: torch.Tensor) -> tuple[list[str], torch.Tensor]:

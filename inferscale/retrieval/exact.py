@@ -12,7 +12,7 @@ from inferscale.devices import auto_device, check_device
 from inferscale.retrieval.base import Hit
 from inferscale.retrieval.per_user import PerUserRetriever
 from inferscale.retrieval.ranking import top_hits
-from inferscale.retrieval.checks import check_fact_ids, check_k, last_wins
+from inferscale.retrieval.checks import check_fact_ids, check_k, last_wins, require_finite
 from inferscale.retrieval.user_matrix import UserMatrix
 
 
@@ -49,13 +49,14 @@ class ExactRetriever(PerUserRetriever):
 
     def search(self, user_id: str, queries: torch.Tensor, k: int) -> list[list[Hit]]:
         with self._lock:
-            q = self._dims.matrix(queries, "queries", fix=False)
+            q = self._dims.matrix(queries, "queries", fix=False, finite=False)  # checked in top_hits
             check_k(k)
             user = self._users.get(user_id)
             if user is None or len(user) == 0:
+                require_finite(q, "queries")
                 return [[] for _ in range(q.shape[0])]
-            scores = q.to(self.device, torch.float32) @ user.vectors.T
-            return top_hits(scores, user.fact_ids, k)
+            q = q.to(self.device, torch.float32)
+            return top_hits(q @ user.vectors.T, user.fact_ids, k, queries=q)
 
 
     def _user(self, user_id: str) -> UserMatrix:
