@@ -9,7 +9,7 @@
 # .gpu/locomo, .gpu/vendor (Jasper's sources), .gpu/wheels (faiss-cpu).
 set -uo pipefail
 RUN=${RUN:-/tmp/run}
-STEPS=${STEPS:-tests ttft load-short load}  # also: kernel profile shapes jasper retrieval encode serve start
+STEPS=${STEPS:-kernel tests load-short ttft load}  # also: profile shapes jasper retrieval encode serve start
 # the connector's cache write in steps ttft, load, shapes: "" (Config's default, the fused kernel),
 # --layerwise-write or --fused-write
 FUSED=${FUSED:-}
