@@ -82,8 +82,8 @@ class DiskStore(KVStore):
         self._cache: OrderedDict[tuple, UserIndex] = OrderedDict()
         self._cache_lock = threading.Lock()
         #: user -> (their index file, their format 1/2 file), as strings: every request stats
-        #: the index a few times, and building the paths cost more than the stat
-        self._index_paths = lru_cache(maxsize=4096)(self._paths_of_index)
+        #: the index a few times, and checking the id and building the paths cost more than the stat
+        self._remembered_paths = lru_cache(maxsize=4096)(self._paths_of_index)
 
     # -- the KVStore interface -------------------------------------------------
 
@@ -215,11 +215,13 @@ class DiskStore(KVStore):
 
     def user_dir(self, user_id: str) -> Path:
         """The user's directory (format 3)."""
-        return self.root / USERS_DIR / _checked_stem(user_id)
+        check_ids(user_id, ())
+        return self.root / USERS_DIR / user_file_stem(user_id)
 
     def legacy_path(self, user_id: str) -> Path:
         """Where a format 1/2 file of the user would be."""
-        return self.root / f"{_checked_stem(user_id)}{SUFFIX}"
+        check_ids(user_id, ())
+        return self.root / f"{user_file_stem(user_id)}{SUFFIX}"
 
     # -- reading ---------------------------------------------------------------
 
@@ -254,11 +256,15 @@ class DiskStore(KVStore):
 
     def _index(self, user_id: str) -> UserIndex | None:
         """The user's index (format 3, else a format 1/2 file's), cached while the file is unchanged."""
-        paths = self._index_paths if isinstance(user_id, str) else self._paths_of_index  # the latter raises
-        current, legacy_file = paths(user_id)
+        current, legacy_file = self._index_paths(user_id)
         return (self._cached(current, user_id, _read_index)
                 or self._cached(legacy_file, user_id, legacy.read_index)
                 or self._cached(current, user_id, _read_index))  # converted meanwhile
+
+    def _index_paths(self, user_id: str) -> tuple[str, str]:
+        if not isinstance(user_id, str):  # not remembered (maybe unhashable): raises the error for a bad id
+            return self._paths_of_index(user_id)
+        return self._remembered_paths(user_id)
 
     def _paths_of_index(self, user_id: str) -> tuple[str, str]:
         return str(self.user_dir(user_id) / INDEX_NAME), str(self.legacy_path(user_id))
@@ -363,18 +369,3 @@ class DiskStore(KVStore):
 
 def _read_index(path: Path, user_id: str) -> UserIndex:
     return UserIndex.decode(path.read_bytes(), user_id, str(path))
-
-
-def _checked_stem(user_id: str) -> str:
-    """The user's file stem, the id checked first."""
-    if not isinstance(user_id, str):
-        check_ids(user_id, ())  # raises the error it gives for any bad id
-    return _stem(user_id)
-
-
-@lru_cache(maxsize=4096)
-def _stem(user_id: str) -> str:
-    # remembered: every request reads a user's index a few times, and checking and encoding
-    # the id cost more than the lookup
-    check_ids(user_id, ())
-    return user_file_stem(user_id)
