@@ -277,10 +277,11 @@ def write_trace(run, path: str) -> None:
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
     with torch.profiler.profile(activities=activities) as prof:
         run()
-    raw = Path(tempfile.mkdtemp()) / "trace.json"
-    prof.export_chrome_trace(str(raw))
-    with raw.open("rb") as src, gzip.open(path, "wb") as dst:
-        shutil.copyfileobj(src, dst)
+    with tempfile.TemporaryDirectory() as tmp:
+        raw = Path(tmp) / "trace.json"
+        prof.export_chrome_trace(str(raw))
+        with raw.open("rb") as src, gzip.open(path, "wb") as dst:
+            shutil.copyfileobj(src, dst)
     print(f"trace: {path} ({Path(path).stat().st_size >> 10} KiB)")
 
 
