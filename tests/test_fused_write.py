@@ -33,6 +33,7 @@ def flash_attention_views(num_blocks: int, heads: int, block_size: int, head_siz
 
 
 def check(case: int, device: str = "cpu") -> None:
+    from inferscale.connector import fused_write
     from inferscale.connector.fused_write import CacheViews, token_sources, write_segment
     from inferscale.storage.blocks import HeldBlocks
 
@@ -52,7 +53,14 @@ def check(case: int, device: str = "cpu") -> None:
     sources = token_sources(HeldBlocks.of(blocks), start, total, slots.tolist()).to(torch.device(device))
     views = CacheViews.of([(k, v) for _, k, v in caches])
     cos, sin = rope.table(torch.device(device), total)
+    # a first launch into other caches of the same layout, with other runtime values: the
+    # write below then reuses its compiled kernel (launched directly where Triton allows)
+    scratch = [flash_attention_views(6, rank_heads, block_size, head_size, dst_dtype, device) for _ in range(layers)]
+    write_segment(CacheViews.of([(k, v) for _, k, v in scratch]), sources, cos, sin, start, heads.start, rotary,
+                  style == "neox", 2 * scale, 0)
     write_segment(views, sources, cos, sin, start, heads.start, rotary, style == "neox", scale, first_fact)
+    if device == "cuda" and fused_write._direct_launch_supported():
+        assert fused_write._compiled, "the second launch should have found the compiled kernel"
 
     stacked = torch.cat(blocks, dim=2)
     keys = rope.rotate_range(stacked[0][:, start:, heads], start)
