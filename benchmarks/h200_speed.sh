@@ -13,6 +13,7 @@ STEPS=${STEPS:-kernel tests load-short ttft load}  # also: profile shapes jasper
 # the connector's cache write in steps ttft, load, shapes: "" (Config's default, the fused kernel),
 # --layerwise-write or --fused-write
 FUSED=${FUSED:-}
+# more arguments of the load steps, e.g. LOAD_ARGS="--users 100 -- --api-server-count 4"
 source benchmarks/gpu_block.sh
 NOW=/tmp/site:$PWD BEFORE=/tmp/site:$PWD/.gpu/before
 if [[ -d .gpu/wheels ]] && ! PYTHONPATH=$NOW python3 -c 'import faiss' 2>/dev/null; then
@@ -75,9 +76,10 @@ if has tests; then
   done
 fi
 
-if has kernel; then  # the fused write alone, against the reference (quick)
+if has kernel; then  # the fused write alone: against the reference, then its speed by where the facts lie (quick)
   stamp "fused cache write on the GPU"
   PYTHONPATH=$NOW timeout 300 python3 -m pytest tests/test_fused_write.py -q -p no:cacheprovider 2>&1 | tail -5
+  PYTHONPATH=$NOW timeout 300 python3 benchmarks/fused_write_speed.py --out "$RUN/fused_write_speed_h200.json" 2>&1 | tail -8
 fi
 
 if has profile; then
@@ -103,14 +105,15 @@ fi
 if has load; then
   stamp "load through vllm serve: 1/10/50/100 users, 200 facts each, k = 50, Qwen2.5-7B shape ($FUSED)"
   PYTHONPATH=$NOW timeout 900 python3 benchmarks/vllm_serve_load.py --shape qwen2.5-7b --cuda-graphs \
-    --gpu-memory-utilization 0.5 --seconds 10 $FUSED --out "$RUN/vllm_serve_load_h200" 2>&1 | grep -v " INFO \| DEBUG "
+    --gpu-memory-utilization 0.5 --seconds 10 $FUSED --out "$RUN/vllm_serve_load_h200" ${LOAD_ARGS:-} 2>&1 \
+    | grep -v " INFO \| DEBUG "
 fi
 
 if has load-short; then  # the prefill-bound case: answers of 2 tokens
   stamp "load through vllm serve with 2-token answers: 1/10/50/100 users, k = 50, Qwen2.5-7B shape ($FUSED)"
   PYTHONPATH=$NOW timeout 900 python3 benchmarks/vllm_serve_load.py --shape qwen2.5-7b --cuda-graphs \
     --gpu-memory-utilization 0.5 --seconds 10 --max-tokens 2 --budgets 0 $FUSED \
-    --out "$RUN/vllm_serve_load_short_h200" 2>&1 | grep -v " INFO \| DEBUG "
+    --out "$RUN/vllm_serve_load_short_h200" ${LOAD_ARGS:-} 2>&1 | grep -v " INFO \| DEBUG "
 fi
 
 if has retrieval; then

@@ -48,7 +48,7 @@ STEPS = [
     ("inferscale.compose.rope", "RotaryEmbedding.rotate_range", "worker: RoPE"),
     ("inferscale.connector.compat", "write_kv", "worker: cache writes"),
     ("inferscale.connector.loader", "SegmentLoader.sources", "worker: sources + salt check"),
-    ("inferscale.connector.fused_write", "write_segment", "worker: fused cache write"),
+    ("inferscale.connector.fused_write", "write_tokens", "worker: fused cache write"),
     ("inferscale.connector.vllm_adapter", "InferScaleConnector.wait_for_layer_load", "worker: wait_for_layer_load"),
     ("inferscale.connector.vllm_adapter", "InferScaleConnector.request_finished", "scheduler: request_finished"),
 ]

@@ -10,7 +10,8 @@
    InferScale connector (``--kv-store``, sized to hold every user), and checks that one request of
    every user gets its memory injected (the connector's report);
 3. for each number of concurrent users and each system, a closed loop for ``--seconds``: every user
-   sends a ``/v1/completions`` request with the ``openai`` async client, waits for the whole answer
+   (spread over ``--clients`` client processes) sends a ``/v1/completions`` request with the
+   ``openai`` async client, waits for the whole answer
    (``--max-tokens`` tokens, EOS ignored) and sends the next. Every request draws k fresh facts
    of that user, in random order:
 
@@ -32,6 +33,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import random
 import statistics
 import subprocess
@@ -199,45 +201,89 @@ def start_server(model: Path, config, args, log: Path) -> tuple[subprocess.Popen
     return proc, url
 
 
-async def run(url: str, requests: Requests, args, systems: list[str], levels: list[int]) -> tuple[dict, list[dict]]:
+def make_client(url: str, connections: int):
     from openai import AsyncOpenAI
 
     import httpx
 
-    limits = httpx.Limits(max_connections=max(levels) + 8, max_keepalive_connections=max(levels) + 8)
-    client = AsyncOpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=600,
-                         http_client=httpx.AsyncClient(limits=limits, timeout=600))
+    limits = httpx.Limits(max_connections=connections + 8, max_keepalive_connections=connections + 8)
+    return AsyncOpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=600,
+                       http_client=httpx.AsyncClient(limits=limits, timeout=600))
+
+
+def client_process(url: str, requests: Requests, system: str, users: list[str], seconds: float, stream: bool,
+                   seed: tuple) -> tuple[list[dict], float]:
+    """One client process's share of a row: its users' closed loops; (results, its CPU seconds)."""
+    requests.rng = random.Random(repr(seed))  # every process draws its own facts and questions
+
+    async def loop() -> list[dict]:
+        client = make_client(url, len(users))
+        try:
+            return await closed_loop(client, requests, system, users, seconds, stream)
+        finally:
+            await client.close()
+
+    cpu = time.process_time()
+    results = asyncio.run(loop())
+    return results, time.process_time() - cpu
+
+
+async def timed_row(pool, processes: int, url: str, requests: Requests, system: str, users: list[str],
+                    seconds: float, stream: bool, seed: tuple) -> tuple[list[dict], float]:
+    """The users' closed loops for ``seconds``, spread over ``processes`` client processes of the
+    pool (round-robin); (every result, the clients' CPU seconds)."""
+    loop = asyncio.get_running_loop()
+    groups = [users[i::processes] for i in range(processes)]
+    done = await asyncio.gather(*(loop.run_in_executor(pool, client_process, url, requests, system, group, seconds,
+                                                       stream, (*seed, i))
+                                  for i, group in enumerate(groups) if group))
+    return [r for results, _ in done for r in results], sum(cpu for _, cpu in done)
+
+
+async def run(url: str, requests: Requests, args, systems: list[str], levels: list[int]) -> tuple[dict, list[dict]]:
+    from concurrent.futures import ProcessPoolExecutor
+    from multiprocessing import get_context
+
+    client = make_client(url, max(levels))
     users = sorted(requests.tokens, key=lambda u: int(u[4:]))
     kv = [s for s in systems if s.startswith("kv@")]
     # every user once (not timed): the memory tier loads each user, and the report says what was injected
     checks = await asyncio.gather(*(one(client, requests, kv[0], u, stream=False) for u in users)) if kv else []
+    await client.close()
     injected = [((c.get("report") or {}).get("inferscale") or {}) for c in checks]
     check = {"users": len(checks), "failed": sum(not c["ok"] for c in checks),
              "reports": injected[:2], "errors": sorted({c.get("error", "") for c in checks if not c["ok"]})[:3]}
     print(f"warm-up: {check['users']} users, {check['failed']} failed; first report {injected[:1]}", flush=True)
-    for system in systems:  # one untimed round per system: CUDA graphs and kernels for each shape warm up
-        await closed_loop(client, requests, system, users[: min(4, len(users))], 1.0)
-    before = connector_counters(scrape(url))
-    rows = []
-    for level in levels:
+    # the client runs in --clients processes (one Python process driving a hundred users was the
+    # bottleneck on a slow host); untimed, one round per system: the processes start, and CUDA
+    # graphs and kernels for each shape warm up
+    pool = ProcessPoolExecutor(args.clients, mp_context=get_context("spawn"))
+    try:
         for system in systems:
-            snapshot = scrape(url)
-            cpu = time.process_time()
-            results = await closed_loop(client, requests, system, users[:level], args.seconds, args.stream)
-            cpu = time.process_time() - cpu
-            await asyncio.sleep(0.5)  # the engine's last stats reach /metrics
-            row = summarize(system, level, results, args.seconds, args.max_tokens)
-            # the client's own CPU per request: near the row's seconds per request, the client
-            # (one process for every user), not the server, sets the pace
-            row["client_cpu_ms_per_request"] = cpu * 1e3 / max(1, len(results))
-            row["client_cpu_share"] = cpu / max(row["seconds"], 1e-9)
-            row.update(histogram_summary(snapshot, scrape(url)))
-            rows.append(row)
-            print(f"{level:4d} users {system:8s} {row['requests_per_s']:8.2f} req/s  engine TTFT mean "
-                  f"{row.get('ttft_mean_ms', 0):8.1f} ms (p50 ≤ {row.get('ttft_p50_le_ms', 0):.0f}, p99 ≤ "
-                  f"{row.get('ttft_p99_le_ms', 0):.0f})  latency p50 {row['latency_p50_ms'] or 0:8.1f} ms  "
-                  f"failed {row['failed']}", flush=True)
-    await client.close()
+            await timed_row(pool, args.clients, url, requests, system, users[: min(len(users), 4 * args.clients)], 1.0, False,
+                            ("warm", system))
+        before = connector_counters(scrape(url))
+        rows = []
+        for level in levels:
+            for system in systems:
+                snapshot = scrape(url)
+                results, cpu = await timed_row(pool, args.clients, url, requests, system, users[:level],
+                                               args.seconds, args.stream, (level, system))
+                await asyncio.sleep(0.5)  # the engine's last stats reach /metrics
+                row = summarize(system, level, results, args.seconds, args.max_tokens)
+                # the clients' own CPU per request, and per process: near 100 % the clients, not the
+                # server, set the pace
+                row["client_processes"] = min(args.clients, level)
+                row["client_cpu_ms_per_request"] = cpu * 1e3 / max(1, len(results))
+                row["client_cpu_share"] = cpu / max(row["seconds"], 1e-9) / row["client_processes"]
+                row.update(histogram_summary(snapshot, scrape(url)))
+                rows.append(row)
+                print(f"{level:4d} users {system:8s} {row['requests_per_s']:8.2f} req/s  engine TTFT mean "
+                      f"{row.get('ttft_mean_ms', 0):8.1f} ms (p50 ≤ {row.get('ttft_p50_le_ms', 0):.0f}, p99 ≤ "
+                      f"{row.get('ttft_p99_le_ms', 0):.0f})  latency p50 {row['latency_p50_ms'] or 0:8.1f} ms  "
+                      f"client CPU {100 * row['client_cpu_share']:.0f} %  failed {row['failed']}", flush=True)
+    finally:
+        pool.shutdown()
     after = connector_counters(scrape(url))
     check["connector_counts_during_runs"] = {k: after[k] - before.get(k, 0.0) for k in after}
     print(f"connector counters during the timed runs: {check['connector_counts_during_runs']}", flush=True)
@@ -351,6 +397,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--stream", action="store_true", help="stream answers (the client also times the first "
                         "token; at high concurrency the client and the API server's event handling then limit "
                         "requests/s before the engine does)")
+    parser.add_argument("--clients", type=int, default=max(1, min(4, (os.cpu_count() or 2) // 4)),
+                        help="client processes, the users spread over them (default: a quarter of the cores, 1-4)")
     parser.add_argument("--kv-store", default="hbm", choices=["hbm", "pinned"])
     parser.add_argument("--cuda-graphs", action="store_true")
     parser.add_argument("--layerwise-write", action="store_true",

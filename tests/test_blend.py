@@ -208,13 +208,17 @@ def test_fused_sources_point_at_the_segments_stored_rows(disk):
     import ctypes
 
     from inferscale.compose.segment import gather_segment
+    from inferscale.connector.fused_write import K_ADDR, LAYER_STRIDE, POSITION, V_ADDR
 
     order = ["a", "b", "c"]
     loader = _loader(disk)
     spec = _spec(disk, order, 6, 18, key_scale=1.25)
-    sources, first_fact = loader.sources(spec, num_layers=2, head_size=8)
+    sources = loader.sources(spec, num_layers=2, head_size=8)
     batch = gather_segment(loader.store, "ann", order)
-    assert first_fact == batch.offsets[1] - 6
+    # positions 6..17; keys scaled from the first fact's token on, the prefix's not
+    assert sources.row(POSITION).tolist() == list(range(6, 18))
+    first_fact = max(0, batch.offsets[1] - 6)  # this segment starts inside the facts
+    assert sources.scales.tolist() == [1.0] * first_fact + [1.25] * (12 - first_fact)
     row = batch.keys.shape[2] * batch.keys.shape[3]
 
     def read(address: int) -> torch.Tensor:
@@ -222,9 +226,9 @@ def test_fused_sources_point_at_the_segments_stored_rows(disk):
 
     for t in range(12):
         for layer in range(2):
-            step = int(sources.layer_stride[t]) * layer * 4
-            assert torch.equal(read(int(sources.k_addr[t]) + step), batch.keys[layer, 6 + t])
-            assert torch.equal(read(int(sources.v_addr[t]) + step), batch.values[layer, 6 + t])
+            step = int(sources.row(LAYER_STRIDE)[t]) * layer * 4
+            assert torch.equal(read(int(sources.row(K_ADDR)[t]) + step), batch.keys[layer, 6 + t])
+            assert torch.equal(read(int(sources.row(V_ADDR)[t]) + step), batch.values[layer, 6 + t])
     with pytest.raises(ValueError):
         loader.sources(_spec(disk, order, 0, 19), num_layers=2, head_size=8)
     forged = LoadSpec("r1", spec.request, 6, 18, spec.segment_len, spec.slots, "0" * 64, 1.25)

@@ -32,51 +32,61 @@ def flash_attention_views(num_blocks: int, heads: int, block_size: int, head_siz
     return cache, key, value
 
 
-def check(case: int, device: str = "cpu") -> None:
+def check(case: int, device: str = "cpu", pinned: bool = False) -> None:
+    """Two requests joined into one launch (different starts, key scales, slots), each checked
+    against the whole-tensor path; ``pinned``: the stored blocks in pinned host memory, read
+    in place by the kernel."""
     from inferscale.connector import fused_write
-    from inferscale.connector.fused_write import CacheViews, token_sources, write_segment
+    from inferscale.connector.fused_write import CacheViews, Sources, token_sources, write_tokens
     from inferscale.storage.blocks import HeldBlocks
 
     style, fraction, src_dtype, dst_dtype, heads, scale = CASES[case]
     gen = torch.Generator().manual_seed(case)
-    layers, num_heads, head_size, block_size = 3, 4, 16, 16
+    layers, num_heads, head_size, block_size, num_blocks = 3, 4, 16, 16, 8
     rotary = int(head_size * fraction)
     inv_freq = 1.0 / (10000 ** (torch.arange(0, rotary, 2, dtype=torch.float32) / rotary))
     rope = RotaryEmbedding(inv_freq, head_size, style=style, attention_scaling=1.1)
-    lengths = [7, 3, 12, 5]
-    blocks = [torch.randn(2, layers, n, num_heads, head_size, generator=gen).to(src_dtype).to(device) for n in lengths]
-    total, start = sum(lengths), 4
-    first_fact = lengths[0] - start
     rank_heads = heads.stop - heads.start
-    caches = [flash_attention_views(6, rank_heads, block_size, head_size, dst_dtype, device) for _ in range(layers)]
-    slots = torch.randperm(6 * block_size, generator=gen)[: total - start].to(device)
-    sources = token_sources(HeldBlocks.of(blocks), start, total, slots.tolist()).to(torch.device(device))
+    slots = torch.randperm(num_blocks * block_size, generator=gen)
+    parts, expected, used = [], [], 0
+    for lengths, start, key_scale in (([7, 3, 12, 5], 4, scale), ([5, 9], 2, 2 * scale)):  # prefix first
+        blocks = [torch.randn(2, layers, n, num_heads, head_size, generator=gen).to(src_dtype) for n in lengths]
+        blocks = [b.pin_memory() if pinned else b.to(device) for b in blocks]
+        total = sum(lengths)
+        mine = slots[used:used + total - start]
+        used += total - start
+        parts.append(token_sources(HeldBlocks.of(blocks), start, total, mine.tolist(), key_scale, lengths[0]))
+        stacked = torch.cat(blocks, dim=2).to(device)
+        keys = rope.rotate_range(stacked[0][:, start:, heads], start)
+        keys[:, lengths[0] - start:] *= key_scale
+        expected.append((mine.to(device), keys.to(dst_dtype), stacked[1][:, start:, heads].to(dst_dtype)))
+    sources = Sources.join(parts).to(torch.device(device))
+    caches = [flash_attention_views(num_blocks, rank_heads, block_size, head_size, dst_dtype, device)
+              for _ in range(layers)]
     views = CacheViews.of([(k, v) for _, k, v in caches])
-    cos, sin = rope.table(torch.device(device), total)
-    # a first launch into other caches of the same layout, with other runtime values: the
-    # write below then reuses its compiled kernel (launched directly where Triton allows)
-    scratch = [flash_attention_views(6, rank_heads, block_size, head_size, dst_dtype, device) for _ in range(layers)]
-    write_segment(CacheViews.of([(k, v) for _, k, v in scratch]), sources, cos, sin, start, heads.start, rotary,
-                  style == "neox", 2 * scale, 0)
-    write_segment(views, sources, cos, sin, start, heads.start, rotary, style == "neox", scale, first_fact)
+    cos, sin = rope.table(torch.device(device), 27)
+    # a first launch into other caches of the same layout: the write below then reuses its
+    # compiled kernel (launched directly where Triton allows)
+    scratch = [flash_attention_views(num_blocks, rank_heads, block_size, head_size, dst_dtype, device) for _ in range(layers)]
+    write_tokens(CacheViews.of([(k, v) for _, k, v in scratch]), Sources.join(parts[1:]).to(torch.device(device)),
+                 cos, sin, heads.start, rotary, style == "neox")
+    write_tokens(views, sources, cos, sin, heads.start, rotary, style == "neox")
     if device == "cuda" and fused_write._direct_launch_supported():
         assert fused_write._compiled, "the second launch should have found the compiled kernel"
 
-    stacked = torch.cat(blocks, dim=2)
-    keys = rope.rotate_range(stacked[0][:, start:, heads], start)
-    keys[:, first_fact:] *= scale
-    keys, values = keys.to(dst_dtype), stacked[1][:, start:, heads].to(dst_dtype)
-    block, offset = slots // block_size, slots % block_size
-    for layer, (cache, key_view, value_view) in enumerate(caches):
-        torch.testing.assert_close(key_view[block, offset], keys[layer], rtol=1e-6 if dst_dtype == torch.float32 else 8e-3,
-                                   atol=1e-6 if dst_dtype == torch.float32 else 8e-3)
-        if src_dtype == dst_dtype:  # a copy
-            assert torch.equal(value_view[block, offset], values[layer])
-        else:  # one rounding (the interpreter's float32 -> bfloat16 may not round to nearest)
-            torch.testing.assert_close(value_view[block, offset], values[layer], rtol=8e-3, atol=8e-3)
-        written = torch.zeros(6 * block_size, dtype=torch.bool, device=device)
-        written[slots] = True
-        untouched = cache.transpose(1, 2).reshape(6 * block_size, -1)[~written]
+    for mine, keys, values in expected:
+        block, offset = mine // block_size, mine % block_size
+        for layer, (_, key_view, value_view) in enumerate(caches):
+            tolerance = 1e-6 if dst_dtype == torch.float32 else 8e-3
+            torch.testing.assert_close(key_view[block, offset], keys[layer], rtol=tolerance, atol=tolerance)
+            if src_dtype == dst_dtype:  # a copy
+                assert torch.equal(value_view[block, offset], values[layer])
+            else:  # one rounding (the interpreter's float32 -> bfloat16 may not round to nearest)
+                torch.testing.assert_close(value_view[block, offset], values[layer], rtol=8e-3, atol=8e-3)
+    written = torch.zeros(num_blocks * block_size, dtype=torch.bool, device=device)
+    written[slots[:used].to(device)] = True
+    for cache, _, _ in caches:
+        untouched = cache.transpose(1, 2).reshape(num_blocks * block_size, -1)[~written]
         assert not untouched.any(), "slots outside the mapping were written"
 
 
@@ -100,19 +110,32 @@ def test_fused_write_matches_rope_and_touches_only_its_slots(case):
     assert done.returncode == 0, done.stderr[-3000:]
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="pinned host memory read by a GPU kernel")
+@pytest.mark.parametrize("case", range(len(CASES)), ids=[f"{c[0]}-{c[1]}-{c[2]}-{c[3]}" for c in CASES])
+def test_fused_write_reads_pinned_host_blocks_in_place(case):
+    pytest.importorskip("triton")
+    check(case, "cuda", pinned=True)
+
+
 def test_sources_point_at_each_tokens_rows():
-    from inferscale.connector.fused_write import token_sources
+    from inferscale.connector.fused_write import K_ADDR, LAYER_STRIDE, POSITION, SLOT, V_ADDR, Sources, token_sources
     from inferscale.storage.blocks import HeldBlocks
 
     blocks = [torch.zeros(2, 3, n, 2, 4) for n in (2, 5)]
     held = HeldBlocks.of(blocks[:1]) + HeldBlocks.of(blocks[1:])  # as the loader joins prefix and facts
-    sources = token_sources(held, 1, 7, [40, 41, 7, 8, 9, 90])
+    sources = token_sources(held, 1, 7, [40, 41, 7, 8, 9, 90], key_scale=0.5, scaled_from=2)
     row = 2 * 4 * 4  # bytes of one token's heads
     expected_k = [blocks[0].data_ptr() + row] + [blocks[1].data_ptr() + i * row for i in range(5)]
-    assert sources.k_addr.tolist() == expected_k
-    assert sources.layer_stride.tolist() == [2 * 8] + [5 * 8] * 5
-    assert (sources.v_addr - sources.k_addr).tolist() == [3 * 2 * 8 * 4] + [3 * 5 * 8 * 4] * 5
-    assert sources.slots.tolist() == [40, 41, 7, 8, 9, 90]
+    assert sources.row(K_ADDR).tolist() == expected_k
+    assert sources.row(LAYER_STRIDE).tolist() == [2 * 8] + [5 * 8] * 5
+    assert (sources.row(V_ADDR) - sources.row(K_ADDR)).tolist() == [3 * 2 * 8 * 4] + [3 * 5 * 8 * 4] * 5
+    assert sources.row(SLOT).tolist() == [40, 41, 7, 8, 9, 90]
+    assert sources.row(POSITION).tolist() == [1, 2, 3, 4, 5, 6]
+    assert sources.scales.tolist() == [1.0, 0.5, 0.5, 0.5, 0.5, 0.5]
+    joined = Sources.join([sources, token_sources(held, 0, 2, [3, 4])])
+    assert joined.row(SLOT).tolist() == [40, 41, 7, 8, 9, 90, 3, 4] and len(joined.blocks) == 4
+    with pytest.raises(ValueError, match="joined"):  # stored in another dtype
+        Sources.join([sources, token_sources(HeldBlocks.of([blocks[0].to(torch.bfloat16)]), 0, 2, [3, 4])])
     with pytest.raises(ValueError):
         token_sources(held, 1, 7, [1, 2])  # a slot per token
     with pytest.raises(ValueError):  # not contiguous

@@ -1,4 +1,4 @@
-"""One kernel launch writes a request's memory into vLLM's paged cache.
+"""One kernel launch writes a step's memory into vLLM's paged cache.
 
 For every layer, token and KV head of this rank, the kernel reads the fact's
 stored pre-RoPE key and its value straight from where the store holds them
@@ -7,13 +7,16 @@ its position with the model's cos/sin table, scales the facts' keys, casts to
 the cache dtype and stores both at the token's cache slot. What the loop of
 whole-tensor ops (:meth:`SegmentLoader.load` + one backend write per layer)
 does in ~10 launches per layer and several full passes over the K/V, this
-does in one launch and one pass.
+does in one launch and one pass, for every request of the step at once.
 
-Sources are given per token as raw addresses (:func:`token_sources`), so a
-fact's block can live in GPU memory or, under unified addressing, in pinned
-host memory. The destination is described by :class:`CacheViews`: the
-backend's own K and V views of each layer's cache (``[num_blocks,
-block_size, heads, head_size]`` with any strides; :func:`compat.kv_cache_views`).
+Sources are given per token (:func:`token_sources`, joined over requests with
+:meth:`Sources.join`): raw addresses, so a fact's block can live in GPU memory
+or, under unified addressing, in pinned host memory (then the kernel reads it
+over the bus: each element is read once, a rotary pair by the same program);
+the token's position and key scale. The destination is described by
+:class:`CacheViews`: the backend's own K and V views of each layer's cache
+(``[num_blocks, block_size, heads, head_size]`` with any strides;
+:func:`compat.kv_cache_views`).
 
 The arithmetic matches :meth:`RotaryEmbedding.rotate_range`: float32
 ``x * cos + partner(x) * sin`` from the same table, then one cast (the
@@ -79,13 +82,18 @@ class CacheViews:
         return self.bases.shape[1]
 
 
+#: rows of a :class:`Sources` table
+K_ADDR, V_ADDR, LAYER_STRIDE, SLOT, POSITION, SCALE = range(6)
+
+
 @dataclass(frozen=True)
 class Sources:
     """Where each token's K/V lies and where it goes, packed in one int64 ``table`` so that it
-    reaches the device in one copy: row 0 the address of the token's layer-0 key row, row 1
-    of its value row, row 2 the distance (elements) from one layer's row to the next, row 3
-    its cache slot; and the blocks the addresses point into (kept alive by the caller until
-    the kernel has run)."""
+    reaches the device in one copy. Per token (one column): the address of its layer-0 key row
+    (row ``K_ADDR``) and value row (``V_ADDR``), the distance in elements from one layer's row to
+    the next (``LAYER_STRIDE``), its cache slot (``SLOT``), its position (``POSITION``) and the
+    float32 bits of its keys' scale (``SCALE``). ``blocks`` are the tensors the addresses point
+    into: the caller keeps them alive until the kernel has run."""
 
     table: torch.Tensor
     dtype: torch.dtype
@@ -93,24 +101,30 @@ class Sources:
     blocks: tuple[torch.Tensor, ...]
 
     @property
-    def k_addr(self) -> torch.Tensor:
-        return self.table[0]
-
-    @property
-    def v_addr(self) -> torch.Tensor:
-        return self.table[1]
-
-    @property
-    def layer_stride(self) -> torch.Tensor:
-        return self.table[2]
-
-    @property
-    def slots(self) -> torch.Tensor:
-        return self.table[3]
-
-    @property
     def num_tokens(self) -> int:
         return self.table.shape[1]
+
+    def row(self, which: int) -> torch.Tensor:
+        return self.table[which]
+
+    @property
+    def scales(self) -> torch.Tensor:
+        """The keys' scales as float32."""
+        return self.table[SCALE].to(torch.int32).view(torch.float32)
+
+    @classmethod
+    def join(cls, parts: Sequence[Sources]) -> Sources:
+        """Several requests' sources as one (one table copy, one launch); they must share the
+        stored dtype and head count (every fact was encoded by the served model)."""
+        first = parts[0]
+        for part in parts[1:]:
+            if part.dtype != first.dtype or part.num_heads != first.num_heads:
+                raise ValueError(f"sources of {first.dtype} × {first.num_heads} heads and "
+                                 f"{part.dtype} × {part.num_heads} heads cannot be joined")
+        if len(parts) == 1:
+            return first
+        table = torch.from_numpy(np.concatenate([part.table.numpy() for part in parts], axis=1))
+        return cls(table, first.dtype, first.num_heads, tuple(b for part in parts for b in part.blocks))
 
     def to(self, device: torch.device) -> Sources:
         """On ``device``: one asynchronous copy of the table, no host sync. (From pageable memory:
@@ -120,9 +134,11 @@ class Sources:
         return Sources(table, self.dtype, self.num_heads, self.blocks)
 
 
-def token_sources(held: HeldBlocks, start: int, end: int, slots: Sequence[int]) -> Sources:
-    """Sources of tokens ``start..end-1`` of the concatenation of ``held``'s blocks, to be
-    written to cache ``slots`` (one per token).
+def token_sources(held: HeldBlocks, start: int, end: int, slots: Sequence[int], key_scale: float = 1.0,
+                  scaled_from: int = 0) -> Sources:
+    """Sources of tokens ``start..end-1`` of the concatenation of ``held``'s blocks (a segment
+    at positions 0, 1, ...), to be written to cache ``slots`` (one per token); the keys of
+    tokens from index ``scaled_from`` on are multiplied by ``key_scale``.
 
     The per-token arithmetic runs in NumPy over the blocks' addresses and lengths: on a few
     thousand tokens it costs microseconds, where the same dozen small torch ops cost a tenth
@@ -134,75 +150,100 @@ def token_sources(held: HeldBlocks, start: int, end: int, slots: Sequence[int]) 
     which = np.repeat(np.arange(len(lengths)), lengths)[start:end]
     offsets = np.cumsum(lengths) - lengths
     size = layout.dtype.itemsize
-    table = np.empty((4, len(which)), dtype=np.int64)
-    table[2] = lengths[which] * row  # layer stride
-    table[0] = held.addresses[which] + (np.arange(start, end, dtype=np.int64) - offsets[which]) * row * size
-    table[1] = table[0] + layout.num_layers * table[2] * size
-    table[3] = slots
+    positions = np.arange(start, end, dtype=np.int64)
+    table = np.empty((6, len(which)), dtype=np.int64)
+    table[LAYER_STRIDE] = lengths[which] * row
+    table[K_ADDR] = held.addresses[which] + (positions - offsets[which]) * row * size
+    table[V_ADDR] = table[K_ADDR] + layout.num_layers * table[LAYER_STRIDE] * size
+    table[SLOT] = slots
+    table[POSITION] = positions
+    scales = np.where(positions >= scaled_from, np.float32(key_scale), np.float32(1.0)).astype(np.float32)
+    table[SCALE] = scales.view(np.int32)
     return Sources(torch.from_numpy(table), layout.dtype, layout.num_kv_heads, held.blocks)
 
 
 #: runtime arguments are never specialized on their values or alignment, so one compiled kernel
 #: serves every launch with the same compile-time constants (see :func:`_launch`)
-_RUNTIME_ARGS = ["table", "num_tokens", "bases", "cos", "sin", "start", "first_fact", "key_scale", "head0"]
+_RUNTIME_ARGS = ["table", "num_tokens", "bases", "cos", "sin", "head0"]
 
 if triton is not None:
 
     @triton.jit(do_not_specialize=_RUNTIME_ARGS, do_not_specialize_on_alignment=_RUNTIME_ARGS)
-    def _write_kernel(table, num_tokens, bases, cos, sin, start, first_fact, key_scale, head0,
+    def _write_kernel(table, num_tokens, bases, cos, sin, head0,
                       S_BLOCK: tl.constexpr, S_SLOT: tl.constexpr, S_HEAD: tl.constexpr, S_DIM: tl.constexpr,
                       SRC: tl.constexpr, DST: tl.constexpr, BLOCK_SIZE: tl.constexpr,
                       HEADS: tl.constexpr, HEAD_SIZE: tl.constexpr, ROTARY: tl.constexpr,
-                      NEOX: tl.constexpr, WIDTH: tl.constexpr):
+                      NEOX: tl.constexpr, ROW: tl.constexpr, PAIRS: tl.constexpr, REST: tl.constexpr):
+        # one program: one token (a column of the Sources table) of one layer, every head of this rank
         token = tl.program_id(0)
         layer = tl.program_id(1)
-        i = tl.arange(0, WIDTH)
-        mask = i < HEADS * HEAD_SIZE
-        head = i // HEAD_SIZE
-        dim = i % HEAD_SIZE
-        if NEOX:
-            partner = tl.where(dim < ROTARY, (dim + ROTARY // 2) % ROTARY, dim)
-        else:
-            partner = tl.where(dim < ROTARY, dim ^ 1, dim)
-        # the sources table: rows k_addr, v_addr, layer_stride, slot (Sources)
-        step = tl.load(table + 2 * num_tokens + token) * layer
-        src_off = step + (head0 + head) * HEAD_SIZE
         k_row = tl.load(table + token).to(tl.pointer_type(SRC))
         v_row = tl.load(table + num_tokens + token).to(tl.pointer_type(SRC))
-        x = tl.load(k_row + src_off + dim, mask=mask, other=0.0).to(tl.float32)
-        y = tl.load(k_row + src_off + partner, mask=mask, other=0.0).to(tl.float32)
-        value = tl.load(v_row + src_off + dim, mask=mask, other=0.0)
-        position = start + token
-        rotary = dim < ROTARY
-        c = tl.load(cos + position * ROTARY + dim, mask=mask & rotary, other=1.0)
-        s = tl.load(sin + position * ROTARY + dim, mask=mask & rotary, other=0.0)
-        key = x * c + y * s
-        key = tl.where(token >= first_fact, key * key_scale, key)
+        first = tl.load(table + 2 * num_tokens + token) * layer + head0 * HEAD_SIZE  # this layer, first head
         slot = tl.load(table + 3 * num_tokens + token)
-        dst = (slot // BLOCK_SIZE) * S_BLOCK + (slot % BLOCK_SIZE) * S_SLOT + head * S_HEAD + dim * S_DIM
+        position = tl.load(table + 4 * num_tokens + token)
+        scale = tl.load(table + 5 * num_tokens + token).to(tl.int32).to(tl.float32, bitcast=True)
         k_out = tl.load(bases + layer).to(tl.pointer_type(DST))
         v_out = tl.load(bases + tl.num_programs(1) + layer).to(tl.pointer_type(DST))
-        tl.store(k_out + dst, key.to(DST), mask=mask)
-        tl.store(v_out + dst, value.to(DST), mask=mask)
+        dst = (slot // BLOCK_SIZE) * S_BLOCK + (slot % BLOCK_SIZE) * S_SLOT
+
+        # values: the row as it is
+        i = tl.arange(0, ROW)
+        mask = i < HEADS * HEAD_SIZE
+        value = tl.load(v_row + first + i, mask=mask)
+        tl.store(v_out + dst + (i // HEAD_SIZE) * S_HEAD + (i % HEAD_SIZE) * S_DIM, value.to(DST), mask=mask)
+
+        # keys: each rotary pair (a, b) read once, by this program
+        j = tl.arange(0, PAIRS)
+        pairs = j < HEADS * (ROTARY // 2)
+        head = j // (ROTARY // 2)
+        if NEOX:
+            a = j % (ROTARY // 2)
+            b = a + ROTARY // 2
+        else:
+            a = 2 * (j % (ROTARY // 2))
+            b = a + 1
+        src = k_row + first + head * HEAD_SIZE
+        xa = tl.load(src + a, mask=pairs, other=0.0).to(tl.float32)
+        xb = tl.load(src + b, mask=pairs, other=0.0).to(tl.float32)
+        ca = tl.load(cos + position * ROTARY + a, mask=pairs, other=0.0)
+        sa = tl.load(sin + position * ROTARY + a, mask=pairs, other=0.0)
+        cb = tl.load(cos + position * ROTARY + b, mask=pairs, other=0.0)
+        sb = tl.load(sin + position * ROTARY + b, mask=pairs, other=0.0)
+        out = k_out + dst + head * S_HEAD
+        tl.store(out + a * S_DIM, ((xa * ca + xb * sa) * scale).to(DST), mask=pairs)
+        tl.store(out + b * S_DIM, ((xb * cb + xa * sb) * scale).to(DST), mask=pairs)
+
+        if ROTARY < HEAD_SIZE:  # the dims past the rotary ones: scaled only
+            r = tl.arange(0, REST)
+            rest = r < HEADS * (HEAD_SIZE - ROTARY)
+            head = r // (HEAD_SIZE - ROTARY)
+            dim = ROTARY + r % (HEAD_SIZE - ROTARY)
+            x = tl.load(k_row + first + head * HEAD_SIZE + dim, mask=rest, other=0.0).to(tl.float32)
+            tl.store(k_out + dst + head * S_HEAD + dim * S_DIM, (x * scale).to(DST), mask=rest)
 
 
-def write_segment(cache: CacheViews, sources: Sources, cos: torch.Tensor, sin: torch.Tensor,
-                  start: int, head0: int, rotary_dim: int, neox: bool, key_scale: float = 1.0,
-                  first_fact: int = 0) -> None:
-    """Write tokens ``start..`` (those of ``sources``, on the cache's device) to their slots
-    into every layer of the cache; ``cos``/``sin`` are the ``[positions, rotary_dim]`` float32
-    table of :meth:`RotaryEmbedding.table`; keys of tokens from ``first_fact`` on (relative
-    to ``start``) are multiplied by ``key_scale``."""
+def write_tokens(cache: CacheViews, sources: Sources, cos: torch.Tensor, sin: torch.Tensor, head0: int,
+                 rotary_dim: int, neox: bool) -> None:
+    """Write every token of ``sources`` (on the cache's device) into every layer of the cache,
+    at its slot; its key rotated to its position and scaled. ``cos``/``sin`` are the
+    ``[positions, rotary_dim]`` float32 table of :meth:`RotaryEmbedding.table` (covering every
+    position); ``head0`` is this rank's first KV head among the stored ones."""
     if triton is None:
         raise RuntimeError("the fused cache write needs Triton")
     num_tokens = sources.num_tokens
     if num_tokens == 0:
         return
-    constants = (*cache.strides, _TL_DTYPES[sources.dtype], _TL_DTYPES[cache.dtype], cache.block_size,
-                 cache.num_heads, cache.head_size, rotary_dim, neox,
-                 triton.next_power_of_2(cache.num_heads * cache.head_size))
-    _launch((num_tokens, cache.num_layers), (sources.table, num_tokens, cache.bases, cos, sin, start, first_fact,
-                                             float(key_scale), head0), constants)
+    heads, size = cache.num_heads, cache.head_size
+    constants = (*cache.strides, _TL_DTYPES[sources.dtype], _TL_DTYPES[cache.dtype], cache.block_size, heads, size,
+                 rotary_dim, neox, triton.next_power_of_2(heads * size),
+                 triton.next_power_of_2(max(1, heads * rotary_dim // 2)),
+                 triton.next_power_of_2(max(1, heads * (size - rotary_dim))))
+    _launch((num_tokens, cache.num_layers), (sources.table, num_tokens, cache.bases, cos, sin, head0), constants)
+
+
+_CONSTANTS = ("S_BLOCK", "S_SLOT", "S_HEAD", "S_DIM", "SRC", "DST", "BLOCK_SIZE", "HEADS", "HEAD_SIZE", "ROTARY",
+              "NEOX", "ROW", "PAIRS", "REST")
 
 
 #: Triton releases whose compiled kernels :func:`_launch` calls directly (their launcher takes
@@ -218,7 +259,8 @@ def _launch(grid: tuple[int, int], args: tuple, constants: tuple) -> None:
     Triton's JIT (which compiles, or finds the kernel in its cache); later ones call the
     compiled kernel directly, which skips the JIT's per-launch argument binding: a tenth of a
     millisecond of host time on the request's critical path. Safe because no runtime argument
-    is specialized (their value types are fixed: pointers, int32, float32)."""
+    is specialized (their value types are fixed: pointers and int32). ``INFERSCALE_DIRECT_LAUNCH=0``
+    keeps every launch on the JIT."""
     table = args[0]
     key = (table.device.index, constants)
     kernel = _compiled.get(key)
@@ -226,15 +268,14 @@ def _launch(grid: tuple[int, int], args: tuple, constants: tuple) -> None:
         # the compiled kernel's runner reads all three grid dimensions
         kernel[(*grid, 1)](*args, *constants, stream=torch.cuda.current_stream(table.device).cuda_stream)
         return
-    names = ("S_BLOCK", "S_SLOT", "S_HEAD", "S_DIM", "SRC", "DST", "BLOCK_SIZE", "HEADS", "HEAD_SIZE", "ROTARY",
-             "NEOX", "WIDTH")
-    compiled = _write_kernel[grid](*args, **dict(zip(names, constants)))
+    compiled = _write_kernel[grid](*args, **dict(zip(_CONSTANTS, constants)))
     if _direct_launch_supported() and hasattr(compiled, "packed_metadata") and table.is_cuda:
         _compiled[key] = compiled
 
 
 def _direct_launch_supported() -> bool:
-    return ".".join(triton.__version__.split(".")[:2]) in _DIRECT_LAUNCH_RELEASES and not _interpreted()
+    return ".".join(triton.__version__.split(".")[:2]) in _DIRECT_LAUNCH_RELEASES and not _interpreted() \
+        and os.environ.get("INFERSCALE_DIRECT_LAUNCH", "1") != "0"
 
 
 def _interpreted() -> bool:

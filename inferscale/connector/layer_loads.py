@@ -7,7 +7,9 @@ that layer's attention (vLLM calls ``wait_for_layer_load``), so the loads of
 later layers run while earlier layers compute, and no host thread ever waits
 for the GPU. When the forward pass will not ask per layer (a full CUDA graph
 replay, a step without attention metadata), the forward stream waits for all
-layers at once before it starts.
+layers at once before it starts. The fused write (one kernel for every layer)
+is queued on the forward stream itself: the forward would wait for all of it
+before layer 0 anyway, and a side stream only cost host time.
 
 On a CPU there are no streams: loads run in order, before the forward pass.
 """
@@ -31,16 +33,20 @@ class LayerLoads:
         self._kept: list[tuple[torch.cuda.Event, list]] = []  # tensors in use by queued work
 
     @contextlib.contextmanager
-    def issuing(self) -> Iterator[None]:
-        """Queue the work inside on the side stream, after everything already
-        queued on the forward stream (the blocks being written may have been
-        read by earlier steps)."""
+    def issuing(self, side_stream: bool = True) -> Iterator[None]:
+        """Queue the work inside on the side stream, after everything already queued on the
+        forward stream (the blocks being written may have been read by earlier steps); with
+        ``side_stream=False`` on the forward stream itself (one kernel that the forward would
+        wait for at once anyway: no stream switch, no cross-stream wait)."""
         if self.stream is None:
             yield
             return
         self.wait_all()
         self._waited.clear()
         self._kept = [(event, refs) for event, refs in self._kept if not event.query()]
+        if not side_stream:
+            yield
+            return
         self.stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(self.stream):
             yield
@@ -52,13 +58,14 @@ class LayerLoads:
             self._pending[index] = self.events[index]
 
     def all_queued(self, keep: list) -> None:
-        """Every layer's writes are queued, by one kernel (call inside :meth:`issuing`);
-        ``keep`` stays referenced until that work has run (the tensors it reads). The forward
-        pass waits once, before layer 0; the other layers find nothing pending."""
+        """Every layer's writes are queued, by one kernel on the current stream (call inside
+        :meth:`issuing`); ``keep`` stays referenced until that work has run (the tensors it
+        reads, pinned host memory among them). The forward pass waits once, before layer 0
+        (free on the same stream); the other layers find nothing pending."""
         if self.stream is None:
             return
         event = torch.cuda.Event()
-        event.record(self.stream)
+        event.record(torch.cuda.current_stream(self.device))
         self._pending = {0: event}
         self._kept.append((event, keep))
 

@@ -6,6 +6,7 @@ disk tier on first use and then kept by the store (pinned host or HBM).
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from itertools import chain
@@ -71,6 +72,9 @@ class SegmentLoader:
                  device: torch.device | str, dtype: torch.dtype, salts: CacheSalts):
         self.store, self.disk, self.rope, self.salts = store, disk, rope, salts
         self.heads, self.device, self.dtype = heads, torch.device(device), dtype
+        #: the fused write reads pinned host blocks in place (``INFERSCALE_PINNED_COPY=1``: copies them first)
+        self._reads_host = self.device.type == "cuda" and getattr(store, "pinned", False) \
+            and os.environ.get("INFERSCALE_PINNED_COPY", "0") == "0"
 
     def load(self, spec: LoadSpec, num_layers: int, head_size: int) -> Segment:
         """K/V for the spec's tokens, rotated to their positions, this rank's heads, cache dtype.
@@ -92,13 +96,13 @@ class SegmentLoader:
         token_ids = batch.flat_token_ids()[spec.start:spec.end]
         return Segment(batch.fact_ids, spec.start, token_ids, keys.to(self.dtype), values)
 
-    def sources(self, spec: LoadSpec, num_layers: int, head_size: int) -> tuple[Sources, int]:
-        """Where the spec's tokens lie in the store (for the fused write, :mod:`fused_write`) and
-        the first fact token's index relative to ``spec.start``; checked as :meth:`load` checks."""
+    def sources(self, spec: LoadSpec, num_layers: int, head_size: int) -> Sources:
+        """Where the spec's tokens lie in the store, their positions and key scales (for the
+        fused write, :mod:`fused_write`); checked as :meth:`load` checks."""
         blocks, prefix_len, total = self._read(self._held, spec)
         _check_range(spec, total)
         _check_model(blocks.layout.num_layers, blocks.layout.head_size, num_layers, head_size)
-        return token_sources(blocks, spec.start, spec.end, spec.slots), prefix_len - spec.start
+        return token_sources(blocks, spec.start, spec.end, spec.slots, spec.key_scale, scaled_from=prefix_len)
 
     def _read(self, read, spec: LoadSpec):
         """``read(spec)``, once more after reloading the user when the memory tier turns out
@@ -131,11 +135,14 @@ class SegmentLoader:
         return blocks, len(prefix_ids[0]), len(tokens)
 
     def _held_blocks(self, user_id: str, fact_ids: Sequence[str]) -> HeldBlocks:
-        """The facts' blocks on the loader's device, through the store's table when it keeps one."""
+        """The facts' blocks where the fused write reads them, through the store's table when
+        it keeps one: on the loader's device, or in place when they lie in pinned host memory
+        that the GPU addresses directly (no copy; the kernel reads them over the bus)."""
+        where = None if self._reads_host else self.device
         held = getattr(self.store, "held_blocks", None)
         if held is not None:
-            return held(user_id, fact_ids, self.device)
-        return HeldBlocks.of(self.store.blocks(user_id, fact_ids, self.device))
+            return held(user_id, fact_ids, where)
+        return HeldBlocks.of(self.store.blocks(user_id, fact_ids, where))
 
     def _salt_matches(self, spec: LoadSpec, tokens: list[int]) -> bool:
         epoch = self.store.generation(spec.user_id)

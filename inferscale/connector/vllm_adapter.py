@@ -49,6 +49,14 @@ class InferScaleMetadata(compat.KVConnectorMetadata):
     loads: list[LoadSpec] = field(default_factory=list)
 
 
+def _by_stored_kind(ready: list) -> list[list]:
+    """``(spec, sources, tier)`` entries grouped by the stored K/V's dtype and head count."""
+    groups: dict[tuple, list] = {}
+    for entry in ready:
+        groups.setdefault((entry[1].dtype, entry[1].num_heads), []).append(entry)
+    return list(groups.values())
+
+
 def config_from_extra(extra: dict[str, Any] | None) -> Config:
     extra = extra or {}
     if "config" in extra:
@@ -171,8 +179,9 @@ class InferScaleConnector(compat.KVConnectorBase_V1):
         if self.loader is None:
             raise RuntimeError("KV caches were never registered with the connector")
         began = time.perf_counter()
-        with self.layer_loads.issuing():
-            if self._fused_views(forward_context) is not None:
+        fused = self._fused_views(forward_context) is not None
+        with self.layer_loads.issuing(side_stream=not fused):
+            if fused:
                 self._write_fused(loads)
             else:
                 self._write(forward_context, self._prepare(loads))
@@ -194,21 +203,31 @@ class InferScaleConnector(compat.KVConnectorBase_V1):
         return self._cache_views or None
 
     def _write_fused(self, loads) -> None:
-        """One kernel per request writes every layer; the forward waits once, at layer 0."""
-        views, keep = self._cache_views, []
-        cos, sin = self.rope.table(self.loader.device, max(spec.end for spec in loads))
+        """One kernel writes every layer for every request of the step, queued on the forward
+        stream itself (nothing to synchronise); the forward's wait at layer 0 is then free."""
+        ready: list[tuple[LoadSpec, fused_write.Sources, str]] = []
         for spec in loads:
             try:
                 tier = self._tier(spec)
-                sources, first_fact = self.loader.sources(spec, len(self.layer_names), self.head_size)
-                sources = sources.to(self.loader.device)
-                fused_write.write_segment(views, sources, cos, sin, spec.start, self.heads.start,
-                                          self.rope.rotary_dim, self.rope.style == "neox", spec.key_scale, first_fact)
-                keep.append(sources)  # its table and the blocks it points into
-                self._count_hit(tier)
+                ready.append((spec, self.loader.sources(spec, len(self.layer_names), self.head_size), tier))
             except Exception as exc:  # never crash the engine: report the blocks, vLLM recomputes
                 self._load_failed(spec, exc)
-        self.layer_loads.all_queued(keep)
+        keep = []
+        for group in _by_stored_kind(ready):  # one group unless facts were stored in two dtypes
+            try:
+                sources = fused_write.Sources.join([part for _, part, _ in group]).to(self.loader.device)
+                cos, sin = self.rope.table(self.loader.device, max(spec.end for spec, _, _ in group))
+                fused_write.write_tokens(self._cache_views, sources, cos, sin, self.heads.start,
+                                         self.rope.rotary_dim, self.rope.style == "neox")
+            except Exception as exc:  # these requests are recomputed
+                for spec, _, _ in group:
+                    self._load_failed(spec, exc)
+                continue
+            keep.append(sources)  # its table and the blocks it points into
+            for _, _, tier in group:
+                self._count_hit(tier)
+        if keep:
+            self.layer_loads.all_queued(keep)
 
     def _prepare(self, loads) -> list[tuple[LoadSpec, Segment, torch.Tensor]]:
         ready = []

@@ -1,0 +1,139 @@
+"""The fused cache write on its own: GPU time by where the facts lie, against the copy floor.
+
+For k facts of a Llama-3.1-8B K/V shape (32 layers, 8 KV heads, head size 128, bf16; a 32-token
+prefix and 20-token facts), one launch of the fused write into a FlashAttention-layout cache:
+
+* ``hbm``           — the facts' blocks in GPU memory;
+* ``pinned direct`` — the blocks in pinned host memory, read in place by the kernel over the bus
+  (what the connector does with the pinned store);
+* ``pinned copy``   — one asynchronous copy per block to the GPU, then the kernel (the path before);
+* ``floor``         — one pinned host-to-device copy of the same bytes in one piece.
+
+GPU times are CUDA events around the work (median of ``--reps``). Host times: building the sources
+(``HeldBlocks.of`` + ``token_sources`` + the table copy; the connector keeps a user's table, so it
+builds less) and one launch, with the direct launch of the compiled kernel and with Triton's JIT. Prints a table, writes ``--out`` (JSON).
+
+    python benchmarks/fused_write_speed.py --out benchmarks/results/fused_write_speed_h200.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from inferscale.compose.rope import RotaryEmbedding  # noqa: E402
+from inferscale.connector import fused_write  # noqa: E402
+from inferscale.connector.fused_write import CacheViews, Sources, token_sources, write_tokens  # noqa: E402
+from inferscale.storage.blocks import HeldBlocks  # noqa: E402
+
+LAYERS, HEADS, HEAD_SIZE, BLOCK = 32, 8, 128, 16
+
+
+def gpu_ms(work, reps: int) -> float:
+    """Median GPU time of ``work()`` (CUDA events on the current stream), after one warm-up call."""
+    work()
+    times = []
+    for _ in range(reps):
+        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        begin.record()
+        work()
+        end.record()
+        end.synchronize()
+        times.append(begin.elapsed_time(end))
+    return statistics.median(times)
+
+
+def host_ms(work, reps: int) -> float:
+    """Median host time of ``work()``, the GPU drained between calls."""
+    work()
+    times = []
+    for _ in range(reps):
+        torch.cuda.synchronize()
+        began = time.perf_counter()
+        work()
+        times.append((time.perf_counter() - began) * 1e3)
+    return statistics.median(times)
+
+
+def row(k: int, args, cache: CacheViews, rope: RotaryEmbedding) -> dict:
+    lengths = [args.prefix_tokens] + [args.fact_tokens] * k
+    total = sum(lengths)
+    host = [torch.randn(2, LAYERS, n, HEADS, HEAD_SIZE).to(torch.bfloat16).pin_memory() for n in lengths]
+    device = [b.cuda() for b in host]
+    slots = torch.randperm(args.cache_blocks * BLOCK)[:total].tolist()
+    cos, sin = rope.table(torch.device("cuda"), total)
+    nbytes = sum(b.numel() * b.element_size() for b in host)
+
+    def write(blocks) -> None:
+        sources = token_sources(HeldBlocks.of(blocks), 0, total, slots, 1.0, lengths[0]).to(torch.device("cuda"))
+        write_tokens(cache, sources, cos, sin, 0, HEAD_SIZE, True)
+
+    def copy_then_write() -> None:
+        write([b.to("cuda", non_blocking=True) for b in host])
+
+    flat = torch.empty(nbytes // 2, dtype=torch.bfloat16).pin_memory()
+    target = torch.empty_like(flat, device="cuda")
+    out = {"k": k, "tokens": total, "mbytes": nbytes / 1e6,
+           "hbm_ms": gpu_ms(lambda: write(device), args.reps),
+           "pinned_direct_ms": gpu_ms(lambda: write(host), args.reps),
+           "pinned_copy_ms": gpu_ms(copy_then_write, args.reps),
+           "floor_ms": gpu_ms(lambda: target.copy_(flat, non_blocking=True), args.reps)}
+    ready = token_sources(HeldBlocks.of(device), 0, total, slots, 1.0, lengths[0]).to(torch.device("cuda"))
+    launch = lambda: write_tokens(cache, ready, cos, sin, 0, HEAD_SIZE, True)  # noqa: E731
+    out["host_sources_ms"] = host_ms(lambda: token_sources(HeldBlocks.of(device), 0, total, slots, 1.0, lengths[0])
+                                     .to(torch.device("cuda")), args.reps)
+    out["host_direct_launch_ms"] = host_ms(launch, args.reps)
+    os.environ["INFERSCALE_DIRECT_LAUNCH"] = "0"
+    out["host_jit_launch_ms"] = host_ms(launch, args.reps)
+    del os.environ["INFERSCALE_DIRECT_LAUNCH"]
+    out["pinned_direct_vs_floor"] = out["pinned_direct_ms"] / out["floor_ms"]
+    out["pinned_copy_vs_floor"] = out["pinned_copy_ms"] / out["floor_ms"]
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--ks", default="1,10,50,100")
+    parser.add_argument("--prefix-tokens", type=int, default=32)
+    parser.add_argument("--fact-tokens", type=int, default=20)
+    parser.add_argument("--cache-blocks", type=int, default=1024, help="paged cache blocks of 16 slots")
+    parser.add_argument("--reps", type=int, default=20)
+    parser.add_argument("--out", default="benchmarks/results/fused_write_speed.json")
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("needs a CUDA GPU", file=sys.stderr)
+        return 2
+    # FlashAttention's layout: [blocks, heads, slots, 2 * head_size], K and V views into it
+    caches = [torch.zeros(args.cache_blocks, HEADS, BLOCK, 2 * HEAD_SIZE, dtype=torch.bfloat16, device="cuda")
+              for _ in range(LAYERS)]
+    cache = CacheViews.of([tuple(c.transpose(1, 2).split(HEAD_SIZE, dim=-1)) for c in caches])
+    inv_freq = 1.0 / (500000.0 ** (torch.arange(0, HEAD_SIZE, 2, dtype=torch.float32) / HEAD_SIZE))
+    rope = RotaryEmbedding(inv_freq, HEAD_SIZE)
+    rows = [row(int(k), args, cache, rope) for k in args.ks.split(",")]
+    print(f"fused write, Llama-3.1-8B K/V shape, {torch.cuda.get_device_name()}, median of {args.reps}")
+    print("| k | MB | hbm ms | pinned direct ms (× floor) | pinned copy ms (× floor) | floor ms | host ms: sources, "
+          "launch direct / JIT |")
+    print("|---|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['k']} | {r['mbytes']:.0f} | {r['hbm_ms']:.3f} | {r['pinned_direct_ms']:.3f} "
+              f"({r['pinned_direct_vs_floor']:.2f}) | {r['pinned_copy_ms']:.3f} ({r['pinned_copy_vs_floor']:.2f}) | "
+              f"{r['floor_ms']:.3f} | {r['host_sources_ms']:.3f}, {r['host_direct_launch_ms']:.3f} / "
+              f"{r['host_jit_launch_ms']:.3f} |")
+    result = {"device": torch.cuda.get_device_name(), "command": "python " + " ".join(sys.argv),
+              "direct_launch": bool(fused_write._compiled), "rows": rows}
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(result, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
