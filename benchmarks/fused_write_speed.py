@@ -11,7 +11,7 @@ prefix and 20-token facts), one launch of the fused write into a FlashAttention-
 
 GPU times are CUDA events around the work (median of ``--reps``). Host times: building the sources
 (``HeldBlocks.of`` + ``token_sources`` + the table copy; the connector keeps a user's table, so it
-builds less) and one launch, with the direct launch of the compiled kernel and with Triton's JIT. Prints a table, writes ``--out`` (JSON).
+builds less) and one launch through Triton's JIT. Prints a table, writes ``--out`` (JSON).
 
     python benchmarks/fused_write_speed.py --out benchmarks/results/fused_write_speed_h200.json
 """
@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import sys
 import time
@@ -31,7 +30,6 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from inferscale.compose.rope import RotaryEmbedding  # noqa: E402
-from inferscale.connector import fused_write  # noqa: E402
 from inferscale.connector.fused_write import CacheViews, Sources, token_sources, write_tokens  # noqa: E402
 from inferscale.storage.blocks import HeldBlocks  # noqa: E402
 
@@ -91,10 +89,7 @@ def row(k: int, args, cache: CacheViews, rope: RotaryEmbedding) -> dict:
     launch = lambda: write_tokens(cache, ready, cos, sin, 0, HEAD_SIZE, True)  # noqa: E731
     out["host_sources_ms"] = host_ms(lambda: token_sources(HeldBlocks.of(device), 0, total, slots, 1.0, lengths[0])
                                      .to(torch.device("cuda")), args.reps)
-    out["host_direct_launch_ms"] = host_ms(launch, args.reps)
-    os.environ["INFERSCALE_DIRECT_LAUNCH"] = "0"
-    out["host_jit_launch_ms"] = host_ms(launch, args.reps)
-    del os.environ["INFERSCALE_DIRECT_LAUNCH"]
+    out["host_launch_ms"] = host_ms(launch, args.reps)
     out["pinned_direct_vs_floor"] = out["pinned_direct_ms"] / out["floor_ms"]
     out["pinned_copy_vs_floor"] = out["pinned_copy_ms"] / out["floor_ms"]
     return out
@@ -121,15 +116,13 @@ def main(argv: list[str] | None = None) -> int:
     rows = [row(int(k), args, cache, rope) for k in args.ks.split(",")]
     print(f"fused write, Llama-3.1-8B K/V shape, {torch.cuda.get_device_name()}, median of {args.reps}")
     print("| k | MB | hbm ms | pinned direct ms (× floor) | pinned copy ms (× floor) | floor ms | host ms: sources, "
-          "launch direct / JIT |")
+          "launch |")
     print("|---|---|---|---|---|---|---|")
     for r in rows:
         print(f"| {r['k']} | {r['mbytes']:.0f} | {r['hbm_ms']:.3f} | {r['pinned_direct_ms']:.3f} "
               f"({r['pinned_direct_vs_floor']:.2f}) | {r['pinned_copy_ms']:.3f} ({r['pinned_copy_vs_floor']:.2f}) | "
-              f"{r['floor_ms']:.3f} | {r['host_sources_ms']:.3f}, {r['host_direct_launch_ms']:.3f} / "
-              f"{r['host_jit_launch_ms']:.3f} |")
-    result = {"device": torch.cuda.get_device_name(), "command": "python " + " ".join(sys.argv),
-              "direct_launch": bool(fused_write._compiled), "rows": rows}
+              f"{r['floor_ms']:.3f} | {r['host_sources_ms']:.3f}, {r['host_launch_ms']:.3f} |")
+    result = {"device": torch.cuda.get_device_name(), "command": "python " + " ".join(sys.argv), "rows": rows}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=1))
     return 0

@@ -334,6 +334,11 @@ def connector_counters(snapshot: dict[str, float]) -> dict[str, float]:
             if k.startswith("vllm:inferscale_") and "_total" in k}
 
 
+def _clients(rows: list[dict]) -> str:
+    most = max((r.get("client_processes", 1) for r in rows), default=1)
+    return "one process drives every user" if most == 1 else f"the users spread over up to {most} processes"
+
+
 def table(result: dict) -> str:
     rows = result["rows"]
     prompt = {r["users"]: r["requests_per_s"] for r in rows if r["system"] == "prompt"}
@@ -342,8 +347,8 @@ def table(result: dict) -> str:
              f"{result['facts_per_user']} facts a user, k = {result['k']} ({result['memory_tokens']} memory tokens), "
              f"{result['question_tokens']}-token questions, {result['max_tokens']} output tokens, "
              f"{result['seconds']:.0f} s closed loop per row, KV store {result['kv_store']}. Client CPU: the "
-             "benchmark client's CPU time over the row's span (one process drives every user; near 100 % it, "
-             "not the server, sets the pace).", "",
+             f"benchmark client's CPU time over the row's span, per client process ({_clients(rows)}; near 100 % "
+             "the client, not the server, sets the pace).", "",
              "| users | system | requests/s | × prompt injection | output tok/s | engine TTFT mean ms | "
              "engine TTFT p50 / p99 ≤ ms | queue mean ms | client latency p50 / p99 ms | client CPU | failed |",
              "|---|---|---|---|---|---|---|---|---|---|---|"]

@@ -11,7 +11,7 @@ from inferscale.compose.blend import AUTO_RECOMPUTE_TOKENS, Blend, injected_leng
 from inferscale.compose.rope import RotaryEmbedding
 from inferscale.compose.segment import PREFIX_FACT, SYSTEM_USER
 from inferscale.config import Config
-from inferscale.connector.loader import LoadSpec, SegmentLoader, kv_head_range, slots_for
+from inferscale.connector.loader import LoadSpec, SegmentLoader, blocks_for, kv_head_range, slots_for
 from inferscale.compose.request import SegmentRequest, make_params
 from inferscale.compose.salt import CacheSalts
 from inferscale.connector.planner import plan_request
@@ -158,6 +158,7 @@ def test_slots_follow_the_block_table(block_size, block_ids, data):
     slots = slots_for(block_ids, block_size, start, end)
     assert slots.dtype.name == "int64"
     assert slots.tolist() == [block_ids[p // block_size] * block_size + p % block_size for p in range(start, end)]
+    assert blocks_for(block_ids, block_size, start, end) == {s // block_size for s in slots.tolist()}
 
 
 def test_key_scale_multiplies_only_the_facts_keys(disk):

@@ -36,7 +36,6 @@ def check(case: int, device: str = "cpu", pinned: bool = False) -> None:
     """Two requests joined into one launch (different starts, key scales, slots), each checked
     against the whole-tensor path; ``pinned``: the stored blocks in pinned host memory, read
     in place by the kernel."""
-    from inferscale.connector import fused_write
     from inferscale.connector.fused_write import CacheViews, Sources, token_sources, write_tokens
     from inferscale.storage.blocks import HeldBlocks
 
@@ -65,14 +64,12 @@ def check(case: int, device: str = "cpu", pinned: bool = False) -> None:
               for _ in range(layers)]
     views = CacheViews.of([(k, v) for _, k, v in caches])
     cos, sin = rope.table(torch.device(device), 27)
-    # a first launch into other caches of the same layout: the write below then reuses its
-    # compiled kernel (launched directly where Triton allows)
+    # a first launch into other caches of the same layout, with other runtime values (the write
+    # below reuses its compiled kernel)
     scratch = [flash_attention_views(num_blocks, rank_heads, block_size, head_size, dst_dtype, device) for _ in range(layers)]
     write_tokens(CacheViews.of([(k, v) for _, k, v in scratch]), Sources.join(parts[1:]).to(torch.device(device)),
                  cos, sin, heads.start, rotary, style == "neox")
     write_tokens(views, sources, cos, sin, heads.start, rotary, style == "neox")
-    if device == "cuda" and fused_write._direct_launch_supported():
-        assert fused_write._compiled, "the second launch should have found the compiled kernel"
 
     for mine, keys, values in expected:
         block, offset = mine // block_size, mine % block_size

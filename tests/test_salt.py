@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from inferscale.compose.request import SegmentRequest
-from inferscale.compose.salt import CacheSalts
+from inferscale.compose.salt import CacheSalts, encode_tokens
 from inferscale.config import Config
 from inferscale.errors import ConfigError
 from inferscale.secret import load_secret
@@ -45,6 +45,9 @@ def test_salt_reads_token_ids_of_any_integer_kind():
     assert KEY.segment("ann", "e", ids[:-1]) != base and KEY.segment("ann", "e", []) != KEY.segment("ann", "e", [0])
     with pytest.raises(OverflowError):
         KEY.segment("ann", "e", [2**63])
+    # the worker joins each fact's encoded ids (kept by the memory tier): the same salt
+    assert KEY.segment("ann", "e", encode_tokens(ids[:2]) + encode_tokens(ids[2:])) == base
+    assert KEY.segment("ann", "e", b"") == KEY.segment("ann", "e", [])
 
 
 def test_salt_tells_apart_every_recipe():

@@ -228,7 +228,8 @@ def test_pinned_packs_each_user_into_one_buffer():
 @pytest.mark.parametrize("name", ["hbm", "pinned"])
 def test_held_blocks_are_the_facts_blocks_in_request_order(name, tmp_path):
     """The fused write's view of a request's facts: the same blocks, addresses and lengths as
-    inspecting each block, in the request's order; a put renews them (new blocks, new table)."""
+    inspecting each block, in the request's order, and their token ids encoded for the salt;
+    a put renews them (new blocks, new table)."""
     from inferscale.storage.blocks import HeldBlocks
 
     store = make_store(name, tmp_path)
@@ -245,9 +246,13 @@ def test_held_blocks_are_the_facts_blocks_in_request_order(name, tmp_path):
     assert store.held_blocks("alice", [], "cpu").lengths.tolist() == []
     with pytest.raises(MissingFactError):
         store.held_blocks("alice", ["f0", "nope"], "cpu")
+    from inferscale.compose.salt import encode_tokens
+
+    assert store.token_bytes("alice", order) == [encode_tokens(facts[f].token_ids) for f in order]
     store.put("alice", {"f0": make_fact(4, seed=99)})
     again = store.held_blocks("alice", ["f0"], "cpu")
     assert torch.equal(again.blocks[0][0], make_fact(4, seed=99).keys) and again.lengths.tolist() == [4]
+    assert store.token_bytes("alice", ["f0"]) == [encode_tokens(make_fact(4, seed=99).token_ids)]
 
 
 def test_get_survives_a_concurrent_repack():

@@ -10,10 +10,11 @@ does in ~10 launches per layer and several full passes over the K/V, this
 does in one launch and one pass, for every request of the step at once.
 
 Sources are given per token (:func:`token_sources`, joined over requests with
-:meth:`Sources.join`): raw addresses, so a fact's block can live in GPU memory
-or, under unified addressing, in pinned host memory (then the kernel reads it
-over the bus: each element is read once, a rotary pair by the same program);
-the token's position and key scale. The destination is described by
+:meth:`Sources.join`): raw addresses, the token's position and key scale. A
+block may lie in GPU memory or, under unified addressing, in pinned host memory
+(each element is read once, a rotary pair by the same program; the connector
+still copies pinned blocks first, which ran faster on an H200:
+``benchmarks/fused_write_speed.py``). The destination is described by
 :class:`CacheViews`: the backend's own K and V views of each layer's cache
 (``[num_blocks, block_size, heads, head_size]`` with any strides;
 :func:`compat.kv_cache_views`).
@@ -26,10 +27,8 @@ rounding before the cast to the cache dtype).
 
 from __future__ import annotations
 
-import os
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
 import torch
@@ -162,8 +161,9 @@ def token_sources(held: HeldBlocks, start: int, end: int, slots: Sequence[int], 
     return Sources(torch.from_numpy(table), layout.dtype, layout.num_kv_heads, held.blocks)
 
 
-#: runtime arguments are never specialized on their values or alignment, so one compiled kernel
-#: serves every launch with the same compile-time constants (see :func:`_launch`)
+#: runtime arguments are never specialized on their values or alignment: one compiled kernel per
+#: cache layout serves every step (no compilation, a latency spike, when a token count happens
+#: to be 1 or a multiple of 16)
 _RUNTIME_ARGS = ["table", "num_tokens", "bases", "cos", "sin", "head0"]
 
 if triton is not None:
@@ -239,44 +239,9 @@ def write_tokens(cache: CacheViews, sources: Sources, cos: torch.Tensor, sin: to
                  rotary_dim, neox, triton.next_power_of_2(heads * size),
                  triton.next_power_of_2(max(1, heads * rotary_dim // 2)),
                  triton.next_power_of_2(max(1, heads * (size - rotary_dim))))
-    _launch((num_tokens, cache.num_layers), (sources.table, num_tokens, cache.bases, cos, sin, head0), constants)
+    _write_kernel[(num_tokens, cache.num_layers)](sources.table, num_tokens, cache.bases, cos, sin, head0,
+                                                  **dict(zip(_CONSTANTS, constants)))
 
 
 _CONSTANTS = ("S_BLOCK", "S_SLOT", "S_HEAD", "S_DIM", "SRC", "DST", "BLOCK_SIZE", "HEADS", "HEAD_SIZE", "ROTARY",
               "NEOX", "ROW", "PAIRS", "REST")
-
-
-#: Triton releases whose compiled kernels :func:`_launch` calls directly (their launcher takes
-#: every parameter, compile-time constants included, in signature order)
-_DIRECT_LAUNCH_RELEASES = {"3.6"}
-#: (device, compile-time constants) -> the compiled kernel
-_compiled: dict[tuple, Any] = {}
-_INT32 = 1 << 31
-
-
-def _launch(grid: tuple[int, int], args: tuple, constants: tuple) -> None:
-    """Launch the kernel. The first launch with given compile-time constants goes through
-    Triton's JIT (which compiles, or finds the kernel in its cache); later ones call the
-    compiled kernel directly, which skips the JIT's per-launch argument binding: a tenth of a
-    millisecond of host time on the request's critical path. Safe because no runtime argument
-    is specialized (their value types are fixed: pointers and int32). ``INFERSCALE_DIRECT_LAUNCH=0``
-    keeps every launch on the JIT."""
-    table = args[0]
-    key = (table.device.index, constants)
-    kernel = _compiled.get(key)
-    if kernel is not None and all(abs(a) < _INT32 for a in args[1:] if isinstance(a, int)):
-        # the compiled kernel's runner reads all three grid dimensions
-        kernel[(*grid, 1)](*args, *constants, stream=torch.cuda.current_stream(table.device).cuda_stream)
-        return
-    compiled = _write_kernel[grid](*args, **dict(zip(_CONSTANTS, constants)))
-    if _direct_launch_supported() and hasattr(compiled, "packed_metadata") and table.is_cuda:
-        _compiled[key] = compiled
-
-
-def _direct_launch_supported() -> bool:
-    return ".".join(triton.__version__.split(".")[:2]) in _DIRECT_LAUNCH_RELEASES and not _interpreted() \
-        and os.environ.get("INFERSCALE_DIRECT_LAUNCH", "1") != "0"
-
-
-def _interpreted() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")

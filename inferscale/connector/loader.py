@@ -6,10 +6,8 @@ disk tier on first use and then kept by the store (pinned host or HBM).
 
 from __future__ import annotations
 
-import os
 from collections.abc import Sequence
 from dataclasses import dataclass
-from itertools import chain
 
 import numpy as np
 import torch
@@ -18,7 +16,7 @@ from inferscale.compose.rope import RotaryEmbedding
 from inferscale.compose.segment import PREFIX_FACT, SYSTEM_USER, Segment, gather_segment
 from inferscale.connector.fused_write import Sources, token_sources
 from inferscale.compose.request import SegmentRequest
-from inferscale.compose.salt import CacheSalts
+from inferscale.compose.salt import TOKEN_BYTES, CacheSalts, encode_tokens
 from inferscale.errors import MissingFactError, ModelMismatchError
 from inferscale.kv import KVBatch
 from inferscale.storage.base import KVStore
@@ -72,9 +70,6 @@ class SegmentLoader:
                  device: torch.device | str, dtype: torch.dtype, salts: CacheSalts):
         self.store, self.disk, self.rope, self.salts = store, disk, rope, salts
         self.heads, self.device, self.dtype = heads, torch.device(device), dtype
-        #: the fused write reads pinned host blocks in place (``INFERSCALE_PINNED_COPY=1``: copies them first)
-        self._reads_host = self.device.type == "cuda" and getattr(store, "pinned", False) \
-            and os.environ.get("INFERSCALE_PINNED_COPY", "0") == "0"
 
     def load(self, spec: LoadSpec, num_layers: int, head_size: int) -> Segment:
         """K/V for the spec's tokens, rotated to their positions, this rank's heads, cache dtype.
@@ -122,29 +117,39 @@ class SegmentLoader:
         for user in (SYSTEM_USER, spec.user_id):
             ensure_user(self.store, self.disk, user)
         try:
-            prefix_ids = self.store.token_ids(SYSTEM_USER, [PREFIX_FACT])
-            fact_ids = self.store.token_ids(spec.user_id, spec.request.fact_ids)
             blocks = self._held_blocks(SYSTEM_USER, [PREFIX_FACT])
+            tokens = self._token_bytes(SYSTEM_USER, [PREFIX_FACT])
             if spec.request.fact_ids:
                 blocks += self._held_blocks(spec.user_id, spec.request.fact_ids)
+                tokens += self._token_bytes(spec.user_id, spec.request.fact_ids)
         except MissingFactError:
             return None
-        tokens = list(chain(*prefix_ids, *fact_ids))
-        if not self._salt_matches(spec, tokens):
+        encoded = b"".join(tokens)
+        total = int(blocks.lengths.sum())
+        if len(encoded) != total * TOKEN_BYTES:
+            raise ValueError(f"the store holds {total} tokens of K/V for {len(encoded) // TOKEN_BYTES} token ids")
+        if not self._salt_matches(spec, encoded):
             return None
-        return blocks, len(prefix_ids[0]), len(tokens)
+        return blocks, int(blocks.lengths[0]), total
+
+    def _token_bytes(self, user_id: str, fact_ids: Sequence[str]) -> list[bytes]:
+        """The facts' token ids encoded for the salt, kept by the store when it can."""
+        encoded = getattr(self.store, "token_bytes", None)
+        if encoded is not None:
+            return encoded(user_id, fact_ids)
+        return [encode_tokens(ids) for ids in self.store.token_ids(user_id, fact_ids)]
 
     def _held_blocks(self, user_id: str, fact_ids: Sequence[str]) -> HeldBlocks:
-        """The facts' blocks where the fused write reads them, through the store's table when
-        it keeps one: on the loader's device, or in place when they lie in pinned host memory
-        that the GPU addresses directly (no copy; the kernel reads them over the bus)."""
-        where = None if self._reads_host else self.device
+        """The facts' blocks on the loader's device, through the store's table when it keeps one.
+        (Blocks in pinned host memory are copied, one DMA each: on an H200 the fused write read
+        them in place at 1.4-2.9x the copy floor, the copies ran at 1.1x;
+        ``benchmarks/results/fused_write_speed_h200.json``.)"""
         held = getattr(self.store, "held_blocks", None)
         if held is not None:
-            return held(user_id, fact_ids, where)
-        return HeldBlocks.of(self.store.blocks(user_id, fact_ids, where))
+            return held(user_id, fact_ids, self.device)
+        return HeldBlocks.of(self.store.blocks(user_id, fact_ids, self.device))
 
-    def _salt_matches(self, spec: LoadSpec, tokens: list[int]) -> bool:
+    def _salt_matches(self, spec: LoadSpec, tokens: Sequence[int] | bytes) -> bool:
         epoch = self.store.generation(spec.user_id)
         return bool(epoch) and spec.request.salt(self.salts, epoch, tokens) == spec.salt
 
@@ -190,3 +195,8 @@ def slots_for(block_ids: Sequence[int], block_size: int, start: int, end: int) -
     positions = np.arange(start, end, dtype=np.int64)
     blocks = np.asarray(block_ids, dtype=np.int64)[positions // block_size]
     return blocks * block_size + positions % block_size
+
+
+def blocks_for(block_ids: Sequence[int], block_size: int, start: int, end: int) -> set[int]:
+    """The cache blocks that :func:`slots_for` slots fall in, read off the block table."""
+    return set(block_ids[start // block_size:(end - 1) // block_size + 1]) if end > start else set()

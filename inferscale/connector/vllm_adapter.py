@@ -34,7 +34,7 @@ from inferscale.config import Config, build
 from inferscale.connector import compat, fused_write
 from inferscale.compose.segment import Segment
 from inferscale.connector.layer_loads import LayerLoads
-from inferscale.connector.loader import LoadSpec, SegmentLoader, kv_head_range, slots_for
+from inferscale.connector.loader import LoadSpec, SegmentLoader, blocks_for, kv_head_range, slots_for
 from inferscale.connector.metrics import InferScalePromMetrics, InferScaleStats, stats_or_none
 from inferscale.connector.planner import NO_MEMORY, Plan, plan_request
 from inferscale.connector.report import client_report
@@ -115,7 +115,7 @@ class InferScaleConnector(compat.KVConnectorBase_V1):
             spec = LoadSpec(req_id, plan.request, start, plan.claim_len, plan.segment_len, slots, plan.salt,
                             plan.blend.key_scale)
             meta.loads.append(spec)
-            self._loaded_blocks[req_id] = spec.block_ids(self.block_size)
+            self._loaded_blocks[req_id] = blocks_for(block_ids, self.block_size, start, plan.claim_len)
         return meta
 
     def update_connector_output(self, connector_output) -> None:
