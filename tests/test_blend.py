@@ -186,21 +186,23 @@ def test_loader_writes_only_the_claimed_head(disk):
 
 
 def test_loader_never_writes_another_version_of_the_memory(disk):
-    """A fact re-encoded under the same token ids after a request was scheduled: that
-    request is refused (its salt names the old version); the next one gets the new K/V."""
+    """A fact re-encoded under the same token ids after a request was scheduled: that request
+    gets the version its salt names while the memory tier still holds it, and is refused once
+    the tier holds only the new one; a request scheduled after the write gets the new K/V."""
     order = ["a", "b", "c"]
     loader = _loader(disk)
     scheduled = _spec(disk, order, 0, 18)
-    loader.load(scheduled, num_layers=2, head_size=8)  # the memory tier now holds this version
+    before = loader.load(scheduled, num_layers=2, head_size=8)  # the memory tier now holds this version
     a = disk.load_user("ann")["a"]
     disk.put("ann", {"a": FactKV(a.token_ids, a.keys + 1, a.values)})
-    with pytest.raises(ValueError, match="changed"):
-        loader.load(scheduled, num_layers=2, head_size=8)
+    assert torch.equal(loader.load(scheduled, num_layers=2, head_size=8).keys, before.keys)
     now = _spec(disk, order, 0, 18)
     assert now.salt != scheduled.salt
-    segment = loader.load(now, num_layers=2, head_size=8)
+    segment = loader.load(now, num_layers=2, head_size=8)  # a stale tier fails the salt check: reloaded
     expected = _loader(disk).load(now, num_layers=2, head_size=8)
-    assert torch.equal(segment.keys, expected.keys)
+    assert torch.equal(segment.keys, expected.keys) and not torch.equal(segment.keys, before.keys)
+    with pytest.raises(ValueError, match="changed"):  # the old version is gone from every tier
+        loader.load(scheduled, num_layers=2, head_size=8)
 
 
 def test_fused_sources_point_at_the_segments_stored_rows(disk):

@@ -114,8 +114,7 @@ class SegmentLoader:
     def _held(self, spec: LoadSpec) -> tuple[HeldBlocks, int, int] | None:
         """(the segment's blocks on the device, prefix tokens, segment tokens); None when the
         cached facts are not the scheduled ones."""
-        for user in (SYSTEM_USER, spec.user_id):
-            ensure_user(self.store, self.disk, user)
+        self._hold(spec.user_id)
         try:
             blocks = self._held_blocks(SYSTEM_USER, [PREFIX_FACT])
             tokens = self._token_bytes(SYSTEM_USER, [PREFIX_FACT])
@@ -162,13 +161,20 @@ class SegmentLoader:
 
     def _gather(self, spec: LoadSpec) -> KVBatch | None:
         """The segment's pre-RoPE K/V; None when the cached facts are not the scheduled ones."""
-        for user in (SYSTEM_USER, spec.user_id):
-            ensure_user(self.store, self.disk, user)
+        self._hold(spec.user_id)
         try:
             batch = gather_segment(self.store, spec.user_id, spec.request.fact_ids, self.device)
         except MissingFactError:
             return None
         return batch if self._salt_matches(spec, batch.flat_token_ids()) else None
+
+    def _hold(self, user_id: str) -> None:
+        """Load the user and the instruction prefix into the memory tier where it holds no copy.
+        A copy it holds is not compared with the disk on every request (a stat per user): the
+        salt check does that, and a stale copy fails it and is reloaded (:meth:`_read`)."""
+        for user in (SYSTEM_USER, user_id):
+            if self.store.generation(user) is None:
+                ensure_user(self.store, self.disk, user)
 
     def _refresh(self, user_id: str) -> None:
         for user in (SYSTEM_USER, user_id):
