@@ -13,7 +13,8 @@ STEPS=${STEPS:-kernel tests load-short ttft load}  # also: profile shapes jasper
 # the connector's cache write in steps ttft, load, shapes: "" (Config's default, the fused kernel),
 # --layerwise-write or --fused-write
 FUSED=${FUSED:-}
-# more arguments of the load steps, e.g. LOAD_ARGS="--users 100 -- --api-server-count 4"
+# more arguments of the load steps, e.g. LOAD_ARGS="--users 100 -- --api-server-count 4"; of the ttft step,
+# e.g. TTFT_ARGS="--pinned-reads overlap" TTFT_TAG=_overlap (a suffix of its result file)
 source benchmarks/gpu_block.sh
 NOW=/tmp/site:$PWD BEFORE=/tmp/site:$PWD/.gpu/before
 if [[ -d .gpu/wheels ]] && ! PYTHONPATH=$NOW python3 -c 'import faiss' 2>/dev/null; then
@@ -68,10 +69,11 @@ if has tests; then
   for fused in ${TEST_WRITES:-0 1}; do  # 1: the fused write (the default), 0: per layer
     stamp "connector tests on the GPU (tiny Llama, bf16, CUDA graphs, fused write $fused)"
     PYTHONPATH=$NOW INFERSCALE_TEST_MODELS=llama:bfloat16 INFERSCALE_REPLAY_MODELS=llama:bfloat16 \
-      INFERSCALE_TEST_CUDA_GRAPHS=1 INFERSCALE_TEST_FUSED_WRITE=$fused timeout 420 python3 -m pytest \
-      tests/test_connector.py $(has kernel || echo tests/test_fused_write.py) -q -p no:cacheprovider -k "not fuzz" > "$RUN/tests_fused$fused.log" 2>&1
+      INFERSCALE_TEST_CUDA_GRAPHS=1 INFERSCALE_TEST_FUSED_WRITE=$fused INFERSCALE_TEST_PINNED_READS=${PINNED_READS:-copy} \
+      timeout 420 python3 -m pytest \
+      tests/test_connector.py $(has kernel || echo tests/test_fused_write.py) -q -p no:cacheprovider -k "not fuzz" > "$RUN/tests_fused$fused${PINNED_READS:+_$PINNED_READS}.log" 2>&1
     status=$?
-    grep -v " INFO \| DEBUG " "$RUN/tests_fused$fused.log" | tail -30
+    grep -v " INFO \| DEBUG " "$RUN/tests_fused$fused${PINNED_READS:+_$PINNED_READS}.log" | tail -30
     echo "exit status $status"
   done
 fi
@@ -98,7 +100,7 @@ fi
 if has ttft; then
   stamp "TTFT vs k, Llama-3.1-8B shape, multiprocess engine, CUDA graphs, hbm + pinned, query-to-first-token ($FUSED)"
   PYTHONPATH=$NOW timeout 600 python3 benchmarks/ttft.py --cuda-graphs --shape llama-3.1-8b --kv-stores "${TTFT_STORES:-hbm,pinned}" \
-    --ks "${TTFT_KS:-1,5,10,25,50,100}" --reps 20 $FUSED --embedder .gpu/minilm --out "$RUN/ttft_llama8b_h200.json" 2>&1 \
+    --ks "${TTFT_KS:-1,5,10,25,50,100}" --reps 20 $FUSED ${TTFT_ARGS:-} --embedder .gpu/minilm --out "$RUN/ttft_llama8b_h200${TTFT_TAG:-}.json" 2>&1 \
     | grep -v " INFO \| DEBUG "
 fi
 

@@ -204,7 +204,8 @@ def main() -> None:
     parser.add_argument("--kv-store", default="hbm", choices=("pinned", "hbm"))
     parser.add_argument("--reps", type=int, default=20)
     parser.add_argument("--profiled", type=int, default=5)
-    parser.add_argument("--fused-write", action="store_true", help="Config.fused_write: one kernel per request")
+    parser.add_argument("--fused-write", action="store_true", help="Config.fused_write: one kernel per step")
+    parser.add_argument("--pinned-reads", choices=["copy", "overlap"], help="Config.pinned_reads (default: Config's)")
     parser.add_argument("--layerwise-write", action="store_true",
                         help="Config.fused_write = false: whole-tensor ops and one backend write per layer")
     parser.add_argument("--cuda-graphs", action="store_true")

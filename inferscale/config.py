@@ -97,6 +97,10 @@ _BACKENDS = {
 }
 
 
+#: Config.pinned_reads
+PINNED_READS = ("copy", "overlap")
+
+
 @dataclass(frozen=True)
 class Config:
     model: ModelSpec = ModelSpec()
@@ -119,10 +123,15 @@ class Config:
     key_scale: float = 1.0
     #: at most this many facts are kept per conversation turn (Mem0 extraction or given facts)
     max_facts_per_turn: int = 5
-    #: on CUDA, write a request's memory into the paged cache with one fused kernel per request
+    #: on CUDA, write a step's memory into the paged cache with one fused kernel
     #: (connector/fused_write.py) instead of whole-tensor ops and one backend write per layer
     #: (where the kernel cannot run, e.g. the CPU or an unknown cache layout, the latter is used)
     fused_write: bool = True
+    #: how the fused write reads facts held in pinned host memory (kv_store "pinned"): "copy"
+    #: (one DMA per fact to the GPU, then the kernel, before the forward pass) or "overlap" (the
+    #: kernel reads host memory in place, a group of layers per launch on a side stream, each
+    #: layer's attention waiting only for its group)
+    pinned_reads: str = "copy"
     #: the server secret that keys cache salts (created, mode 0600, on first use); "" = <data_dir>/secret
     secret_file: str = ""
 
@@ -136,6 +145,8 @@ class Config:
                 raise ConfigError(f"{name} must be a string")
         if not isinstance(self.fused_write, bool):
             raise ConfigError(f"fused_write must be true or false, got {self.fused_write!r}")
+        if self.pinned_reads not in PINNED_READS:
+            raise ConfigError(f"pinned_reads must be one of {', '.join(PINNED_READS)}, got {self.pinned_reads!r}")
         if self.fact_style not in FACT_STYLES:
             raise ConfigError(f"fact_style must be one of {', '.join(FACT_STYLES)}, got {self.fact_style!r}")
         try:

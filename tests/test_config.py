@@ -60,7 +60,8 @@ def test_from_env_overrides(tmp_path):
         Config.from_env({"INFERSCALE_TOP_K": "many"})
 
 
-@pytest.mark.parametrize("bad", [{"top_k": 0}, {"model": {"dtype": "int8"}}, {"retriever": 3}, {"model": {"file": "x"}}])
+@pytest.mark.parametrize("bad", [{"top_k": 0}, {"model": {"dtype": "int8"}}, {"retriever": 3}, {"model": {"file": "x"}},
+                                 {"pinned_reads": "zero-copy"}, {"fused_write": "yes"}])
 def test_invalid_values(bad):
     with pytest.raises(ConfigError):
         Config.from_dict(bad)

@@ -14,6 +14,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from inferscale.compose.rope import RotaryEmbedding
 
@@ -69,7 +71,8 @@ def check(case: int, device: str = "cpu", pinned: bool = False) -> None:
     scratch = [flash_attention_views(num_blocks, rank_heads, block_size, head_size, dst_dtype, device) for _ in range(layers)]
     write_tokens(CacheViews.of([(k, v) for _, k, v in scratch]), Sources.join(parts[1:]).to(torch.device(device)),
                  cos, sin, heads.start, rotary, style == "neox")
-    write_tokens(views, sources, cos, sin, heads.start, rotary, style == "neox")
+    for part in (range(0, 1), range(1, layers)):  # in two launches, as a read of host memory overlapping the forward
+        write_tokens(views, sources, cos, sin, heads.start, rotary, style == "neox", part)
 
     for mine, keys, values in expected:
         block, offset = mine // block_size, mine % block_size
@@ -141,3 +144,38 @@ def test_sources_point_at_each_tokens_rows():
         HeldBlocks.of([blocks[0], torch.zeros(2, 3, 4, 2, 8)])
     with pytest.raises(ValueError):  # another layout, joined
         held + HeldBlocks.of([torch.zeros(2, 3, 4, 2, 4, dtype=torch.bfloat16)])
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.integers(1, 200), st.integers(1, 12))
+def test_layer_groups_cover_every_layer_once_in_order(num_layers, launches):
+    """A read of host memory is split into contiguous groups of near-equal size, one launch each."""
+    from inferscale.connector.layer_loads import layer_groups
+
+    groups = layer_groups(num_layers, launches)
+    assert [i for group in groups for i in group] == list(range(num_layers))
+    assert len(groups) == min(launches, num_layers) and all(groups)
+    assert max(map(len, groups)) - min(map(len, groups)) <= 1
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="pinned host memory addressed by a GPU")
+def test_loader_reads_pinned_blocks_in_place_when_asked():
+    """pinned_reads = "overlap": the sources point into the pinned store's own blocks; "copy":
+    into copies on the GPU."""
+    from inferscale.compose.salt import CacheSalts
+    from inferscale.connector.loader import SegmentLoader
+    from inferscale.kv import FactKV
+    from inferscale.storage.pinned import PinnedHostStore
+
+    store = PinnedHostStore()
+    store.put("ann", {f"f{i}": FactKV((i, i + 1), torch.randn(2, 2, 1, 8), torch.randn(2, 2, 1, 8)) for i in range(3)})
+    salts = CacheSalts(b"k" * 32)
+    for in_place in (True, False):
+        loader = SegmentLoader(store, None, None, slice(0, 1), "cuda", torch.float32, salts, host_in_place=in_place)
+        held = loader._held_blocks("ann", ["f2", "f0"])
+        own = store.blocks("ann", ["f2", "f0"], "cpu")
+        if in_place:
+            assert [b.data_ptr() for b in held.blocks] == [b.data_ptr() for b in own]
+            assert all(b.is_pinned() for b in held.blocks)
+        else:
+            assert all(b.is_cuda for b in held.blocks)

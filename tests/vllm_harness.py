@@ -31,6 +31,8 @@ EAGER = os.environ.get("INFERSCALE_TEST_CUDA_GRAPHS") != "1"
 #: INFERSCALE_TEST_FUSED_WRITE=0/1 (GPU machine): the connector writes per layer / with the fused
 #: kernel (unset: Config's default; on a CPU the per-layer path runs either way)
 FUSED_WRITE = {"0": False, "1": True}.get(os.environ.get("INFERSCALE_TEST_FUSED_WRITE", ""), Config.fused_write)
+#: INFERSCALE_TEST_PINNED_READS=copy/overlap (GPU machine): how the fused write reads the pinned store
+PINNED_READS = os.environ.get("INFERSCALE_TEST_PINNED_READS", Config.pinned_reads)
 TOP_LOGPROBS = 5
 
 
@@ -38,7 +40,8 @@ def engine_config(model_dir: Path, data_dir: Path, dtype: str, recompute_tokens:
     """The connector's config; by default every memory token is injected (no tail recompute),
     so a test compares injected K/V with plain prefill token for token."""
     return Config(model=ModelSpec(path=str(model_dir), dtype=dtype), data_dir=str(data_dir),
-                  kv_store=BackendSpec("pinned"), recompute_tokens=recompute_tokens, fused_write=FUSED_WRITE)
+                  kv_store=BackendSpec("pinned"), recompute_tokens=recompute_tokens, fused_write=FUSED_WRITE,
+                  pinned_reads=PINNED_READS)
 
 
 @contextlib.contextmanager

@@ -103,6 +103,11 @@ class Sources:
     def num_tokens(self) -> int:
         return self.table.shape[1]
 
+    @property
+    def in_host_memory(self) -> bool:
+        """Whether the K/V it points at lies in (pinned) host memory."""
+        return bool(self.blocks) and self.blocks[0].device.type == "cpu"
+
     def row(self, which: int) -> torch.Tensor:
         return self.table[which]
 
@@ -164,19 +169,19 @@ def token_sources(held: HeldBlocks, start: int, end: int, slots: Sequence[int], 
 #: runtime arguments are never specialized on their values or alignment: one compiled kernel per
 #: cache layout serves every step (no compilation, a latency spike, when a token count happens
 #: to be 1 or a multiple of 16)
-_RUNTIME_ARGS = ["table", "num_tokens", "bases", "cos", "sin", "head0"]
+_RUNTIME_ARGS = ["table", "num_tokens", "bases", "num_layers", "layer0", "cos", "sin", "head0"]
 
 if triton is not None:
 
     @triton.jit(do_not_specialize=_RUNTIME_ARGS, do_not_specialize_on_alignment=_RUNTIME_ARGS)
-    def _write_kernel(table, num_tokens, bases, cos, sin, head0,
+    def _write_kernel(table, num_tokens, bases, num_layers, layer0, cos, sin, head0,
                       S_BLOCK: tl.constexpr, S_SLOT: tl.constexpr, S_HEAD: tl.constexpr, S_DIM: tl.constexpr,
                       SRC: tl.constexpr, DST: tl.constexpr, BLOCK_SIZE: tl.constexpr,
                       HEADS: tl.constexpr, HEAD_SIZE: tl.constexpr, ROTARY: tl.constexpr,
                       NEOX: tl.constexpr, ROW: tl.constexpr, PAIRS: tl.constexpr, REST: tl.constexpr):
         # one program: one token (a column of the Sources table) of one layer, every head of this rank
         token = tl.program_id(0)
-        layer = tl.program_id(1)
+        layer = layer0 + tl.program_id(1)
         k_row = tl.load(table + token).to(tl.pointer_type(SRC))
         v_row = tl.load(table + num_tokens + token).to(tl.pointer_type(SRC))
         first = tl.load(table + 2 * num_tokens + token) * layer + head0 * HEAD_SIZE  # this layer, first head
@@ -184,7 +189,7 @@ if triton is not None:
         position = tl.load(table + 4 * num_tokens + token)
         scale = tl.load(table + 5 * num_tokens + token).to(tl.int32).to(tl.float32, bitcast=True)
         k_out = tl.load(bases + layer).to(tl.pointer_type(DST))
-        v_out = tl.load(bases + tl.num_programs(1) + layer).to(tl.pointer_type(DST))
+        v_out = tl.load(bases + num_layers + layer).to(tl.pointer_type(DST))
         dst = (slot // BLOCK_SIZE) * S_BLOCK + (slot % BLOCK_SIZE) * S_SLOT
 
         # values: the row as it is
@@ -224,23 +229,27 @@ if triton is not None:
 
 
 def write_tokens(cache: CacheViews, sources: Sources, cos: torch.Tensor, sin: torch.Tensor, head0: int,
-                 rotary_dim: int, neox: bool) -> None:
-    """Write every token of ``sources`` (on the cache's device) into every layer of the cache,
-    at its slot; its key rotated to its position and scaled. ``cos``/``sin`` are the
-    ``[positions, rotary_dim]`` float32 table of :meth:`RotaryEmbedding.table` (covering every
-    position); ``head0`` is this rank's first KV head among the stored ones."""
+                 rotary_dim: int, neox: bool, layers: range | None = None) -> None:
+    """Write every token of ``sources`` (its table on the cache's device) into every layer of
+    the cache, or those of ``layers`` (a contiguous range), at its slot; its key rotated to its
+    position and scaled. ``cos``/``sin`` are the ``[positions, rotary_dim]`` float32 table of
+    :meth:`RotaryEmbedding.table` (covering every position); ``head0`` is this rank's first KV
+    head among the stored ones."""
     if triton is None:
         raise RuntimeError("the fused cache write needs Triton")
     num_tokens = sources.num_tokens
-    if num_tokens == 0:
+    layers = range(cache.num_layers) if layers is None else layers
+    if layers.step != 1 or not 0 <= layers.start <= layers.stop <= cache.num_layers:
+        raise ValueError(f"layers {layers} of a {cache.num_layers}-layer cache")
+    if num_tokens == 0 or not layers:
         return
     heads, size = cache.num_heads, cache.head_size
     constants = (*cache.strides, _TL_DTYPES[sources.dtype], _TL_DTYPES[cache.dtype], cache.block_size, heads, size,
                  rotary_dim, neox, triton.next_power_of_2(heads * size),
                  triton.next_power_of_2(max(1, heads * rotary_dim // 2)),
                  triton.next_power_of_2(max(1, heads * (size - rotary_dim))))
-    _write_kernel[(num_tokens, cache.num_layers)](sources.table, num_tokens, cache.bases, cos, sin, head0,
-                                                  **dict(zip(_CONSTANTS, constants)))
+    _write_kernel[(num_tokens, len(layers))](sources.table, num_tokens, cache.bases, cache.num_layers, layers.start,
+                                             cos, sin, head0, **dict(zip(_CONSTANTS, constants)))
 
 
 _CONSTANTS = ("S_BLOCK", "S_SLOT", "S_HEAD", "S_DIM", "SRC", "DST", "BLOCK_SIZE", "HEADS", "HEAD_SIZE", "ROTARY",

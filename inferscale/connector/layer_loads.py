@@ -66,8 +66,21 @@ class LayerLoads:
             return
         event = torch.cuda.Event()
         event.record(torch.cuda.current_stream(self.device))
-        self._pending = {0: event}
+        self._pending[0] = event  # (on the side stream it comes after any group queued there: it covers them)
         self._kept.append((event, keep))
+
+    def group_queued(self, layers: range, keep: list | None = None) -> None:
+        """The writes of ``layers`` are queued, by one kernel on the side stream (call inside
+        :meth:`issuing`); each of those layers' attention waits for them alone. ``keep`` stays
+        referenced until that work has run."""
+        if self.stream is None:
+            return
+        event = torch.cuda.Event()
+        event.record(self.stream)
+        for index in layers:
+            self._pending[index] = event
+        if keep:
+            self._kept.append((event, keep))
 
     def wait_layer(self, index: int) -> None:
         """Make the forward stream wait for layer ``index``'s writes (no host wait)."""
@@ -84,3 +97,14 @@ class LayerLoads:
     def is_pending(self, index: int) -> bool:
         """Whether layer ``index`` has writes the forward stream does not wait for yet."""
         return index in self._pending
+
+
+#: launches a read of host memory is split into (:func:`layer_groups`)
+HOST_READ_LAUNCHES = 4
+
+
+def layer_groups(num_layers: int, launches: int = HOST_READ_LAUNCHES) -> list[range]:
+    """``num_layers`` layers in at most ``launches`` contiguous groups of near-equal size, in order."""
+    launches = max(1, min(launches, num_layers))
+    bounds = [round(i * num_layers / launches) for i in range(launches + 1)]
+    return [range(a, b) for a, b in zip(bounds, bounds[1:])]

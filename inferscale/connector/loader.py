@@ -65,11 +65,16 @@ def kv_head_range(num_kv_heads: int, tp_size: int, tp_rank: int) -> slice:
     return slice(head, head + 1)
 
 
+_HOST = torch.device("cpu")
+
+
 class SegmentLoader:
     def __init__(self, store: KVStore, disk: KVStore, rope: RotaryEmbedding, heads: slice,
-                 device: torch.device | str, dtype: torch.dtype, salts: CacheSalts):
+                 device: torch.device | str, dtype: torch.dtype, salts: CacheSalts, host_in_place: bool = False):
         self.store, self.disk, self.rope, self.salts = store, disk, rope, salts
         self.heads, self.device, self.dtype = heads, torch.device(device), dtype
+        #: the fused write's sources point into pinned host blocks where they lie (no copy)
+        self.host_in_place = host_in_place and self.device.type == "cuda" and getattr(store, "pinned", False)
 
     def load(self, spec: LoadSpec, num_layers: int, head_size: int) -> Segment:
         """K/V for the spec's tokens, rotated to their positions, this rank's heads, cache dtype.
@@ -139,14 +144,13 @@ class SegmentLoader:
         return [encode_tokens(ids) for ids in self.store.token_ids(user_id, fact_ids)]
 
     def _held_blocks(self, user_id: str, fact_ids: Sequence[str]) -> HeldBlocks:
-        """The facts' blocks on the loader's device, through the store's table when it keeps one.
-        (Blocks in pinned host memory are copied, one DMA each: on an H200 the fused write read
-        them in place at 1.4-2.9x the copy floor, the copies ran at 1.1x;
-        ``benchmarks/results/fused_write_speed_h200.json``.)"""
+        """The facts' blocks on the loader's device (pinned host blocks copied, one DMA each), or
+        where they lie with :attr:`host_in_place`; through the store's table when it keeps one."""
+        where = _HOST if self.host_in_place else self.device
         held = getattr(self.store, "held_blocks", None)
         if held is not None:
-            return held(user_id, fact_ids, self.device)
-        return HeldBlocks.of(self.store.blocks(user_id, fact_ids, self.device))
+            return held(user_id, fact_ids, where)
+        return HeldBlocks.of(self.store.blocks(user_id, fact_ids, where))
 
     def _salt_matches(self, spec: LoadSpec, tokens: Sequence[int] | bytes) -> bool:
         epoch = self.store.generation(spec.user_id)

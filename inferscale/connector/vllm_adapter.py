@@ -33,7 +33,7 @@ from inferscale.compose.salt import CacheSalts
 from inferscale.config import Config, build
 from inferscale.connector import compat, fused_write
 from inferscale.compose.segment import Segment
-from inferscale.connector.layer_loads import LayerLoads
+from inferscale.connector.layer_loads import LayerLoads, layer_groups
 from inferscale.connector.loader import LoadSpec, SegmentLoader, blocks_for, kv_head_range, slots_for
 from inferscale.connector.metrics import InferScalePromMetrics, InferScaleStats, stats_or_none
 from inferscale.connector.planner import NO_MEMORY, Plan, plan_request
@@ -167,7 +167,7 @@ class InferScaleConnector(compat.KVConnectorBase_V1):
         self._layer_of = {name: index for index, name in enumerate(self.layer_names)}
         first = kv_caches[self.layer_names[0]]
         self.loader = SegmentLoader(self.store, self.disk, self.rope, self.heads, first.device, first.dtype,
-                                    self.salts)
+                                    self.salts, host_in_place=self.config.pinned_reads == "overlap")
         self.layer_loads = LayerLoads(first.device, len(self.layer_names))
 
     def start_load_kv(self, forward_context, **kwargs: Any) -> None:
@@ -180,7 +180,9 @@ class InferScaleConnector(compat.KVConnectorBase_V1):
             raise RuntimeError("KV caches were never registered with the connector")
         began = time.perf_counter()
         fused = self._fused_views(forward_context) is not None
-        with self.layer_loads.issuing(side_stream=not fused):
+        # one kernel from GPU memory runs before the forward on its own stream; reads of host
+        # memory (pinned_reads = "overlap") and the per-layer path overlap it from a side stream
+        with self.layer_loads.issuing(side_stream=not fused or self.loader.host_in_place):
             if fused:
                 self._write_fused(loads)
             else:
@@ -204,7 +206,9 @@ class InferScaleConnector(compat.KVConnectorBase_V1):
 
     def _write_fused(self, loads) -> None:
         """One kernel writes every layer for every request of the step, queued on the forward
-        stream itself (nothing to synchronise); the forward's wait at layer 0 is then free."""
+        stream itself (nothing to synchronise; the forward's wait at layer 0 is then free). From
+        host memory, a few launches of a group of layers each, on the side stream: each layer's
+        attention waits for its group only."""
         ready: list[tuple[LoadSpec, fused_write.Sources, str]] = []
         for spec in loads:
             try:
@@ -217,13 +221,17 @@ class InferScaleConnector(compat.KVConnectorBase_V1):
             try:
                 sources = fused_write.Sources.join([part for _, part, _ in group]).to(self.loader.device)
                 cos, sin = self.rope.table(self.loader.device, max(spec.end for spec, _, _ in group))
-                fused_write.write_tokens(self._cache_views, sources, cos, sin, self.heads.start,
-                                         self.rope.rotary_dim, self.rope.style == "neox")
+                for layers in layer_groups(len(self.layer_names)) if sources.in_host_memory else [None]:
+                    fused_write.write_tokens(self._cache_views, sources, cos, sin, self.heads.start,
+                                             self.rope.rotary_dim, self.rope.style == "neox", layers)
+                    if layers is not None:
+                        self.layer_loads.group_queued(layers, [sources])
             except Exception as exc:  # these requests are recomputed
                 for spec, _, _ in group:
                     self._load_failed(spec, exc)
                 continue
-            keep.append(sources)  # its table and the blocks it points into
+            if not sources.in_host_memory:
+                keep.append(sources)  # its table and the blocks it points into
             for _, _, tier in group:
                 self._count_hit(tier)
         if keep:
