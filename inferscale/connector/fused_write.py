@@ -246,13 +246,12 @@ def write_tokens(cache: CacheViews, sources: Sources, cos: torch.Tensor, sin: to
     if num_tokens == 0 or not layers:
         return
     heads, size = cache.num_heads, cache.head_size
-    constants = (*cache.strides, _TL_DTYPES[sources.dtype], _TL_DTYPES[cache.dtype], cache.block_size, heads, size,
-                 rotary_dim, neox, triton.next_power_of_2(heads * size),
-                 triton.next_power_of_2(max(1, heads * rotary_dim // 2)),
-                 triton.next_power_of_2(max(1, heads * (size - rotary_dim))))
-    _write_kernel[(num_tokens, len(layers))](sources.table, num_tokens, cache.bases, cache.num_layers, layers.start,
-                                             cos, sin, head0, **dict(zip(_CONSTANTS, constants)))
-
-
-_CONSTANTS = ("S_BLOCK", "S_SLOT", "S_HEAD", "S_DIM", "SRC", "DST", "BLOCK_SIZE", "HEADS", "HEAD_SIZE", "ROTARY",
-              "NEOX", "ROW", "PAIRS", "REST")
+    s_block, s_slot, s_head, s_dim = cache.strides
+    _write_kernel[(num_tokens, len(layers))](
+        sources.table, num_tokens, cache.bases, cache.num_layers, layers.start, cos, sin, head0,
+        S_BLOCK=s_block, S_SLOT=s_slot, S_HEAD=s_head, S_DIM=s_dim, SRC=_TL_DTYPES[sources.dtype],
+        DST=_TL_DTYPES[cache.dtype], BLOCK_SIZE=cache.block_size, HEADS=heads, HEAD_SIZE=size, ROTARY=rotary_dim,
+        NEOX=neox, ROW=triton.next_power_of_2(heads * size),
+        PAIRS=triton.next_power_of_2(max(1, heads * rotary_dim // 2)),
+        REST=triton.next_power_of_2(max(1, heads * (size - rotary_dim))),
+    )
