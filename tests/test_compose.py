@@ -39,7 +39,8 @@ def test_ties_break_by_fact_id():
 
 
 def test_segment_is_prefix_then_facts_in_order(store):
-    assert [t for part in segment_parts(store, "ann", ["c", "a"]) for t in part] == [1, 2, 3, 30, 31, 32, 10, 11]
+    epoch, parts = segment_parts(store, "ann", ["c", "a"])
+    assert [t for part in parts for t in part] == [1, 2, 3, 30, 31, 32, 10, 11] and epoch == store.generation("ann")
     batch = gather_segment(store, "ann", ["c", "a"])
     assert batch.keys.shape == (L, 8, H, D)
     assert torch.equal(batch.values[:, 3:6], store.get("ann", ["c"]).values)

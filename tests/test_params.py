@@ -45,6 +45,8 @@ def test_arbitrary_values_never_crash(value):
         ({"inferscale": {"user_id": "_system", "fact_ids": []}}, "reserved"),
         ({"inferscale": {"user_id": "a", "fact_ids": ["x", "x"]}}, "duplicates"),
         ({"inferscale": {"user_id": "a", "fact_ids": [1]}}, "fact_id"),
+        ({"inferscale": {"user_id": "a", "fact_ids": ["ok", "f1\n"]}}, "fact_id.*'f1\\\\n'"),
+        ({"inferscale": {"user_id": "a", "fact_ids": ["ok", "f 1"]}}, "fact_id"),
         ({"inferscale": {"user_id": "a", "fact_ids": ["ok"], "k": 3}}, "unknown key"),
         ({"inferscale": {"user_id": "a", "fact_ids": [f"f{i}" for i in range(MAX_FACTS + 1)]}}, "at most"),
     ],
@@ -58,4 +60,25 @@ def test_requests_without_memory():
     assert parse_params(None) is None
     assert parse_params({}) is None
     assert parse_params({"other_connector": {"x": 1}}) is None
+
+
+@given(st.lists(st.text(alphabet="ab_ .\n:-/é", max_size=6) | st.integers(), max_size=6))
+@settings(max_examples=400, deadline=None)
+def test_checking_ids_together_agrees_with_checking_each(values):
+    """The scheduler checks a request's fact ids in one pass; it refuses exactly what checking
+    them one by one refuses, and names the first bad one."""
+    from inferscale.facts import check_id, check_ids
+
+    bad = []
+    for value in values:
+        try:
+            check_id(value, "fact_id")
+        except ValueError as exc:
+            bad.append(str(exc))
+    if bad:
+        with pytest.raises(ValueError) as caught:
+            check_ids(values, "fact_id")
+        assert str(caught.value) == bad[0]
+    else:
+        check_ids(values, "fact_id")
 

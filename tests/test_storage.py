@@ -339,3 +339,19 @@ def test_benchmark_script_runs(tmp_path):
     assert proc.returncode == 0, proc.stderr.decode()
     result = json.loads(out.read_text())
     assert {row["store"] for row in result["rows"]} == {"hbm", "pinned", "disk"}
+
+
+@pytest.mark.parametrize("name", STORES)
+def test_versioned_token_ids_are_one_versions(name, tmp_path):
+    """What the scheduler salts a request with: the user's generation and the facts' token ids,
+    together; the errors of token_ids for an unknown user or fact."""
+    store = make_store(name, tmp_path)
+    facts = make_facts(4)
+    store.put("alice", facts)
+    generation, token_ids = store.versioned_token_ids("alice", ["f3", "f1"])
+    assert generation == store.generation("alice")
+    assert token_ids == store.token_ids("alice", ["f3", "f1"]) == [facts["f3"].token_ids, facts["f1"].token_ids]
+    with pytest.raises(MissingFactError):
+        store.versioned_token_ids("alice", ["f1", "nope"])
+    with pytest.raises(UnknownUserError):
+        store.versioned_token_ids("bob", ["f1"])

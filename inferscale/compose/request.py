@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from inferscale.compose.salt import CacheSalts
-from inferscale.facts import check_id, check_user_id
+from inferscale.facts import check_ids, check_user_id
 
 PARAMS_KEY = "inferscale"
 MAX_FACTS = 1024
@@ -76,11 +76,10 @@ def parse_params(params: Any) -> SegmentRequest | None:
         raise InvalidParams(f"fact_ids must be a list, got {type(fact_ids).__name__}")
     if len(fact_ids) > MAX_FACTS:
         raise InvalidParams(f"{len(fact_ids)} fact_ids (at most {MAX_FACTS})")
-    for fact_id in fact_ids:
-        try:
-            check_id(fact_id, "fact_id")
-        except ValueError as exc:
-            raise InvalidParams(str(exc)) from None
+    try:
+        check_ids(fact_ids, "fact_id")
+    except ValueError as exc:
+        raise InvalidParams(str(exc)) from None
     if len(set(fact_ids)) != len(fact_ids):
         raise InvalidParams("fact_ids contains duplicates")
     budget, scale = body.get("recompute_tokens"), body.get("key_scale")

@@ -32,11 +32,12 @@ class Segment:
     values: torch.Tensor
 
 
-def segment_parts(store: KVStore, user_id: str, fact_ids: Sequence[str]) -> list[tuple[int, ...]]:
-    """The token ids of the segment's parts (the prefix, then each fact), read
-    without moving any K/V."""
+def segment_parts(store: KVStore, user_id: str, fact_ids: Sequence[str]) -> tuple[str, list[tuple[int, ...]]]:
+    """The user's epoch and the token ids of the segment's parts (the prefix, then each fact),
+    the facts' and the epoch of one version of the user; read without moving any K/V."""
     (prefix,) = store.token_ids(SYSTEM_USER, [PREFIX_FACT])
-    return [tuple(prefix), *store.token_ids(user_id, list(fact_ids))]
+    epoch, facts = store.versioned_token_ids(user_id, list(fact_ids))
+    return epoch, [tuple(prefix), *facts]
 
 
 def gather_segment(store: KVStore, user_id: str, fact_ids: Sequence[str], device=None) -> KVBatch:

@@ -75,10 +75,7 @@ def plan_request(
     if request is None:
         return NO_MEMORY
     try:
-        parts = segment_parts(store, request.user_id, request.fact_ids)
-        epoch = store.generation(request.user_id)
-        if epoch is None:  # deleted since its token ids were read
-            raise UnknownUserError(request.user_id)
+        epoch, parts = segment_parts(store, request.user_id, request.fact_ids)
     except UnknownUserError as exc:
         return Plan(request, fallback=Fallback.UNKNOWN_USER, detail=str(exc))
     except MissingFactError as exc:

@@ -8,6 +8,7 @@ from typing import ClassVar
 
 import torch
 
+from inferscale.errors import UnknownUserError
 from inferscale.kv import FactKV, KVBatch
 
 
@@ -58,6 +59,16 @@ class KVStore(ABC):
     def token_ids(self, user_id: str, fact_ids: Sequence[str]) -> list[tuple[int, ...]]:
         """The facts' token ids (no K/V moved); default goes through :meth:`get`."""
         return self.get(user_id, fact_ids, "cpu").token_ids
+
+    def versioned_token_ids(self, user_id: str, fact_ids: Sequence[str]) -> tuple[str, list[tuple[int, ...]]]:
+        """(the user's generation, the facts' token ids); a store that can reads both from one
+        version (the default reads them one after the other). Raises :class:`UnknownUserError`
+        and :class:`MissingFactError` as :meth:`token_ids` does."""
+        token_ids = self.token_ids(user_id, fact_ids)
+        generation = self.generation(user_id)
+        if generation is None:  # deleted since its token ids were read
+            raise UnknownUserError(user_id)
+        return generation, token_ids
 
     def has_user(self, user_id: str) -> bool:
         return bool(self.list(user_id))

@@ -156,6 +156,12 @@ class DiskStore(KVStore):
         require_facts(user_id, fact_ids, index.facts)
         return [index.facts[f].token_ids for f in fact_ids]
 
+    def versioned_token_ids(self, user_id: str, fact_ids: Sequence[str]) -> tuple[str, list[tuple[int, ...]]]:
+        """Both from one read of the user's index (one version, one stat)."""
+        index = self._require_index(user_id)
+        require_facts(user_id, fact_ids, index.facts)
+        return index.generation, [index.facts[f].token_ids for f in fact_ids]
+
     def generation(self, user_id: str) -> str | None:
         """The user's epoch: a random id renewed on every write (None: no such user)."""
         index = self._index(user_id)
