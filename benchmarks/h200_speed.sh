@@ -14,7 +14,7 @@ STEPS=${STEPS:-kernel tests load-short ttft load}  # also: profile shapes jasper
 # --layerwise-write or --fused-write
 FUSED=${FUSED:-}
 # more arguments of the load steps, e.g. LOAD_ARGS="--users 100 -- --api-server-count 4"; of the ttft step,
-# e.g. TTFT_ARGS="--pinned-reads overlap" TTFT_TAG=_overlap (a suffix of its result file)
+# e.g. TTFT_STORES=pinned,pinned:overlap (both ways of reading the pinned store, in the same run)
 source benchmarks/gpu_block.sh
 NOW=/tmp/site:$PWD BEFORE=/tmp/site:$PWD/.gpu/before
 if [[ -d .gpu/wheels ]] && ! PYTHONPATH=$NOW python3 -c 'import faiss' 2>/dev/null; then

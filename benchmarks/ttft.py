@@ -292,7 +292,8 @@ def main() -> None:
     parser.add_argument("--prefix-tokens", type=int, default=32)
     parser.add_argument("--question-tokens", type=int, default=16)
     parser.add_argument("--reps", type=int, default=20)
-    parser.add_argument("--kv-stores", default="hbm,pinned", help="one engine per store, in this order")
+    parser.add_argument("--kv-stores", default="hbm,pinned", help="one engine per store, in this order; "
+                        "pinned:copy or pinned:overlap sets Config.pinned_reads for that engine")
     parser.add_argument("--recompute", default="0", help="recompute budgets (tokens) to time KV injection with")
     parser.add_argument("--fused-write", action="store_true", help="Config.fused_write: one kernel per step")
     parser.add_argument("--pinned-reads", choices=["copy", "overlap"], help="Config.pinned_reads (default: Config's)")
@@ -330,9 +331,11 @@ def main() -> None:
     set_engine_environment(platform_device_type(), in_process=os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0")
     memory = {"gpu_memory_utilization": 0.5} if torch.cuda.is_available() else {"kv_cache_memory_bytes": 256 << 20}
     rows = []
-    for store in stores:
-        config = Config(model=str(model), data_dir=str(work), kv_store=BackendSpec(store), recompute_tokens=0,
-                    **fused(args))
+    for store in stores:  # "pinned:overlap" is the pinned store with pinned_reads = "overlap"
+        name, _, reads = store.partition(":")
+        options = {**fused(args), **({"pinned_reads": reads} if reads else {})}
+        config = Config(model=str(model), data_dir=str(work), kv_store=BackendSpec(name), recompute_tokens=0,
+                        **options)
         llm = LLM(model=str(model), load_format="dummy", skip_tokenizer_init=True, dtype="bfloat16",
                   max_model_len=8192, enforce_eager=not args.cuda_graphs, enable_prefix_caching=True,
                   tensor_parallel_size=args.tp,
