@@ -278,7 +278,8 @@ def plot(result: dict, path: Path) -> None:
 
 def fused(args) -> dict:
     """Config.fused_write and Config.pinned_reads when asked for (absent from code that predates
-    them): the defaults unless ``--fused-write``, ``--layerwise-write`` or ``--pinned-reads`` says."""
+    them): the defaults unless ``--fused-write``, ``--layerwise-write`` or (inject_profile.py)
+    ``--pinned-reads`` says."""
     asked = {"pinned_reads": args.pinned_reads} if getattr(args, "pinned_reads", None) else {}
     if args.layerwise_write:
         return {**asked, "fused_write": False}
@@ -296,7 +297,6 @@ def main() -> None:
                         "pinned:copy or pinned:overlap sets Config.pinned_reads for that engine")
     parser.add_argument("--recompute", default="0", help="recompute budgets (tokens) to time KV injection with")
     parser.add_argument("--fused-write", action="store_true", help="Config.fused_write: one kernel per step")
-    parser.add_argument("--pinned-reads", choices=["copy", "overlap"], help="Config.pinned_reads (default: Config's)")
     parser.add_argument("--layerwise-write", action="store_true",
                         help="Config.fused_write = false: whole-tensor ops and one backend write per layer")
     parser.add_argument("--cuda-graphs", action="store_true", help="capture CUDA graphs (default: eager)")
@@ -360,7 +360,6 @@ def main() -> None:
     result = {"device": device, "model": f"{args.shape} shape, random weights, bf16, {mode}, {engine} engine",
               "command": " ".join(["python", *sys.argv]), "engine": engine, "kv_stores": stores,
               "tensor_parallel": args.tp, "fused_write": config.fused_write,
-              "pinned_reads": getattr(config, "pinned_reads", "copy"),
               "fact_tokens": args.fact_tokens, "reps": args.reps, "rows": rows, "store_get": gets}
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)

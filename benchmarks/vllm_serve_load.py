@@ -257,10 +257,9 @@ async def run(url: str, requests: Requests, args, systems: list[str], levels: li
     # the client runs in --clients processes (one Python process driving a hundred users was the
     # bottleneck on a slow host); untimed, one round per system: the processes start, and CUDA
     # graphs and kernels for each shape warm up
-    pool = ProcessPoolExecutor(args.clients, mp_context=get_context("spawn"))
-    try:
+    with ProcessPoolExecutor(args.clients, mp_context=get_context("spawn")) as pool:
         for system in systems:
-            await timed_row(pool, args.clients, url, requests, system, users[: min(len(users), 4 * args.clients)], 1.0, False,
+            await timed_row(pool, args.clients, url, requests, system, users[:4 * args.clients], 1.0, False,
                             ("warm", system))
         before = connector_counters(scrape(url))
         rows = []
@@ -282,8 +281,6 @@ async def run(url: str, requests: Requests, args, systems: list[str], levels: li
                       f"{row.get('ttft_mean_ms', 0):8.1f} ms (p50 ≤ {row.get('ttft_p50_le_ms', 0):.0f}, p99 ≤ "
                       f"{row.get('ttft_p99_le_ms', 0):.0f})  latency p50 {row['latency_p50_ms'] or 0:8.1f} ms  "
                       f"client CPU {100 * row['client_cpu_share']:.0f} %  failed {row['failed']}", flush=True)
-    finally:
-        pool.shutdown()
     after = connector_counters(scrape(url))
     check["connector_counts_during_runs"] = {k: after[k] - before.get(k, 0.0) for k in after}
     print(f"connector counters during the timed runs: {check['connector_counts_during_runs']}", flush=True)

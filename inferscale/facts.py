@@ -59,7 +59,7 @@ def check_id(value: object, what: str) -> str:
     return value
 
 
-def check_ids(values: Sequence[object], what: str) -> None:
+def check_id_list(values: Sequence[object], what: str) -> None:
     """:func:`check_id` of each value: one regex over all of them (a request names dozens of
     facts, and this runs on the scheduler's critical path), each one apart to name a bad one."""
     if values and all(type(v) is str for v in values):

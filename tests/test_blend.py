@@ -211,7 +211,7 @@ def test_fused_sources_point_at_the_segments_stored_rows(disk):
     import ctypes
 
     from inferscale.compose.segment import gather_segment
-    from inferscale.connector.fused_write import K_ADDR, LAYER_STRIDE, POSITION, V_ADDR
+    from inferscale.connector.fused_write import K_ADDR, LAYER_STRIDE, POSITION, SCALE, V_ADDR
 
     order = ["a", "b", "c"]
     loader = _loader(disk)
@@ -219,9 +219,10 @@ def test_fused_sources_point_at_the_segments_stored_rows(disk):
     sources = loader.sources(spec, num_layers=2, head_size=8)
     batch = gather_segment(loader.store, "ann", order)
     # positions 6..17; keys scaled from the first fact's token on, the prefix's not
-    assert sources.row(POSITION).tolist() == list(range(6, 18))
+    assert sources.table[POSITION].tolist() == list(range(6, 18))
     first_fact = max(0, batch.offsets[1] - 6)  # this segment starts inside the facts
-    assert sources.scales.tolist() == [1.0] * first_fact + [1.25] * (12 - first_fact)
+    scales = sources.table[SCALE].to(torch.int32).view(torch.float32)
+    assert scales.tolist() == [1.0] * first_fact + [1.25] * (12 - first_fact)
     row = batch.keys.shape[2] * batch.keys.shape[3]
 
     def read(address: int) -> torch.Tensor:
@@ -229,9 +230,9 @@ def test_fused_sources_point_at_the_segments_stored_rows(disk):
 
     for t in range(12):
         for layer in range(2):
-            step = int(sources.row(LAYER_STRIDE)[t]) * layer * 4
-            assert torch.equal(read(int(sources.row(K_ADDR)[t]) + step), batch.keys[layer, 6 + t])
-            assert torch.equal(read(int(sources.row(V_ADDR)[t]) + step), batch.values[layer, 6 + t])
+            step = int(sources.table[LAYER_STRIDE][t]) * layer * 4
+            assert torch.equal(read(int(sources.table[K_ADDR][t]) + step), batch.keys[layer, 6 + t])
+            assert torch.equal(read(int(sources.table[V_ADDR][t]) + step), batch.values[layer, 6 + t])
     with pytest.raises(ValueError):
         loader.sources(_spec(disk, order, 0, 19), num_layers=2, head_size=8)
     forged = LoadSpec("r1", spec.request, 6, 18, spec.segment_len, spec.slots, "0" * 64, 1.25)

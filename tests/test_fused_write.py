@@ -118,7 +118,7 @@ def test_fused_write_reads_pinned_host_blocks_in_place(case):
 
 
 def test_sources_point_at_each_tokens_rows():
-    from inferscale.connector.fused_write import K_ADDR, LAYER_STRIDE, POSITION, SLOT, V_ADDR, Sources, token_sources
+    from inferscale.connector.fused_write import K_ADDR, LAYER_STRIDE, POSITION, SCALE, SLOT, V_ADDR, Sources, token_sources
     from inferscale.storage.blocks import HeldBlocks
 
     blocks = [torch.zeros(2, 3, n, 2, 4) for n in (2, 5)]
@@ -126,14 +126,14 @@ def test_sources_point_at_each_tokens_rows():
     sources = token_sources(held, 1, 7, [40, 41, 7, 8, 9, 90], key_scale=0.5, scaled_from=2)
     row = 2 * 4 * 4  # bytes of one token's heads
     expected_k = [blocks[0].data_ptr() + row] + [blocks[1].data_ptr() + i * row for i in range(5)]
-    assert sources.row(K_ADDR).tolist() == expected_k
-    assert sources.row(LAYER_STRIDE).tolist() == [2 * 8] + [5 * 8] * 5
-    assert (sources.row(V_ADDR) - sources.row(K_ADDR)).tolist() == [3 * 2 * 8 * 4] + [3 * 5 * 8 * 4] * 5
-    assert sources.row(SLOT).tolist() == [40, 41, 7, 8, 9, 90]
-    assert sources.row(POSITION).tolist() == [1, 2, 3, 4, 5, 6]
-    assert sources.scales.tolist() == [1.0, 0.5, 0.5, 0.5, 0.5, 0.5]
+    assert sources.table[K_ADDR].tolist() == expected_k
+    assert sources.table[LAYER_STRIDE].tolist() == [2 * 8] + [5 * 8] * 5
+    assert (sources.table[V_ADDR] - sources.table[K_ADDR]).tolist() == [3 * 2 * 8 * 4] + [3 * 5 * 8 * 4] * 5
+    assert sources.table[SLOT].tolist() == [40, 41, 7, 8, 9, 90]
+    assert sources.table[POSITION].tolist() == [1, 2, 3, 4, 5, 6]
+    assert sources.table[SCALE].to(torch.int32).view(torch.float32).tolist() == [1.0, 0.5, 0.5, 0.5, 0.5, 0.5]
     joined = Sources.join([sources, token_sources(held, 0, 2, [3, 4])])
-    assert joined.row(SLOT).tolist() == [40, 41, 7, 8, 9, 90, 3, 4] and len(joined.blocks) == 4
+    assert joined.table[SLOT].tolist() == [40, 41, 7, 8, 9, 90, 3, 4] and len(joined.blocks) == 4
     with pytest.raises(ValueError, match="joined"):  # stored in another dtype
         Sources.join([sources, token_sources(HeldBlocks.of([blocks[0].to(torch.bfloat16)]), 0, 2, [3, 4])])
     with pytest.raises(ValueError):

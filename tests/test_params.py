@@ -67,7 +67,7 @@ def test_requests_without_memory():
 def test_checking_ids_together_agrees_with_checking_each(values):
     """The scheduler checks a request's fact ids in one pass; it refuses exactly what checking
     them one by one refuses, and names the first bad one."""
-    from inferscale.facts import check_id, check_ids
+    from inferscale.facts import check_id, check_id_list
 
     bad = []
     for value in values:
@@ -77,8 +77,8 @@ def test_checking_ids_together_agrees_with_checking_each(values):
             bad.append(str(exc))
     if bad:
         with pytest.raises(ValueError) as caught:
-            check_ids(values, "fact_id")
+            check_id_list(values, "fact_id")
         assert str(caught.value) == bad[0]
     else:
-        check_ids(values, "fact_id")
+        check_id_list(values, "fact_id")
 

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from inferscale.compose.salt import CacheSalts
-from inferscale.facts import check_ids, check_user_id
+from inferscale.facts import check_id_list, check_user_id
 
 PARAMS_KEY = "inferscale"
 MAX_FACTS = 1024
@@ -77,7 +77,7 @@ def parse_params(params: Any) -> SegmentRequest | None:
     if len(fact_ids) > MAX_FACTS:
         raise InvalidParams(f"{len(fact_ids)} fact_ids (at most {MAX_FACTS})")
     try:
-        check_ids(fact_ids, "fact_id")
+        check_id_list(fact_ids, "fact_id")
     except ValueError as exc:
         raise InvalidParams(str(exc)) from None
     if len(set(fact_ids)) != len(fact_ids):

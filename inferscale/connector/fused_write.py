@@ -110,14 +110,6 @@ class Sources:
         """Whether the K/V it points at lies in (pinned) host memory."""
         return bool(self.blocks) and self.blocks[0].device.type == "cpu"
 
-    def row(self, which: int) -> torch.Tensor:
-        return self.table[which]
-
-    @property
-    def scales(self) -> torch.Tensor:
-        """The keys' scales as float32."""
-        return self.table[SCALE].to(torch.int32).view(torch.float32)
-
     @classmethod
     def join(cls, parts: Sequence[Sources]) -> Sources:
         """Several requests' sources as one (one table copy, one launch); they must share the

@@ -152,9 +152,7 @@ class DiskStore(KVStore):
         return index.nbytes if index else 0
 
     def token_ids(self, user_id: str, fact_ids: Sequence[str]) -> list[tuple[int, ...]]:
-        index = self._require_index(user_id)
-        require_facts(user_id, fact_ids, index.facts)
-        return [index.facts[f].token_ids for f in fact_ids]
+        return self.versioned_token_ids(user_id, fact_ids)[1]
 
     def versioned_token_ids(self, user_id: str, fact_ids: Sequence[str]) -> tuple[str, list[tuple[int, ...]]]:
         """Both from one read of the user's index (one version, one stat)."""

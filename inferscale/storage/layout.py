@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from inferscale.errors import MissingFactError, ModelMismatchError
-from inferscale.facts import check_id, check_user_id
+from inferscale.facts import check_id_list, check_user_id
 from inferscale.kv import FactKV
 
 
@@ -78,8 +78,7 @@ def check_ids(user_id: str, fact_ids: Iterable[str]) -> None:
     check_user_id(user_id)
     if user_id in (".", ".."):
         raise ValueError(f"user_id {user_id!r} is not a usable name")
-    for fact_id in fact_ids:
-        check_id(fact_id, "fact_id")
+    check_id_list(list(fact_ids), "fact_id")
 
 
 def is_internal(user_id: str) -> bool:
