@@ -9,7 +9,7 @@
 # .gpu/locomo, .gpu/vendor (Jasper's sources), .gpu/wheels (faiss-cpu).
 set -uo pipefail
 RUN=${RUN:-/tmp/run}
-STEPS=${STEPS:-kernel tests load-short ttft load}  # also: profile shapes jasper retrieval encode serve start
+STEPS=${STEPS:-kernel tests load-short ttft load}  # also: hostpath profile shapes jasper retrieval encode serve start
 # the connector's cache write in steps ttft, load, shapes: "" (Config's default, the fused kernel),
 # --layerwise-write or --fused-write
 FUSED=${FUSED:-}
@@ -76,6 +76,11 @@ if has tests; then
     grep -v " INFO \| DEBUG " "$RUN/tests_fused$fused${PINNED_READS:+_$PINNED_READS}.log" | tail -30
     echo "exit status $status"
   done
+fi
+
+if has hostpath; then  # the connector's host work per request outside the engine, hot and cold (quick)
+  stamp "connector host path per request (hot and cold CPU caches)"
+  PYTHONPATH=$NOW timeout 300 python3 benchmarks/host_path.py --out "$RUN/host_path_h200.json" 2>&1 | tail -6
 fi
 
 if has kernel; then  # the fused write alone: against the reference, then its speed by where the facts lie (quick)

@@ -19,6 +19,8 @@ def check_device(name: str | None) -> None:
 
 def resolve_device(device: torch.device | str | None, default: torch.device) -> torch.device:
     """``device`` (or ``default``) with a CUDA index filled in, so devices compare equal."""
+    if type(device) is torch.device and (device.index is not None or device.type != "cuda"):
+        return device  # already resolved (the connector's per-request calls)
     out = default if device is None else torch.device(device)
     if out.type == "cuda" and out.index is None and torch.cuda.is_available():
         out = torch.device("cuda", torch.cuda.current_device())

@@ -18,7 +18,7 @@ are salted per user and epoch too, so users never share cached blocks.
 
 from __future__ import annotations
 
-import hashlib
+import functools
 import hmac
 import json
 import os
@@ -64,19 +64,31 @@ class CacheSalts:
                 key_scale: float | None = None) -> str:
         """The salt of a request with injected memory: this user, epoch, segment and recipe.
         ``token_ids`` may be given already encoded (:func:`encode_tokens`, joined)."""
-        recipe = [recompute_tokens, None if key_scale is None else float(key_scale)]
-        # the token ids as little-endian int64 after the JSON head: a thousand-token segment is
+        # the token ids as little-endian int64 after a JSON head: a thousand-token segment is
         # hashed in microseconds (the scheduler and the worker both do it on every request)
         tokens = token_ids if isinstance(token_ids, bytes) else encode_tokens(token_ids)
-        return self._mac(["segment", user_id, epoch, len(tokens) // TOKEN_BYTES, recipe], tokens)
+        head = _segment_head(user_id, epoch, len(tokens) // TOKEN_BYTES, recompute_tokens,
+                             None if key_scale is None else float(key_scale))
+        return self._mac(head + tokens)
 
     def text(self, user_id: str, epoch: str) -> str:
         """The salt of a prompt-mode request (the user's facts as text)."""
-        return self._mac(["text", user_id, epoch])
+        return self._mac(_json_line(["text", user_id, epoch]))
 
-    def _mac(self, fields: list, tail: bytes = b"") -> str:
-        message = json.dumps(fields, separators=(",", ":")).encode() + b"\n" + tail
-        return PREFIX + hmac.new(self._key, message, hashlib.sha256).hexdigest()[:DIGITS]
+    def _mac(self, message: bytes) -> str:
+        return PREFIX + hmac.digest(self._key, message, "sha256").hex()[:DIGITS]
 
     def __repr__(self) -> str:  # never print the key
         return "CacheSalts(<secret>)"
+
+
+def _json_line(fields: list) -> bytes:
+    return json.dumps(fields, separators=(",", ":")).encode() + b"\n"
+
+
+@functools.lru_cache(maxsize=4096, typed=True)
+def _segment_head(user_id: str, epoch: str, num_tokens: int, recompute_tokens: int | None,
+                  key_scale: float | None) -> bytes:
+    """The head of a segment salt's message, remembered: the requests of one version of a user's
+    memory with the same length and recipe share it (it holds no secret)."""
+    return _json_line(["segment", user_id, epoch, num_tokens, [recompute_tokens, key_scale]])

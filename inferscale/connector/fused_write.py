@@ -138,25 +138,29 @@ def token_sources(held: HeldBlocks, start: int, end: int, slots: Sequence[int], 
     at positions 0, 1, ...), to be written to cache ``slots`` (one per token); the keys of
     tokens from index ``scaled_from`` on are multiplied by ``key_scale``.
 
-    The per-token arithmetic runs in NumPy over the blocks' addresses and lengths: on a few
-    thousand tokens it costs microseconds, where the same dozen small torch ops cost a tenth
-    of a millisecond of host time on the request's critical path."""
+    The per-token arithmetic runs in NumPy over the blocks' addresses and lengths, in as few
+    calls as it takes: on the request's critical path each NumPy call costs microseconds, and
+    ten times that when the engine's work in between has left the CPU's caches cold
+    (``benchmarks/host_path.py``)."""
     if len(slots) != end - start:
         raise ValueError(f"{len(slots)} slots for {end - start} tokens")
     layout, lengths = held.layout, held.lengths
-    row = layout.num_kv_heads * layout.head_size
+    row, size = layout.num_kv_heads * layout.head_size, layout.dtype.itemsize
     which = np.repeat(np.arange(len(lengths)), lengths)[start:end]
-    offsets = np.cumsum(lengths) - lengths
-    size = layout.dtype.itemsize
-    positions = np.arange(start, end, dtype=np.int64)
-    table = np.empty((6, len(which)), dtype=np.int64)
-    table[LAYER_STRIDE] = lengths[which] * row
-    table[K_ADDR] = held.addresses[which] + (positions - offsets[which]) * row * size
-    table[V_ADDR] = table[K_ADDR] + layout.num_layers * table[LAYER_STRIDE] * size
+    # where each block's token 0 would lie if its tokens sat at their segment positions
+    base = held.addresses - (np.cumsum(lengths) - lengths) * (row * size)
+    table = np.empty((6, end - start), dtype=np.int64)
+    positions, keys, stride = table[POSITION], table[K_ADDR], table[LAYER_STRIDE]
+    positions[:] = np.arange(start, end)
+    np.multiply(lengths[which], row, out=stride)
+    np.multiply(positions, row * size, out=keys)
+    keys += base[which]
+    np.multiply(stride, layout.num_layers * size, out=table[V_ADDR])
+    table[V_ADDR] += keys
     table[SLOT] = slots
-    table[POSITION] = positions
-    scales = np.where(positions >= scaled_from, np.float32(key_scale), np.float32(1.0)).astype(np.float32)
-    table[SCALE] = scales.view(np.int32)
+    table[SCALE] = np.float32(1.0).view(np.int32)
+    if key_scale != 1.0:
+        table[SCALE, max(0, scaled_from - start):] = np.float32(key_scale).view(np.int32)
     return Sources(torch.from_numpy(table), layout.dtype, layout.num_kv_heads, held.blocks)
 
 

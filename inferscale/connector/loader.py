@@ -75,6 +75,7 @@ class SegmentLoader:
         self.heads, self.device, self.dtype = heads, torch.device(device), dtype
         #: the fused write's sources point into pinned host blocks where they lie (no copy)
         self.host_in_place = host_in_place and self.device.type == "cuda" and getattr(store, "pinned", False)
+        self._prefix_held: tuple[str | None, HeldBlocks, bytes] | None = None  # (its version, blocks, token ids)
 
     def load(self, spec: LoadSpec, num_layers: int, head_size: int) -> Segment:
         """K/V for the spec's tokens, rotated to their positions, this rank's heads, cache dtype.
@@ -121,20 +122,27 @@ class SegmentLoader:
         cached facts are not the scheduled ones."""
         self._hold(spec.user_id)
         try:
-            blocks = self._held_blocks(SYSTEM_USER, [PREFIX_FACT])
-            tokens = self._token_bytes(SYSTEM_USER, [PREFIX_FACT])
+            blocks, encoded = self._prefix()
             if spec.request.fact_ids:
                 blocks += self._held_blocks(spec.user_id, spec.request.fact_ids)
-                tokens += self._token_bytes(spec.user_id, spec.request.fact_ids)
+                encoded = b"".join([encoded, *self._token_bytes(spec.user_id, spec.request.fact_ids)])
         except MissingFactError:
             return None
-        encoded = b"".join(tokens)
         total = int(blocks.lengths.sum())
         if len(encoded) != total * TOKEN_BYTES:
             raise ValueError(f"the store holds {total} tokens of K/V for {len(encoded) // TOKEN_BYTES} token ids")
         if not self._salt_matches(spec, encoded):
             return None
         return blocks, int(blocks.lengths[0]), total
+
+    def _prefix(self) -> tuple[HeldBlocks, bytes]:
+        """The instruction prefix's blocks and encoded token ids, looked up once per version of
+        it (every request starts with it; a pinned store's prefix is then copied once)."""
+        generation = self.store.generation(SYSTEM_USER)
+        if self._prefix_held is None or self._prefix_held[0] != generation:
+            blocks = self._held_blocks(SYSTEM_USER, [PREFIX_FACT])
+            self._prefix_held = (generation, blocks, b"".join(self._token_bytes(SYSTEM_USER, [PREFIX_FACT])))
+        return self._prefix_held[1], self._prefix_held[2]
 
     def _token_bytes(self, user_id: str, fact_ids: Sequence[str]) -> list[bytes]:
         """The facts' token ids encoded for the salt, kept by the store when it can."""
@@ -181,6 +189,7 @@ class SegmentLoader:
                 ensure_user(self.store, self.disk, user)
 
     def _refresh(self, user_id: str) -> None:
+        self._prefix_held = None
         for user in (SYSTEM_USER, user_id):
             self.store.delete(user)
             ensure_user(self.store, self.disk, user)

@@ -168,10 +168,10 @@ class ResidentStore(KVStore):
         require_facts(user_id, fact_ids, user.blocks)
         if not fact_ids:
             return HeldBlocks.empty(user.layout)
-        if next(iter(user.blocks.values())).device != target:
+        rows, held = user.held
+        if held.device != target:
             return HeldBlocks.of(self.blocks(user_id, fact_ids, target))
         self._order.touch(user_id)
-        rows, held = user.held
         return held.select([rows[f] for f in fact_ids])
 
     def token_ids(self, user_id: str, fact_ids: Sequence[str]) -> list[tuple[int, ...]]:

@@ -1,0 +1,164 @@
+"""The connector's host time per injected request, outside the engine, hot and cold.
+
+Each step an injected request takes on the host, called the way the connector calls it, for k
+facts of a Llama-3.1-8B K/V shape (random memory as ``ttft.py`` writes it):
+
+* ``plan``      — scheduler: match the prompt against the user's memory (``plan_request``);
+* ``metadata``  — scheduler: the load's cache slots and blocks (``slots_for`` + ``LoadSpec``);
+* ``sources``   — worker: the facts' blocks in the memory tier, their token ids' salt check and the
+  sources table (``SegmentLoader.sources``);
+* ``launch``    — worker, on a GPU: the table to the device, the rotary table and the fused
+  write's launch on the current stream, with its event (``_write_fused``'s work).
+
+"hot" calls a step back to back; "cold" first runs unrelated work that sweeps the CPU's caches
+(64 MiB of memory and a few thousand Python objects), as the engine's own work between two
+requests does. A fixed pure-Python workload (``python_ref_ms``) compares hosts: the engine's host
+is often slower than a developer's. Prints a table, writes ``--out`` (JSON).
+
+    python benchmarks/host_path.py --out benchmarks/results/host_path.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from ttft import SHAPES, kv_shape, write_memory  # noqa: E402
+from transformers import AutoConfig  # noqa: E402
+
+from inferscale.compose.blend import Blend  # noqa: E402
+from inferscale.compose.rope import RotaryEmbedding  # noqa: E402
+from inferscale.compose.salt import CacheSalts  # noqa: E402
+from inferscale.connector import fused_write  # noqa: E402
+from inferscale.connector.layer_loads import LayerLoads  # noqa: E402
+from inferscale.connector.loader import LoadSpec, SegmentLoader, blocks_for, slots_for  # noqa: E402
+from inferscale.connector.planner import plan_request  # noqa: E402
+from inferscale.storage.hbm import HBMStore  # noqa: E402
+
+BLOCK = 16
+_SWEEP = np.ones(64 << 20, dtype=np.uint8)
+
+
+def sweep() -> None:
+    """Touch 64 MiB and make a few thousand Python objects: what a step of the engine does
+    to the CPU's caches between two requests."""
+    _SWEEP.sum()
+    {i: str(i) for i in range(4000)}  # noqa: B018
+
+
+def python_ref() -> None:
+    """A fixed pure-Python workload (dicts, lists, ints): host speed, comparable across machines."""
+    table = {}
+    for i in range(20000):
+        table[i % 977] = table.get(i % 977, 0) + i * 3
+    sorted(table.values())
+
+
+def median_ms(work, reps: int, cold: bool) -> float:
+    work()
+    times = []
+    for _ in range(reps):
+        if cold:
+            sweep()
+        began = time.perf_counter()
+        work()
+        times.append((time.perf_counter() - began) * 1e3)
+    return statistics.median(times)
+
+
+def steps(k: int, data: Path, device: torch.device) -> dict:
+    """The step functions of one request with k facts."""
+    cfg = SHAPES["llama-3.1-8b"]
+    layers, heads, head_size = kv_shape(cfg)
+    disk, prefix, facts = write_memory(data, cfg, [k], 20, 32, min_facts=max(k, 200))
+    salts = CacheSalts(b"k" * 32)
+    fact_ids = [f"f{i}" for i in range(k)]
+    segment = list(prefix) + [t for f in fact_ids for t in facts[f].token_ids]
+    params = {"inferscale": {"user_id": "bench", "fact_ids": fact_ids}}
+    salt = salts.segment("bench", disk.generation("bench"), segment)
+    prompt = segment + list(range(1000, 1030))
+    block_ids = list(range(len(prompt) // BLOCK + 1))
+    store = HBMStore(HBMStore.Options(device=str(device)))
+    rope = RotaryEmbedding.from_hf_config(AutoConfig.for_model(**cfg))
+    loader = SegmentLoader(store, disk, rope, slice(0, heads), device, torch.bfloat16, salts)
+
+    def plan():
+        return plan_request(disk, salts, prompt, params, salt, 0, Blend())
+
+    planned = plan()
+    if planned.fallback is not None:
+        raise RuntimeError(f"the request fell back: {planned.detail}")
+
+    def metadata():
+        slots = slots_for(block_ids, BLOCK, 0, planned.claim_len)
+        blocks_for(block_ids, BLOCK, 0, planned.claim_len)
+        return LoadSpec("r", planned.request, 0, planned.claim_len, planned.segment_len, slots, planned.salt, 1.0)
+
+    spec = metadata()
+    out = {"plan": plan, "metadata": metadata, "sources": lambda: loader.sources(spec, layers, head_size)}
+    if device.type == "cuda" and fused_write.available():
+        caches = [torch.zeros(len(block_ids) + 8, heads, BLOCK, 2 * head_size, dtype=torch.bfloat16, device=device)
+                  for _ in range(layers)]
+        views = fused_write.CacheViews.of([tuple(c.transpose(1, 2).split(head_size, dim=-1)) for c in caches])
+        loads = LayerLoads(device, layers)
+        ready = loader.sources(spec, layers, head_size)
+
+        def launch():
+            with loads.issuing(side_stream=False):
+                sources = fused_write.Sources.join([ready]).to(device)
+                cos, sin = rope.table(device, spec.end)
+                fused_write.write_tokens(views, sources, cos, sin, 0, rope.rotary_dim, rope.style == "neox")
+                loads.all_queued([sources])
+            loads.wait_all()
+        out["launch"] = launch
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--ks", default="1,50,100")
+    parser.add_argument("--reps", type=int, default=200)
+    parser.add_argument("--out", default="benchmarks/results/host_path.json")
+    args = parser.parse_args(argv)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    ref = median_ms(python_ref, args.reps // 4, cold=False)
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for k in (int(k) for k in args.ks.split(",")):
+            row = {"k": k}
+            for name, work in steps(k, Path(tmp) / f"k{k}", device).items():
+                row[f"{name}_hot_ms"] = median_ms(work, args.reps, cold=False)
+                row[f"{name}_cold_ms"] = median_ms(work, args.reps, cold=True)
+            rows.append(row)
+    names = [key[:-7] for key in rows[0] if key.endswith("_hot_ms")]
+    host = platform.processor() or platform.machine()
+    print(f"connector host path per request, ms (median of {args.reps}), {device.type}, {host}; "
+          f"python_ref {ref:.3f} ms")
+    print("| k | " + " | ".join(f"{n} hot / cold" for n in names) + " | sum hot / cold |")
+    print("|---|" + "---|" * (len(names) + 1))
+    for r in rows:
+        hot = sum(r[f"{n}_hot_ms"] for n in names)
+        cold = sum(r[f"{n}_cold_ms"] for n in names)
+        cells = " | ".join(f"{r[f'{n}_hot_ms']:.3f} / {r[f'{n}_cold_ms']:.3f}" for n in names)
+        print(f"| {r['k']} | {cells} | {hot:.3f} / {cold:.3f} |")
+    result = {"device": torch.cuda.get_device_name() if device.type == "cuda" else host,
+              "command": "python " + " ".join(sys.argv), "python_ref_ms": ref, "reps": args.reps, "rows": rows}
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(result, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
