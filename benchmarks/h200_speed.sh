@@ -69,7 +69,7 @@ if has tests; then
   for fused in ${TEST_WRITES:-0 1}; do  # 1: the fused write (the default), 0: per layer
     stamp "connector tests on the GPU (tiny Llama, bf16, CUDA graphs, fused write $fused)"
     PYTHONPATH=$NOW INFERSCALE_TEST_MODELS=llama:bfloat16 INFERSCALE_REPLAY_MODELS=llama:bfloat16 \
-      INFERSCALE_TEST_CUDA_GRAPHS=1 INFERSCALE_TEST_FUSED_WRITE=$fused INFERSCALE_TEST_PINNED_READS=${PINNED_READS:-copy} \
+      INFERSCALE_TEST_CUDA_GRAPHS=1 INFERSCALE_TEST_FUSED_WRITE=$fused INFERSCALE_TEST_PINNED_READS=${PINNED_READS:-overlap} \
       timeout 420 python3 -m pytest \
       tests/test_connector.py $(has kernel || echo tests/test_fused_write.py) -q -p no:cacheprovider -k "not fuzz" > "$RUN/tests_fused$fused${PINNED_READS:+_$PINNED_READS}.log" 2>&1
     status=$?

@@ -127,11 +127,12 @@ class Config:
     #: (connector/fused_write.py) instead of whole-tensor ops and one backend write per layer
     #: (where the kernel cannot run, e.g. the CPU or an unknown cache layout, the latter is used)
     fused_write: bool = True
-    #: how the fused write reads facts held in pinned host memory (kv_store "pinned"): "copy"
-    #: (one DMA per fact to the GPU, then the kernel, before the forward pass) or "overlap" (the
-    #: kernel reads host memory in place, a group of layers per launch on a side stream, each
-    #: layer's attention waiting only for its group)
-    pinned_reads: str = "copy"
+    #: how the fused write reads facts held in pinned host memory (kv_store "pinned"): "overlap"
+    #: (the kernel reads host memory in place, a group of layers per launch on a side stream, each
+    #: layer's attention waiting only for its group) or "copy" (one DMA per fact to the GPU, then
+    #: the kernel, all before the forward pass). On an H200 at 50 and 100 facts, "overlap" added
+    #: 1.0-1.1x the PCIe copy time to TTFT, "copy" 0.9-1.5x (benchmarks/results/README.md)
+    pinned_reads: str = "overlap"
     #: the server secret that keys cache salts (created, mode 0600, on first use); "" = <data_dir>/secret
     secret_file: str = ""
 

@@ -12,11 +12,11 @@ does in one launch and one pass, for every request of the step at once.
 Sources are given per token (:func:`token_sources`, joined over requests with
 :meth:`Sources.join`): raw addresses, the token's position and key scale. A
 block may lie in GPU memory or, under unified addressing, in pinned host memory
-(each element is read once, a rotary pair by the same program): by default the
-connector copies pinned blocks first, which ran faster on an H200 when the
-whole read came before the forward (``benchmarks/fused_write_speed.py``);
-``Config.pinned_reads = "overlap"`` reads them in place, a range of layers per
-launch, while the forward runs. The destination is described by
+(each element is read once, a rotary pair by the same program). By default
+(``Config.pinned_reads = "overlap"``) the connector reads pinned blocks in place,
+a range of layers per launch, while the forward runs; ``"copy"`` copies them
+first, which is faster when the whole read must come before the forward
+(``benchmarks/fused_write_speed.py``). The destination is described by
 :class:`CacheViews`: the backend's own K and V views of each layer's cache
 (``[num_blocks, block_size, heads, head_size]`` with any strides;
 :func:`compat.kv_cache_views`).
