@@ -205,6 +205,28 @@ def test_loader_never_writes_another_version_of_the_memory(disk):
         loader.load(scheduled, num_layers=2, head_size=8)
 
 
+def test_fused_sources_follow_a_new_instruction_prefix(disk):
+    """The loader looks the prefix up once per version of it: a request scheduled after the
+    prefix changed reads the new prefix's K/V, one scheduled before it is refused once the old
+    prefix is gone."""
+    import ctypes
+
+    from inferscale.connector.fused_write import K_ADDR
+
+    order = ["a"]
+    loader = _loader(disk)
+    before = _spec(disk, order, 0, 10)
+    loader.sources(before, num_layers=2, head_size=8)  # the memory tier holds the first prefix
+    new_prefix = _fact(4, 7)
+    disk.put(SYSTEM_USER, {PREFIX_FACT: new_prefix})
+    after = _spec(disk, order, 0, 10)
+    sources = loader.sources(after, num_layers=2, head_size=8)
+    first_key = (ctypes.c_float * 16).from_address(int(sources.table[K_ADDR][0]))
+    assert torch.equal(torch.tensor(list(first_key)).view(2, 8), new_prefix.keys[0, 0])
+    with pytest.raises(ValueError, match="changed since"):
+        loader.sources(before, num_layers=2, head_size=8)
+
+
 def test_fused_sources_point_at_the_segments_stored_rows(disk):
     """What the fused kernel reads (raw addresses into the store's blocks) is the segment's
     pre-RoPE K/V, token for token, layer for layer; and it is checked as load() is."""
