@@ -57,6 +57,27 @@ def test_salt_tells_apart_every_recipe():
     assert request.salt(KEY, "e", [1, 2, 3]) == KEY.segment("ann", "e", [1, 2, 3], 32, 1.25)
 
 
+def test_salt_is_an_hmac_of_the_documented_message():
+    """Salts handed to clients stay valid across releases only if the message never changes:
+    a JSON head (kind, user, epoch, token count, recipe), a newline, then the token ids as
+    little-endian int64. Heads are remembered per recipe, never confused across equal values
+    of another type (a budget of True is not a budget of 1)."""
+    import hashlib
+    import hmac
+    import json
+    import struct
+
+    def expected(fields, tokens=()):
+        message = json.dumps(fields, separators=(",", ":")).encode() + b"\n" + struct.pack(f"<{len(tokens)}q", *tokens)
+        return "inferscale-" + hmac.new(b"k" * 32, message, hashlib.sha256).hexdigest()[:32]
+
+    assert KEY.segment("ann", "e1", [5, 6]) == expected(["segment", "ann", "e1", 2, [None, None]], [5, 6])
+    assert KEY.segment("ann", "e1", [5, 6], 16, 1) == expected(["segment", "ann", "e1", 2, [16, 1.0]], [5, 6])
+    assert KEY.text("ann", "e1") == expected(["text", "ann", "e1"])
+    assert KEY.segment("ann", "e1", [5], 1) == expected(["segment", "ann", "e1", 1, [1, None]], [5])
+    assert KEY.segment("ann", "e1", [5], True) == expected(["segment", "ann", "e1", 1, [True, None]], [5])
+
+
 def test_a_recreated_user_gets_a_new_epoch(tmp_path):
     """The epoch is the user's generation: renewed by every write, never reused, even
     for a user deleted and stored again with the very same facts."""
