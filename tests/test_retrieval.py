@@ -20,6 +20,8 @@ from pathlib import Path
 import pluggy
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import inferscale.plugins
 from inferscale import BackendSpec, ConfigError, UnknownBackendError, build, hookspecs
@@ -266,6 +268,31 @@ def test_exact_top_hits_reranks_ties_that_straddle_the_cut():
     r.add("u", [f"t{i:02d}" for i in range(40)] + ["best"], torch.cat([v.repeat(40, 1), (v + w)[None]]))
     hits = r.search("u", v[None], 3)[0]
     assert ids_of(hits)[1:] == ["t00", "t01"] and hits[1].score == hits[2].score
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.integers(1, 3), st.integers(1, 60), st.integers(0, 70), st.integers(1, 4), st.randoms())
+def test_top_hits_ranked_on_the_host_or_by_topk_agree(q, n, k, levels, rnd):
+    """Small users' scores are ranked on the host, large ones by ``topk`` on the device: both
+    give the reference order (score, then fact_id), ties at the cut included."""
+    from inferscale.retrieval import ranking
+
+    scores = torch.tensor([[float(rnd.randrange(levels)) for _ in range(n)] for _ in range(q)])
+    fact_ids = [f"f{rnd.randrange(10**6):06d}-{j}" for j in range(n)]
+    expected = [[(fact_ids[j], float(row[j])) for j in sorted(range(n), key=lambda j: (-row[j], fact_ids[j]))[:k]]
+                for row in scores.tolist()]
+    queries = torch.ones(q, 4)
+    host = ranking.top_hits(scores, fact_ids, k, queries=queries)
+    saved = ranking.HOST_RANKED_SCORES
+    ranking.HOST_RANKED_SCORES = 0
+    try:
+        device = ranking.top_hits(scores, fact_ids, k, queries=queries)
+    finally:
+        ranking.HOST_RANKED_SCORES = saved
+    assert [[(h.fact_id, h.score) for h in row] for row in host] == expected
+    assert host == device
+    with pytest.raises(ValueError, match="NaN"):
+        ranking.top_hits(scores, fact_ids, max(k, 1), queries=torch.full((q, 4), float("nan")))
 
 
 def test_exact_defaults_to_the_runtime_device_then_cuda_then_cpu():
