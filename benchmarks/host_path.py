@@ -5,7 +5,7 @@ facts of a Llama-3.1-8B K/V shape (random memory as ``ttft.py`` writes it):
 
 * ``plan``      — scheduler: match the prompt against the user's memory (``plan_request``);
 * ``metadata``  — scheduler: the load's cache slots and blocks (``slots_for`` + ``LoadSpec``);
-* ``sources``   — worker: the facts' blocks in the memory tier, their token ids' salt check and the
+* ``sources``   — worker: the facts' blocks in the memory tier, the check of their versions and the
   sources table (``SegmentLoader.sources``);
 * ``launch``    — worker, on a GPU: the table to the device, the rotary table and the fused
   write's launch on the current stream, with its event (``_write_fused``'s work).
@@ -92,7 +92,7 @@ def steps(k: int, data: Path, device: torch.device) -> dict:
     block_ids = list(range(len(prompt) // BLOCK + 1))
     store = HBMStore(HBMStore.Options(device=str(device)))
     rope = RotaryEmbedding.from_hf_config(AutoConfig.for_model(**cfg))
-    loader = SegmentLoader(store, disk, rope, slice(0, heads), device, torch.bfloat16, salts)
+    loader = SegmentLoader(store, disk, rope, slice(0, heads), device, torch.bfloat16)
 
     def plan():
         return plan_request(disk, salts, prompt, params, salt, 0, Blend())
@@ -104,7 +104,7 @@ def steps(k: int, data: Path, device: torch.device) -> dict:
     def metadata():
         slots = slots_for(block_ids, BLOCK, 0, planned.claim_len)
         blocks_for(block_ids, BLOCK, 0, planned.claim_len)
-        return LoadSpec("r", planned.request, 0, planned.claim_len, planned.segment_len, slots, planned.salt, 1.0)
+        return LoadSpec("r", planned.request, 0, planned.claim_len, planned.segment_len, slots, planned.versions, 1.0)
 
     spec = metadata()
     out = {"plan": plan, "metadata": metadata, "sources": lambda: loader.sources(spec, layers, head_size)}

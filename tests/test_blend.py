@@ -139,14 +139,15 @@ def test_planner_refuses_salts_it_did_not_key(disk):
 def _loader(disk: DiskStore) -> SegmentLoader:
     rope = RotaryEmbedding(1.0 / (10_000 ** (torch.arange(0, 8, 2).float() / 8)), 8)
     return SegmentLoader(PinnedHostStore(PinnedHostStore.Options()), disk, rope,
-                         kv_head_range(2, 1, 0), "cpu", torch.float32, SALTS)
+                         kv_head_range(2, 1, 0), "cpu", torch.float32)
 
 
 def _spec(disk, order, start, end, key_scale=1.0, recompute=None) -> LoadSpec:
+    """A load as the scheduler sends it for the memory on disk now."""
     segment = _segment(disk, order)
     memory = SegmentRequest("ann", tuple(order), recompute, None)
-    salt = memory.salt(SALTS, disk.generation("ann"), segment)
-    return LoadSpec("r1", memory, start, end, len(segment), tuple(range(start, end)), salt, key_scale)
+    versions = (disk.generation(SYSTEM_USER), disk.generation("ann"))
+    return LoadSpec("r1", memory, start, end, len(segment), tuple(range(start, end)), versions, key_scale)
 
 
 @settings(max_examples=200, deadline=None)
@@ -197,8 +198,8 @@ def test_loader_never_writes_another_version_of_the_memory(disk):
     disk.put("ann", {"a": FactKV(a.token_ids, a.keys + 1, a.values)})
     assert torch.equal(loader.load(scheduled, num_layers=2, head_size=8).keys, before.keys)
     now = _spec(disk, order, 0, 18)
-    assert now.salt != scheduled.salt
-    segment = loader.load(now, num_layers=2, head_size=8)  # a stale tier fails the salt check: reloaded
+    assert now.versions != scheduled.versions
+    segment = loader.load(now, num_layers=2, head_size=8)  # a stale tier fails the version check: reloaded
     expected = _loader(disk).load(now, num_layers=2, head_size=8)
     assert torch.equal(segment.keys, expected.keys) and not torch.equal(segment.keys, before.keys)
     with pytest.raises(ValueError, match="changed"):  # the old version is gone from every tier
@@ -257,6 +258,6 @@ def test_fused_sources_point_at_the_segments_stored_rows(disk):
             assert torch.equal(read(int(sources.table[V_ADDR][t]) + step), batch.values[layer, 6 + t])
     with pytest.raises(ValueError):
         loader.sources(_spec(disk, order, 0, 19), num_layers=2, head_size=8)
-    forged = LoadSpec("r1", spec.request, 6, 18, spec.segment_len, spec.slots, "0" * 64, 1.25)
+    forged = LoadSpec("r1", spec.request, 6, 18, spec.segment_len, spec.slots, (spec.versions[0], "other"), 1.25)
     with pytest.raises(ValueError, match="changed since"):
         loader.sources(forged, num_layers=2, head_size=8)

@@ -8,7 +8,6 @@ import torch
 
 from inferscale.compose.request import SegmentRequest
 from inferscale.compose.rope import RotaryEmbedding
-from inferscale.compose.salt import CacheSalts
 from inferscale.compose.segment import PREFIX_FACT, SYSTEM_USER
 from inferscale.config import BackendSpec, build
 from inferscale.connector.loader import LoadSpec, SegmentLoader, kv_head_range
@@ -19,7 +18,6 @@ from inferscale.storage.pinned import PinnedHostStore
 from inferscale.storage.tiered import ensure_user
 from test_storage import make_fact, make_facts
 
-SALTS = CacheSalts(b"b" * 32)
 FACTS_PER_USER = 4
 
 
@@ -41,8 +39,8 @@ def load(loader: SegmentLoader, disk: DiskStore, user: str) -> None:
     request = SegmentRequest(user, tuple(disk.list(user)), 0, None)
     segment = [t for ids in disk.token_ids(SYSTEM_USER, [PREFIX_FACT]) + disk.token_ids(user, request.fact_ids)
                for t in ids]
-    salt = request.salt(SALTS, disk.generation(user), segment)
-    spec = LoadSpec("r", request, 0, len(segment), len(segment), tuple(range(len(segment))), salt)
+    versions = (disk.generation(SYSTEM_USER), disk.generation(user))
+    spec = LoadSpec("r", request, 0, len(segment), len(segment), tuple(range(len(segment))), versions)
     loader.load(spec, num_layers=2, head_size=8)
 
 
@@ -52,7 +50,7 @@ def test_serving_many_users_stays_within_the_budget(disk, kind):
     budget = user_bytes(disk, SYSTEM_USER) + 5 * per_user + per_user // 2
     memory = kind(kind.Options(device="cpu", max_bytes=budget))
     rope = RotaryEmbedding(1.0 / (10_000 ** (torch.arange(0, 8, 2).float() / 8)), 8)
-    loader = SegmentLoader(memory, disk, rope, kv_head_range(2, 1, 0), "cpu", torch.float32, SALTS)
+    loader = SegmentLoader(memory, disk, rope, kv_head_range(2, 1, 0), "cpu", torch.float32)
     for round_ in range(2):
         for i in range(40):
             load(loader, disk, f"u{i}")

@@ -162,16 +162,14 @@ def test_layer_groups_cover_every_layer_once_in_order(num_layers, launches):
 def test_loader_reads_pinned_blocks_in_place_when_asked():
     """pinned_reads = "overlap": the sources point into the pinned store's own blocks; "copy":
     into copies on the GPU."""
-    from inferscale.compose.salt import CacheSalts
     from inferscale.connector.loader import SegmentLoader
     from inferscale.kv import FactKV
     from inferscale.storage.pinned import PinnedHostStore
 
     store = PinnedHostStore()
     store.put("ann", {f"f{i}": FactKV((i, i + 1), torch.randn(2, 2, 1, 8), torch.randn(2, 2, 1, 8)) for i in range(3)})
-    salts = CacheSalts(b"k" * 32)
     for in_place in (True, False):
-        loader = SegmentLoader(store, None, None, slice(0, 1), "cuda", torch.float32, salts, host_in_place=in_place)
+        loader = SegmentLoader(store, None, None, slice(0, 1), "cuda", torch.float32, host_in_place=in_place)
         held = loader._held_blocks("ann", ["f2", "f0"])
         own = store.blocks("ann", ["f2", "f0"], "cpu")
         if in_place:

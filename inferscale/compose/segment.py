@@ -32,12 +32,14 @@ class Segment:
     values: torch.Tensor
 
 
-def segment_parts(store: KVStore, user_id: str, fact_ids: Sequence[str]) -> tuple[str, list[tuple[int, ...]]]:
-    """The user's epoch and the token ids of the segment's parts (the prefix, then each fact),
-    the facts' and the epoch of one version of the user; read without moving any K/V."""
-    (prefix,) = store.token_ids(SYSTEM_USER, [PREFIX_FACT])
+def segment_parts(store: KVStore, user_id: str, fact_ids: Sequence[str]
+                  ) -> tuple[tuple[str, str], list[tuple[int, ...]]]:
+    """The versions (epochs) of the instruction prefix and of the user's memory, and the token
+    ids of the segment's parts (the prefix, then each fact) in those versions; read without
+    moving any K/V."""
+    prefix_epoch, (prefix,) = store.versioned_token_ids(SYSTEM_USER, [PREFIX_FACT])
     epoch, facts = store.versioned_token_ids(user_id, list(fact_ids))
-    return epoch, [tuple(prefix), *facts]
+    return (prefix_epoch, epoch), [tuple(prefix), *facts]
 
 
 def gather_segment(store: KVStore, user_id: str, fact_ids: Sequence[str], device=None) -> KVBatch:

@@ -16,7 +16,6 @@ from inferscale.compose.rope import RotaryEmbedding
 from inferscale.compose.segment import PREFIX_FACT, SYSTEM_USER, Segment, gather_segment
 from inferscale.connector.fused_write import Sources, token_sources
 from inferscale.compose.request import SegmentRequest
-from inferscale.compose.salt import TOKEN_BYTES, CacheSalts, encode_tokens
 from inferscale.errors import MissingFactError, ModelMismatchError
 from inferscale.kv import KVBatch
 from inferscale.storage.base import KVStore
@@ -29,11 +28,13 @@ class LoadSpec:
     """One request's load, as the scheduler sends it (picklable, no tensors).
 
     Tokens ``start..end-1`` of the ``segment_len``-token segment go to
-    ``slots`` (one slot per token); ``salt`` is the segment's cache salt: the
-    worker re-derives it from the token ids it gathered and the epoch of the
-    memory it gathered them from, so K/V is never written under other tokens
-    or from another version of the user's memory. The facts' keys are multiplied by
-    ``key_scale`` (:mod:`inferscale.compose.blend`).
+    ``slots`` (one slot per token). ``versions`` are the epochs of the instruction
+    prefix and of the user's memory whose token ids the scheduler matched the
+    prompt (and the request's cache salt) against: the worker loads K/V only from
+    those versions, so K/V is never written under other tokens or from another
+    version of the user's memory (an epoch is never reused, so one version's token
+    ids never change). The facts' keys are multiplied by ``key_scale``
+    (:mod:`inferscale.compose.blend`).
     """
 
     req_id: str
@@ -42,7 +43,7 @@ class LoadSpec:
     end: int
     segment_len: int
     slots: Sequence[int]  # an int64 array from the scheduler (:func:`slots_for`)
-    salt: str
+    versions: tuple[str, str]
     key_scale: float = 1.0
 
     @property
@@ -70,12 +71,12 @@ _HOST = torch.device("cpu")
 
 class SegmentLoader:
     def __init__(self, store: KVStore, disk: KVStore, rope: RotaryEmbedding, heads: slice,
-                 device: torch.device | str, dtype: torch.dtype, salts: CacheSalts, host_in_place: bool = False):
-        self.store, self.disk, self.rope, self.salts = store, disk, rope, salts
+                 device: torch.device | str, dtype: torch.dtype, host_in_place: bool = False):
+        self.store, self.disk, self.rope = store, disk, rope
         self.heads, self.device, self.dtype = heads, torch.device(device), dtype
         #: the fused write's sources point into pinned host blocks where they lie (no copy)
         self.host_in_place = host_in_place and self.device.type == "cuda" and getattr(store, "pinned", False)
-        self._prefix_held: tuple[str | None, HeldBlocks, bytes] | None = None  # (its version, blocks, token ids)
+        self._prefix_held: tuple[str | None, HeldBlocks] | None = None  # (its version, its blocks)
 
     def load(self, spec: LoadSpec, num_layers: int, head_size: int) -> Segment:
         """K/V for the spec's tokens, rotated to their positions, this rank's heads, cache dtype.
@@ -114,42 +115,30 @@ class SegmentLoader:
             self._refresh(spec.user_id)
             found = read(spec)
         if found is None:
-            raise ValueError("stored facts changed since the request was scheduled (token ids differ)")
+            raise ValueError("stored facts changed since the request was scheduled (another version)")
         return found
 
     def _held(self, spec: LoadSpec) -> tuple[HeldBlocks, int, int] | None:
         """(the segment's blocks on the device, prefix tokens, segment tokens); None when the
-        cached facts are not the scheduled ones."""
+        memory tier does not hold the scheduled versions."""
         self._hold(spec.user_id)
+        if not self._holds_versions(spec):
+            return None
         try:
-            blocks, encoded = self._prefix()
+            blocks = self._prefix()
             if spec.request.fact_ids:
                 blocks += self._held_blocks(spec.user_id, spec.request.fact_ids)
-                encoded = b"".join([encoded, *self._token_bytes(spec.user_id, spec.request.fact_ids)])
         except MissingFactError:
             return None
-        total = int(blocks.lengths.sum())
-        if len(encoded) != total * TOKEN_BYTES:
-            raise ValueError(f"the store holds {total} tokens of K/V for {len(encoded) // TOKEN_BYTES} token ids")
-        if not self._salt_matches(spec, encoded):
-            return None
-        return blocks, int(blocks.lengths[0]), total
+        return blocks, int(blocks.lengths[0]), int(blocks.lengths.sum())
 
-    def _prefix(self) -> tuple[HeldBlocks, bytes]:
-        """The instruction prefix's blocks and encoded token ids, looked up once per version of
-        it (every request starts with it; a pinned store's prefix is then copied once)."""
+    def _prefix(self) -> HeldBlocks:
+        """The instruction prefix's blocks, looked up once per version of it (every request
+        starts with it; a pinned store's prefix is then copied once)."""
         generation = self.store.generation(SYSTEM_USER)
         if self._prefix_held is None or self._prefix_held[0] != generation:
-            blocks = self._held_blocks(SYSTEM_USER, [PREFIX_FACT])
-            self._prefix_held = (generation, blocks, b"".join(self._token_bytes(SYSTEM_USER, [PREFIX_FACT])))
-        return self._prefix_held[1], self._prefix_held[2]
-
-    def _token_bytes(self, user_id: str, fact_ids: Sequence[str]) -> list[bytes]:
-        """The facts' token ids encoded for the salt, kept by the store when it can."""
-        encoded = getattr(self.store, "token_bytes", None)
-        if encoded is not None:
-            return encoded(user_id, fact_ids)
-        return [encode_tokens(ids) for ids in self.store.token_ids(user_id, fact_ids)]
+            self._prefix_held = (generation, self._held_blocks(SYSTEM_USER, [PREFIX_FACT]))
+        return self._prefix_held[1]
 
     def _held_blocks(self, user_id: str, fact_ids: Sequence[str]) -> HeldBlocks:
         """The facts' blocks on the loader's device (pinned host blocks copied, one DMA each), or
@@ -160,9 +149,10 @@ class SegmentLoader:
             return held(user_id, fact_ids, where)
         return HeldBlocks.of(self.store.blocks(user_id, fact_ids, where))
 
-    def _salt_matches(self, spec: LoadSpec, tokens: Sequence[int] | bytes) -> bool:
-        epoch = self.store.generation(spec.user_id)
-        return bool(epoch) and spec.request.salt(self.salts, epoch, tokens) == spec.salt
+    def _holds_versions(self, spec: LoadSpec) -> bool:
+        """Whether the memory tier holds the prefix and the user's memory in the versions the
+        request was scheduled with."""
+        return (self.store.generation(SYSTEM_USER), self.store.generation(spec.user_id)) == tuple(spec.versions)
 
     def slot_mapping(self, spec: LoadSpec) -> torch.Tensor:
         """The spec's cache slots on the loader's device, copied without a host sync."""
@@ -172,18 +162,19 @@ class SegmentLoader:
         return slots.pin_memory().to(self.device, non_blocking=True)
 
     def _gather(self, spec: LoadSpec) -> KVBatch | None:
-        """The segment's pre-RoPE K/V; None when the cached facts are not the scheduled ones."""
+        """The segment's pre-RoPE K/V; None when the memory tier does not hold the scheduled versions."""
         self._hold(spec.user_id)
+        if not self._holds_versions(spec):
+            return None
         try:
-            batch = gather_segment(self.store, spec.user_id, spec.request.fact_ids, self.device)
+            return gather_segment(self.store, spec.user_id, spec.request.fact_ids, self.device)
         except MissingFactError:
             return None
-        return batch if self._salt_matches(spec, batch.flat_token_ids()) else None
 
     def _hold(self, user_id: str) -> None:
         """Load the user and the instruction prefix into the memory tier where it holds no copy.
         A copy it holds is not compared with the disk on every request (a stat per user): the
-        salt check does that, and a stale copy fails it and is reloaded (:meth:`_read`)."""
+        version check does that, and a stale copy fails it and is reloaded (:meth:`_read`)."""
         for user in (SYSTEM_USER, user_id):
             if self.store.generation(user) is None:
                 ensure_user(self.store, self.disk, user)

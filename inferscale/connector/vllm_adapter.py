@@ -77,9 +77,9 @@ class InferScaleConnector(compat.KVConnectorBase_V1):
         self.config = config_from_extra(vllm_config.kv_transfer_config.kv_connector_extra_config)
         self.block_size = vllm_config.cache_config.block_size
         self.disk = disk_store(self.config)
-        self.salts = CacheSalts.from_file(self.config.secret_path)
         self.stats = ConnectorStats()
         if role == compat.KVConnectorRole.SCHEDULER:
+            self.salts = CacheSalts.from_file(self.config.secret_path)  # the worker never needs the secret
             self.blend = self.config.blend(compat.device_type(vllm_config))
             self._plans: dict[str, Plan] = {}
             self._pending: dict[str, Plan] = {}
@@ -112,7 +112,7 @@ class InferScaleConnector(compat.KVConnectorBase_V1):
                 continue
             start = plan.claim_len - plan.num_external
             slots = slots_for(block_ids, self.block_size, start, plan.claim_len)
-            spec = LoadSpec(req_id, plan.request, start, plan.claim_len, plan.segment_len, slots, plan.salt,
+            spec = LoadSpec(req_id, plan.request, start, plan.claim_len, plan.segment_len, slots, plan.versions,
                             plan.blend.key_scale)
             meta.loads.append(spec)
             self._loaded_blocks[req_id] = blocks_for(block_ids, self.block_size, start, plan.claim_len)
@@ -167,7 +167,7 @@ class InferScaleConnector(compat.KVConnectorBase_V1):
         self._layer_of = {name: index for index, name in enumerate(self.layer_names)}
         first = kv_caches[self.layer_names[0]]
         self.loader = SegmentLoader(self.store, self.disk, self.rope, self.heads, first.device, first.dtype,
-                                    self.salts, host_in_place=self.config.pinned_reads == "overlap")
+                                    host_in_place=self.config.pinned_reads == "overlap")
         self.layer_loads = LayerLoads(first.device, len(self.layer_names))
 
     def start_load_kv(self, forward_context, **kwargs: Any) -> None:

@@ -4,8 +4,8 @@ Their index — fact ids, token ids, records, layout, checksum — is read from
 the safetensors header and the small ``token_ids`` tensors, never the K/V.
 The checksum covers every byte, so it cannot be verified without the K/V:
 the token ids read here are unverified, and the K/V read (the worker's, when
-it injects) verifies the whole file and re-derives the salt from its token
-ids, so a damaged header can cause a fallback, never wrong K/V. The first
+it injects) verifies the whole file, header included, so a damaged header can
+cause a fallback, never wrong K/V. The first
 write to such a user converts it to format 3 (:class:`~inferscale.storage.disk.DiskStore`).
 """
 

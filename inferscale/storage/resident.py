@@ -29,7 +29,6 @@ from typing import Any
 
 import torch
 
-from inferscale.compose.salt import encode_tokens
 from inferscale.devices import auto_device, check_device, resolve_device, runtime_device
 from inferscale.errors import CapacityError, UnknownUserError
 from inferscale.kv import FactKV, KVBatch
@@ -57,11 +56,6 @@ class UserKV:
     @property
     def nbytes(self) -> int:
         return _nbytes(self.layout, self.token_ids.values())
-
-    @cached_property
-    def token_bytes(self) -> dict[str, bytes]:
-        """Each fact's token ids encoded as the cache salt hashes them (built on first use)."""
-        return {fact_id: encode_tokens(ids) for fact_id, ids in self.token_ids.items()}
 
     @cached_property
     def held(self) -> tuple[dict[str, int], HeldBlocks]:
@@ -178,13 +172,6 @@ class ResidentStore(KVStore):
         user = self._require(user_id, self._users.get(user_id))
         require_facts(user_id, fact_ids, user.token_ids)
         return [user.token_ids[f] for f in fact_ids]
-
-    def token_bytes(self, user_id: str, fact_ids: Sequence[str]) -> list[bytes]:
-        """:meth:`token_ids` encoded for the cache salt (:func:`encode_tokens`), kept per user version."""
-        user = self._require(user_id, self._users.get(user_id))
-        require_facts(user_id, fact_ids, user.token_ids)
-        encoded = user.token_bytes
-        return [encoded[f] for f in fact_ids]
 
     def delete(self, user_id: str, fact_ids: Sequence[str] | None = None) -> None:
         """Idempotent: unknown users and facts are ignored."""
