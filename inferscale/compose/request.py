@@ -42,7 +42,7 @@ class SegmentRequest:
     recompute_tokens: int | None = None  # None: the connector's default
     key_scale: float | None = None  # None: the connector's default
 
-    def salt(self, salts: CacheSalts, epoch: str, segment_token_ids: Sequence[int] | bytes) -> str:
+    def salt(self, salts: CacheSalts, epoch: str, segment_token_ids: Sequence[int]) -> str:
         """The cache salt this request must carry for a segment of these tokens,
         made from the user's memory at ``epoch`` (:meth:`KVStore.generation`)."""
         return salts.segment(self.user_id, epoch, segment_token_ids, self.recompute_tokens, self.key_scale)

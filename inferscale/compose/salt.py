@@ -32,19 +32,6 @@ _BIG_ENDIAN = sys.byteorder == "big"
 DIGITS = 32
 
 
-#: bytes of one encoded token id
-TOKEN_BYTES = 8
-
-
-def encode_tokens(token_ids: Sequence[int]) -> bytes:
-    """Token ids as the salt hashes them: little-endian int64, back to back (the encodings of
-    two sequences, joined, are the encoding of the joined sequence)."""
-    tokens = array("q", token_ids)
-    if _BIG_ENDIAN:
-        tokens.byteswap()
-    return tokens.tobytes()
-
-
 class CacheSalts:
     """Computes cache salts with one secret key."""
 
@@ -60,16 +47,17 @@ class CacheSalts:
 
         return cls(load_secret(path))
 
-    def segment(self, user_id: str, epoch: str, token_ids: Sequence[int] | bytes, recompute_tokens: int | None = None,
+    def segment(self, user_id: str, epoch: str, token_ids: Sequence[int], recompute_tokens: int | None = None,
                 key_scale: float | None = None) -> str:
-        """The salt of a request with injected memory: this user, epoch, segment and recipe.
-        ``token_ids`` may be given already encoded (:func:`encode_tokens`, joined)."""
+        """The salt of a request with injected memory: this user, epoch, segment and recipe."""
         # the token ids as little-endian int64 after a JSON head: a thousand-token segment is
-        # hashed in microseconds (the scheduler and the worker both do it on every request)
-        tokens = token_ids if isinstance(token_ids, bytes) else encode_tokens(token_ids)
-        head = _segment_head(user_id, epoch, len(tokens) // TOKEN_BYTES, recompute_tokens,
+        # hashed in microseconds (the scheduler does it on every request)
+        tokens = array("q", token_ids)
+        if _BIG_ENDIAN:
+            tokens.byteswap()
+        head = _segment_head(user_id, epoch, len(tokens), recompute_tokens,
                              None if key_scale is None else float(key_scale))
-        return self._mac(head + tokens)
+        return self._mac(head + tokens.tobytes())
 
     def text(self, user_id: str, epoch: str) -> str:
         """The salt of a prompt-mode request (the user's facts as text)."""
