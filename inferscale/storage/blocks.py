@@ -11,7 +11,6 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from functools import cached_property
 
 import numpy as np
 import torch
@@ -48,11 +47,6 @@ class HeldBlocks:
         return cls(tuple(blocks), np.fromiter((b.data_ptr() for b in blocks), np.int64, len(blocks)),
                    np.fromiter((b.shape[2] for b in blocks), np.int64, len(blocks)),
                    KVLayout(int(layers), int(heads), int(size), first.dtype))
-
-    @cached_property
-    def device(self) -> torch.device | None:
-        """Where the blocks lie (None: no blocks)."""
-        return self.blocks[0].device if self.blocks else None
 
     @classmethod
     def empty(cls, layout: KVLayout) -> HeldBlocks:

@@ -58,6 +58,11 @@ class UserKV:
         return _nbytes(self.layout, self.token_ids.values())
 
     @cached_property
+    def device(self) -> torch.device:
+        """Where the user's blocks lie (all on one device)."""
+        return next(iter(self.blocks.values())).device
+
+    @cached_property
     def held(self) -> tuple[dict[str, int], HeldBlocks]:
         """Each fact's row in one :class:`HeldBlocks` of all the user's blocks (built on first
         use: a request then picks its facts' rows instead of inspecting each block)."""
@@ -162,10 +167,10 @@ class ResidentStore(KVStore):
         require_facts(user_id, fact_ids, user.blocks)
         if not fact_ids:
             return HeldBlocks.empty(user.layout)
-        rows, held = user.held
-        if held.device != target:
+        if user.device != target:  # (a pinned store's blocks wanted on a GPU: copies, no table needed)
             return HeldBlocks.of(self.blocks(user_id, fact_ids, target))
         self._order.touch(user_id)
+        rows, held = user.held
         return held.select([rows[f] for f in fact_ids])
 
     def token_ids(self, user_id: str, fact_ids: Sequence[str]) -> list[tuple[int, ...]]:
