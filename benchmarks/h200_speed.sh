@@ -70,10 +70,10 @@ if has tests; then
     stamp "connector tests on the GPU (tiny Llama, bf16, CUDA graphs, fused write $fused)"
     PYTHONPATH=$NOW INFERSCALE_TEST_MODELS=llama:bfloat16 INFERSCALE_REPLAY_MODELS=llama:bfloat16 \
       INFERSCALE_TEST_CUDA_GRAPHS=1 INFERSCALE_TEST_FUSED_WRITE=$fused INFERSCALE_TEST_PINNED_READS=${PINNED_READS:-overlap} \
-      timeout 420 python3 -m pytest \
-      tests/test_connector.py $(has kernel || echo tests/test_fused_write.py) -q -p no:cacheprovider -k "not fuzz" > "$RUN/tests_fused$fused${PINNED_READS:+_$PINNED_READS}.log" 2>&1
+      INFERSCALE_TEST_KV_STORE=${TEST_KV_STORE:-pinned} timeout 420 python3 -m pytest \
+      tests/test_connector.py $(has kernel || echo tests/test_fused_write.py) -q -p no:cacheprovider -k "not fuzz" > "$RUN/tests_fused$fused${PINNED_READS:+_$PINNED_READS}${TEST_KV_STORE:+_$TEST_KV_STORE}.log" 2>&1
     status=$?
-    grep -v " INFO \| DEBUG " "$RUN/tests_fused$fused${PINNED_READS:+_$PINNED_READS}.log" | tail -30
+    grep -v " INFO \| DEBUG " "$RUN/tests_fused$fused${PINNED_READS:+_$PINNED_READS}${TEST_KV_STORE:+_$TEST_KV_STORE}.log" | tail -30
     echo "exit status $status"
   done
 fi

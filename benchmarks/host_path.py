@@ -8,7 +8,9 @@ facts of a Llama-3.1-8B K/V shape (random memory as ``ttft.py`` writes it):
 * ``sources``   — worker: the facts' blocks in the memory tier, the check of their versions and the
   sources table (``SegmentLoader.sources``);
 * ``launch``    — worker, on a GPU: the table to the device, the rotary table and the fused
-  write's launch on the current stream, with its event (``_write_fused``'s work).
+  write's launch on the current stream, with its event (``_write_fused``'s work);
+* ``graph_launch`` — the same from a CUDA graph (``Config.write_graphs``): the table into the
+  pinned staging buffer, one graph replay, the event. Not in the sums: it replaces ``launch``.
 
 "hot" calls a step back to back; "cold" first runs unrelated work that sweeps the CPU's caches
 (64 MiB of memory and a few thousand Python objects), as the engine's own work between two
@@ -45,6 +47,7 @@ from inferscale.connector import fused_write  # noqa: E402
 from inferscale.connector.layer_loads import LayerLoads  # noqa: E402
 from inferscale.connector.loader import LoadSpec, SegmentLoader, blocks_for, slots_for  # noqa: E402
 from inferscale.connector.planner import plan_request  # noqa: E402
+from inferscale.connector.write_graphs import WriteGraphs  # noqa: E402
 from inferscale.storage.hbm import HBMStore  # noqa: E402
 
 BLOCK = 16
@@ -70,6 +73,8 @@ def median_ms(work, reps: int, cold: bool) -> float:
     work()
     times = []
     for _ in range(reps):
+        if torch.cuda.is_available():  # as in the engine, the GPU has finished the step before
+            torch.cuda.synchronize()
         if cold:
             sweep()
         began = time.perf_counter()
@@ -123,6 +128,16 @@ def steps(k: int, data: Path, device: torch.device) -> dict:
                 loads.all_queued([sources])
             loads.wait_all()
         out["launch"] = launch
+        graphs = WriteGraphs(views, 0, rope.rotary_dim, rope.style == "neox")
+
+        def graph_launch():
+            with loads.issuing(side_stream=False):
+                cos, sin = rope.table(device, spec.end)
+                if not graphs.write(fused_write.Sources.join([ready]), cos, sin):
+                    raise RuntimeError("no graph served the write")
+                loads.all_queued([ready])
+            loads.wait_all()
+        out["graph_launch"] = graph_launch
     return out
 
 
@@ -143,14 +158,15 @@ def main(argv: list[str] | None = None) -> int:
                 row[f"{name}_cold_ms"] = median_ms(work, args.reps, cold=True)
             rows.append(row)
     names = [key[:-7] for key in rows[0] if key.endswith("_hot_ms")]
+    summed = [n for n in names if n != "graph_launch"]
     host = platform.processor() or platform.machine()
     print(f"connector host path per request, ms (median of {args.reps}), {device.type}, {host}; "
           f"python_ref {ref:.3f} ms")
     print("| k | " + " | ".join(f"{n} hot / cold" for n in names) + " | sum hot / cold |")
     print("|---|" + "---|" * (len(names) + 1))
     for r in rows:
-        hot = sum(r[f"{n}_hot_ms"] for n in names)
-        cold = sum(r[f"{n}_cold_ms"] for n in names)
+        hot = sum(r[f"{n}_hot_ms"] for n in summed)
+        cold = sum(r[f"{n}_cold_ms"] for n in summed)
         cells = " | ".join(f"{r[f'{n}_hot_ms']:.3f} / {r[f'{n}_cold_ms']:.3f}" for n in names)
         print(f"| {r['k']} | {cells} | {hot:.3f} / {cold:.3f} |")
     result = {"device": torch.cuda.get_device_name() if device.type == "cuda" else host,

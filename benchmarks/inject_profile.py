@@ -49,6 +49,7 @@ STEPS = [
     ("inferscale.connector.compat", "write_kv", "worker: cache writes"),
     ("inferscale.connector.loader", "SegmentLoader.sources", "worker: sources + version check"),
     ("inferscale.connector.fused_write", "write_tokens", "worker: fused cache write"),
+    ("inferscale.connector.write_graphs", "WriteGraphs.write", "worker: fused cache write (graph replay)"),
     ("inferscale.connector.vllm_adapter", "InferScaleConnector.wait_for_layer_load", "worker: wait_for_layer_load"),
     ("inferscale.connector.vllm_adapter", "InferScaleConnector.request_finished", "scheduler: request_finished"),
 ]
@@ -67,7 +68,10 @@ def annotate() -> list[str]:
 
     found = []
     for module_name, path, label in STEPS:
-        module = importlib.import_module(module_name)
+        try:
+            module = importlib.import_module(module_name)
+        except ModuleNotFoundError:  # code that predates the module
+            continue
         owner_name, _, attr = path.rpartition(".")
         owner = getattr(module, owner_name) if owner_name else module
         fn = getattr(owner, attr, None)

@@ -276,6 +276,11 @@ def plot(result: dict, path: Path) -> None:
     fig.savefig(path, dpi=120)
 
 
+#: what a --kv-stores suffix sets
+STORE_OPTIONS = {"": {}, "copy": {"pinned_reads": "copy"}, "overlap": {"pinned_reads": "overlap"},
+                 "launch": {"write_graphs": False}}
+
+
 def fused(args) -> dict:
     """Config.fused_write and Config.pinned_reads when asked for (absent from code that predates
     them): the defaults unless ``--fused-write``, ``--layerwise-write`` or (inject_profile.py)
@@ -294,7 +299,8 @@ def main() -> None:
     parser.add_argument("--question-tokens", type=int, default=16)
     parser.add_argument("--reps", type=int, default=20)
     parser.add_argument("--kv-stores", default="hbm,pinned", help="one engine per store, in this order; "
-                        "pinned:copy or pinned:overlap sets Config.pinned_reads for that engine")
+                        "a suffix sets an option for that engine: pinned:copy or pinned:overlap "
+                        "Config.pinned_reads, hbm:launch Config.write_graphs = false")
     parser.add_argument("--recompute", default="0", help="recompute budgets (tokens) to time KV injection with")
     parser.add_argument("--fused-write", action="store_true", help="Config.fused_write: one kernel per step")
     parser.add_argument("--layerwise-write", action="store_true",
@@ -332,8 +338,8 @@ def main() -> None:
     memory = {"gpu_memory_utilization": 0.5} if torch.cuda.is_available() else {"kv_cache_memory_bytes": 256 << 20}
     rows = []
     for store in stores:  # "pinned:overlap" is the pinned store with pinned_reads = "overlap"
-        name, _, reads = store.partition(":")
-        options = {**fused(args), **({"pinned_reads": reads} if reads else {})}
+        name, _, option = store.partition(":")
+        options = {**fused(args), **STORE_OPTIONS[option]}
         config = Config(model=str(model), data_dir=str(work), kv_store=BackendSpec(name), recompute_tokens=0,
                         **options)
         llm = LLM(model=str(model), load_format="dummy", skip_tokenizer_init=True, dtype="bfloat16",

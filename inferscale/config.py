@@ -133,6 +133,10 @@ class Config:
     #: the kernel, all before the forward pass). On an H200 at 50 and 100 facts, "overlap" added
     #: 1.0-1.1x the PCIe copy time to TTFT, "copy" 0.9-1.5x (benchmarks/results/README.md)
     pinned_reads: str = "overlap"
+    #: replay the fused write from CUDA graphs captured once per table capacity
+    #: (connector/write_graphs.py): a step's write costs one graph launch instead of Triton's
+    #: launcher and a table copy; false launches the kernel every step
+    write_graphs: bool = True
     #: the server secret that keys cache salts (created, mode 0600, on first use); "" = <data_dir>/secret
     secret_file: str = ""
 
@@ -144,8 +148,9 @@ class Config:
         for name in ("instruction", "closing", "secret_file"):
             if not isinstance(getattr(self, name), str):
                 raise ConfigError(f"{name} must be a string")
-        if not isinstance(self.fused_write, bool):
-            raise ConfigError(f"fused_write must be true or false, got {self.fused_write!r}")
+        for name in ("fused_write", "write_graphs"):
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigError(f"{name} must be true or false, got {getattr(self, name)!r}")
         if self.pinned_reads not in PINNED_READS:
             raise ConfigError(f"pinned_reads must be one of {', '.join(PINNED_READS)}, got {self.pinned_reads!r}")
         if self.fact_style not in FACT_STYLES:

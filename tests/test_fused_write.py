@@ -34,10 +34,12 @@ def flash_attention_views(num_blocks: int, heads: int, block_size: int, head_siz
     return cache, key, value
 
 
-def check(case: int, device: str = "cpu", pinned: bool = False) -> None:
+def check(case: int, device: str = "cpu", pinned: bool = False, via: str = "launch") -> None:
     """Two requests joined into one launch (different starts, key scales, slots), each checked
     against the whole-tensor path; ``pinned``: the stored blocks in pinned host memory, read
-    in place by the kernel."""
+    in place by the kernel. ``via``: "launch" (two launches of a range of layers each),
+    "counted" (one launch over a table of larger capacity whose columns past the count point at
+    other slots) or "graph" (replays of a CUDA graph, :class:`WriteGraphs`)."""
     from inferscale.connector.fused_write import CacheViews, Sources, token_sources, write_tokens
     from inferscale.storage.blocks import HeldBlocks
 
@@ -71,9 +73,54 @@ def check(case: int, device: str = "cpu", pinned: bool = False) -> None:
     scratch = [flash_attention_views(num_blocks, rank_heads, block_size, head_size, dst_dtype, device) for _ in range(layers)]
     write_tokens(CacheViews.of([(k, v) for _, k, v in scratch]), Sources.join(parts[1:]).to(torch.device(device)),
                  cos, sin, heads.start, rotary, style == "neox")
-    for part in (range(0, 1), range(1, layers)):  # in two launches, as a read of host memory overlapping the forward
-        write_tokens(views, sources, cos, sin, heads.start, rotary, style == "neox", part)
+    if via == "launch":
+        for part in (range(0, 1), range(1, layers)):  # in two launches, as a read of host memory overlapping the forward
+            write_tokens(views, sources, cos, sin, heads.start, rotary, style == "neox", part)
+    elif via == "counted":
+        write_counted_with_decoys(views, sources, slots[used:], cos, sin, heads.start, rotary, style == "neox")
+    else:
+        write_through_graphs(views, parts, caches, expected, cos, sin, heads.start, rotary, style == "neox")
+    verify(caches, expected, slots[:used], block_size, src_dtype, dst_dtype)
 
+
+def write_counted_with_decoys(views, sources, free_slots, cos, sin, head0, rotary, neox) -> None:
+    """:func:`write_counted` from a table of capacity count + 5 whose five extra columns are
+    copies of real ones aimed at ``free_slots``: a kernel that ignored the count would write them."""
+    from inferscale.connector.fused_write import SLOT, write_counted
+
+    count = sources.num_tokens
+    capacity = count + 5
+    rows = torch.zeros(6, capacity, dtype=torch.int64)
+    rows[:, :count] = sources.table
+    rows[:, count:] = sources.table[:, :5]
+    rows[SLOT, count:] = free_slots[:5]
+    table = torch.cat([rows.flatten(), torch.tensor([count])]).to(views.bases.device)
+    write_counted(views, table, capacity, sources.dtype, cos, sin, head0, rotary, neox)
+
+
+def write_through_graphs(views, parts, caches, expected, cos, sin, head0, rotary, neox) -> None:
+    """Graph replays: both requests; then, into zeroed caches, the second alone (the staging
+    buffer still holds more columns: the count must stop them); then both again."""
+    from inferscale.connector.fused_write import Sources
+    from inferscale.connector.write_graphs import WriteGraphs
+
+    graphs = WriteGraphs(views, head0, rotary, neox, capacities=(64,))
+    both = Sources.join(parts)
+    assert not graphs.write(Sources.join(parts * 3), cos, sin), "more tokens than the largest capacity"
+    assert graphs.write(both, cos, sin)
+    torch.cuda.synchronize()
+    for cache, _, _ in caches:
+        cache.zero_()
+    assert graphs.write(parts[1], cos, sin)
+    torch.cuda.synchronize()
+    alone = expected[1][0]
+    verify(caches, expected[1:], alone, views.block_size, parts[1].dtype, views.dtype)
+    assert graphs.write(both, cos, sin) and len(graphs._graphs) == 1  # replayed, not captured again
+    torch.cuda.synchronize()
+
+
+def verify(caches, expected, written_slots, block_size, src_dtype, dst_dtype) -> None:
+    """Each request's slots hold its rotated keys and its values; no other slot was written."""
     for mine, keys, values in expected:
         block, offset = mine // block_size, mine % block_size
         for layer, (_, key_view, value_view) in enumerate(caches):
@@ -83,10 +130,11 @@ def check(case: int, device: str = "cpu", pinned: bool = False) -> None:
                 assert torch.equal(value_view[block, offset], values[layer])
             else:  # one rounding (the interpreter's float32 -> bfloat16 may not round to nearest)
                 torch.testing.assert_close(value_view[block, offset], values[layer], rtol=8e-3, atol=8e-3)
-    written = torch.zeros(num_blocks * block_size, dtype=torch.bool, device=device)
-    written[slots[:used].to(device)] = True
+    num_slots = caches[0][0].shape[0] * block_size
+    written = torch.zeros(num_slots, dtype=torch.bool, device=caches[0][0].device)
+    written[written_slots.to(written.device)] = True
     for cache, _, _ in caches:
-        untouched = cache.transpose(1, 2).reshape(num_blocks * block_size, -1)[~written]
+        untouched = cache.transpose(1, 2).reshape(num_slots, -1)[~written]
         assert not untouched.any(), "slots outside the mapping were written"
 
 
@@ -94,18 +142,19 @@ def _triton_dir() -> Path:
     return Path(os.environ.get("INFERSCALE_CACHE", Path(__file__).resolve().parents[1] / ".cache")) / "triton"
 
 
+@pytest.mark.parametrize("via", ["launch", "counted"])
 @pytest.mark.parametrize("case", range(len(CASES)), ids=[f"{c[0]}-{c[1]}-{c[2]}-{c[3]}" for c in CASES])
-def test_fused_write_matches_rope_and_touches_only_its_slots(case):
+def test_fused_write_matches_rope_and_touches_only_its_slots(case, via):
     if torch.cuda.is_available():
         pytest.importorskip("triton")
-        check(case, "cuda")
+        check(case, "cuda", via=via)
         return
     if not (_triton_dir() / "triton").is_dir():
         pytest.skip(f"Triton for the interpreter is not installed in {_triton_dir()} (./dev puts it there)")
     env = {**os.environ, "TRITON_INTERPRET": "1",
            "PYTHONPATH": os.pathsep.join([str(_triton_dir()), str(Path(__file__).parent),
                                           os.environ.get("PYTHONPATH", "")])}
-    code = f"import test_fused_write as t; t.check({case})"
+    code = f"import test_fused_write as t; t.check({case}, via={via!r})"
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
 
@@ -115,6 +164,13 @@ def test_fused_write_matches_rope_and_touches_only_its_slots(case):
 def test_fused_write_reads_pinned_host_blocks_in_place(case):
     pytest.importorskip("triton")
     check(case, "cuda", pinned=True)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs")
+@pytest.mark.parametrize("case", range(len(CASES)), ids=[f"{c[0]}-{c[1]}-{c[2]}-{c[3]}" for c in CASES])
+def test_fused_write_replayed_from_cuda_graphs(case):
+    pytest.importorskip("triton")
+    check(case, "cuda", via="graph")
 
 
 def test_sources_point_at_each_tokens_rows():

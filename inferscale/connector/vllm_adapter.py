@@ -39,6 +39,7 @@ from inferscale.connector.metrics import InferScalePromMetrics, InferScaleStats,
 from inferscale.connector.planner import NO_MEMORY, Plan, plan_request
 from inferscale.connector.report import client_report
 from inferscale.connector.stats import ConnectorStats, Fallback
+from inferscale.connector.write_graphs import WriteGraphs
 from inferscale.storage.disk import DiskStore
 
 logger = compat.init_logger("vllm.inferscale.connector")
@@ -160,6 +161,7 @@ class InferScaleConnector(compat.KVConnectorBase_V1):
         self.loader: SegmentLoader | None = None
         self.layer_loads: LayerLoads | None = None
         self._cache_views: fused_write.CacheViews | bool | None = None  # None: not looked at yet
+        self._write_graphs: WriteGraphs | None = None
         self._load_errors: set[int] = set()
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
@@ -202,6 +204,9 @@ class InferScaleConnector(compat.KVConnectorBase_V1):
                      for name in self.layer_names]
             if self.config.fused_write and fused_write.available() and hasattr(self.store, "blocks") and all(views):
                 self._cache_views = fused_write.CacheViews.of(views)
+                if self.config.write_graphs and self._cache_views.bases.device.type == "cuda":
+                    self._write_graphs = WriteGraphs(self._cache_views, self.heads.start, self.rope.rotary_dim,
+                                                     self.rope.style == "neox")
         return self._cache_views or None
 
     def _write_fused(self, loads) -> None:
@@ -219,13 +224,9 @@ class InferScaleConnector(compat.KVConnectorBase_V1):
         keep = []
         for group in _by_stored_kind(ready):  # one group unless facts were stored in two dtypes
             try:
-                sources = fused_write.Sources.join([part for _, part, _ in group]).to(self.loader.device)
+                sources = fused_write.Sources.join([part for _, part, _ in group])
                 cos, sin = self.rope.table(self.loader.device, max(spec.end for spec, _, _ in group))
-                for layers in layer_groups(len(self.layer_names)) if sources.in_host_memory else [None]:
-                    fused_write.write_tokens(self._cache_views, sources, cos, sin, self.heads.start,
-                                             self.rope.rotary_dim, self.rope.style == "neox", layers)
-                    if layers is not None:
-                        self.layer_loads.group_queued(layers, [sources])
+                self._launch_fused(sources, cos, sin)
             except Exception as exc:  # these requests are recomputed
                 for spec, _, _ in group:
                     self._load_failed(spec, exc)
@@ -236,6 +237,21 @@ class InferScaleConnector(compat.KVConnectorBase_V1):
                 self._count_hit(tier)
         if keep:
             self.layer_loads.all_queued(keep)
+
+    def _launch_fused(self, sources: fused_write.Sources, cos: torch.Tensor, sin: torch.Tensor) -> None:
+        """From GPU memory: one replay of a CUDA graph (``Config.write_graphs``), else one launch,
+        on the current stream. From host memory: a launch per group of layers, each group's event
+        recorded."""
+        if not sources.in_host_memory and self._write_graphs is not None \
+                and self._write_graphs.write(sources, cos, sin):
+            return
+        sources = sources.to(self.loader.device)
+        neox = self.rope.style == "neox"
+        for layers in layer_groups(len(self.layer_names)) if sources.in_host_memory else [None]:
+            fused_write.write_tokens(self._cache_views, sources, cos, sin, self.heads.start,
+                                     self.rope.rotary_dim, neox, layers)
+            if layers is not None:
+                self.layer_loads.group_queued(layers, [sources])
 
     def _prepare(self, loads) -> list[tuple[LoadSpec, Segment, torch.Tensor]]:
         ready = []

@@ -1,0 +1,118 @@
+"""The fused cache write replayed from CUDA graphs: one graph launch per step.
+
+Launching the fused write through Triton's Python launcher and copying its
+table to the device is a few dozen Python and driver calls, and on the engine's
+host, its CPU caches cold from the step before, that took ~0.6 ms of a request's
+critical path (``benchmarks/host_path.py``). Here both are captured once in a
+CUDA graph: the table's copy from a pinned staging buffer into a device buffer
+of fixed capacity, then the kernel over that capacity
+(:func:`fused_write.write_counted`: programs past the number of tokens in use,
+which the table carries, do nothing). A step writes its table into the staging
+buffer (one NumPy copy) and replays the graph on the forward stream.
+
+One graph per capacity (powers of two), captured when a step first needs it, so
+that few programs run idle. Where a graph cannot serve a step (more tokens than
+the largest capacity, its staging buffer still being read by an earlier step
+that the GPU has not reached, a rotary table grown since capture), the caller
+launches the kernel as usual; a capture that fails turns graphs off for good,
+with a warning.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from inferscale.connector import fused_write
+
+logger = logging.getLogger(__name__)
+
+#: capacities of the graphs, in tokens: 64, 128, ..., 16384
+CAPACITIES = tuple(64 << i for i in range(9))
+
+
+@dataclass
+class _Graph:
+    staging: torch.Tensor  # pinned host, 6 * capacity + 1 int64
+    table: torch.Tensor  # the same on the device
+    graph: torch.cuda.CUDAGraph
+    copied: torch.cuda.Event  # recorded after each replay: the staging buffer may be written again
+
+    @property
+    def capacity(self) -> int:
+        return (self.table.numel() - 1) // 6
+
+
+class WriteGraphs:
+    """Fused writes of every layer of ``cache``, replayed from CUDA graphs (see the module)."""
+
+    def __init__(self, cache: fused_write.CacheViews, head0: int, rotary_dim: int, neox: bool,
+                 capacities: tuple[int, ...] = CAPACITIES):
+        self.cache, self.head0, self.rotary_dim, self.neox = cache, head0, rotary_dim, neox
+        self.capacities = capacities
+        self.device = cache.bases.device
+        self._graphs: dict[tuple[int, torch.dtype], _Graph] = {}
+        self._rotary: tuple[torch.Tensor, torch.Tensor] | None = None  # the cos/sin the graphs read
+        self.enabled = self.device.type == "cuda" and fused_write.available()
+
+    def write(self, sources: fused_write.Sources, cos: torch.Tensor, sin: torch.Tensor) -> bool:
+        """Queue the write of ``sources`` (its table on the host) on the current stream; False when
+        no graph can serve it (nothing queued: launch the kernel instead)."""
+        count = sources.num_tokens
+        capacity = next((c for c in self.capacities if c >= count), None)
+        if not self.enabled or capacity is None or count == 0:
+            return False
+        if self._rotary is None or self._rotary[0] is not cos or self._rotary[1] is not sin:
+            self._graphs.clear()  # the rotary table was made (or grown): graphs read the old one
+            self._rotary = (cos, sin)
+        graph = self._graphs.get((capacity, sources.dtype))
+        if graph is None:
+            graph = self._capture(capacity, sources.dtype)
+            if graph is None:
+                return False
+        elif not graph.copied.query():  # an earlier replay has not copied the staging buffer yet
+            return False
+        rows = graph.staging.numpy()
+        rows[:6 * capacity].reshape(6, capacity)[:, :count] = sources.table.numpy()
+        rows[6 * capacity] = count
+        graph.graph.replay()
+        graph.copied.record()
+        return True
+
+    def _capture(self, capacity: int, dtype: torch.dtype) -> _Graph | None:
+        try:
+            graph = self._make(capacity, dtype)
+        except Exception as exc:  # the kernel is launched instead, every step
+            self.enabled = False
+            logger.warning("inferscale: CUDA graphs of the fused write are off (%s: %s)", type(exc).__name__, exc)
+            return None
+        self._graphs[(capacity, dtype)] = graph
+        return graph
+
+    def _make(self, capacity: int, dtype: torch.dtype) -> _Graph:
+        cos, sin = self._rotary
+        staging = torch.zeros(6 * capacity + 1, dtype=torch.int64, pin_memory=True)
+        table = torch.zeros(6 * capacity + 1, dtype=torch.int64, device=self.device)
+
+        def work():
+            table.copy_(staging, non_blocking=True)
+            fused_write.write_counted(self.cache, table, capacity, dtype, cos, sin, self.head0,
+                                      self.rotary_dim, self.neox)
+
+        forward = torch.cuda.current_stream(self.device)
+        side = torch.cuda.Stream(self.device)
+        side.wait_stream(forward)
+        with torch.cuda.stream(side):
+            work()  # compiles the kernel where needed, outside the capture (a count of 0: writes nothing)
+            graph = torch.cuda.CUDAGraph()
+            graph.capture_begin(capture_error_mode="thread_local")
+            try:
+                work()
+            finally:
+                graph.capture_end()
+        forward.wait_stream(side)
+        copied = torch.cuda.Event()
+        copied.record(forward)
+        return _Graph(staging, table, graph, copied)
