@@ -70,11 +70,13 @@ def python_ref() -> None:
 
 
 def median_ms(work, reps: int, cold: bool) -> float:
-    work()
     times = []
-    for _ in range(reps):
+    for rep in range(reps + 1):  # the first one warms up
         if torch.cuda.is_available():  # as in the engine, the GPU has finished the step before
             torch.cuda.synchronize()
+        if rep == 0:
+            work()
+            continue
         if cold:
             sweep()
         began = time.perf_counter()
