@@ -6,8 +6,11 @@ Facts are random pre-RoPE K/V of ``--fact-tokens`` tokens each (k = 50 × 20
 tokens ≈ 1,000 tokens ≈ 128 MiB of bf16 K/V for this shape).
 
 For every k it measures the wall time of ``LLM.generate`` with one output
-token (median of ``--reps``, the variants interleaved round by round), each
-request with a fresh cache salt so vLLM's prefix cache never helps:
+token (median of ``--reps``, the variants interleaved round by round in a
+shuffled order), each request with a fresh cache salt so vLLM's prefix cache
+never helps. Differences between variants are also taken within each round
+(``kv_minus_none_ms``: the median over rounds of KV − none), which drift
+between rounds does not blur as it blurs a difference of two medians:
 
 * ``none``   — the question alone (the floor: no memory at all);
 * ``kv``     — ``[prefix | k facts | question]`` with the facts injected, once per recompute
@@ -37,6 +40,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import random
 import statistics
 import sys
 import tempfile
@@ -106,12 +110,13 @@ def write_memory(data: Path, cfg: dict, ks: list[int], fact_tokens: int, prefix_
     return disk, list(prefix.token_ids), facts
 
 
-def time_generate(llm, variants: dict[str, tuple[dict, dict | None, int]], reps: int) -> dict[str, tuple[float, int]]:
-    """Median ms of one-token ``generate`` per variant (name → prompt, params, warm tokens), and
-    its cached-token count, measured round by round — one request of each variant per round — so
-    that a slow phase of the engine or the machine weighs on all of them alike. Every request
-    gets a fresh cache salt; with ``warm tokens``, an untimed request for the prompt's first
-    tokens (same salt) fills vLLM's prefix cache first."""
+def time_generate(llm, variants: dict[str, tuple[dict, dict | None, int]], reps: int) -> dict[str, tuple[list[float], int]]:
+    """ms of one-token ``generate`` per variant (name → prompt, params, warm tokens), one entry
+    per round, and its cached-token count. Measured round by round — one request of each variant
+    per round, in an order shuffled every round (seeded) — so that a slow phase of the engine or
+    the machine, and whatever the request before leaves behind, weigh on all of them alike. Every
+    request gets a fresh cache salt; with ``warm tokens``, an untimed request for the prompt's
+    first tokens (same salt) fills vLLM's prefix cache first."""
     from inferscale.connector.compat import greedy_sampling
 
     def one(p: dict, extra: dict | None):
@@ -122,14 +127,24 @@ def time_generate(llm, variants: dict[str, tuple[dict, dict | None, int]], reps:
 
     times: dict[str, list[float]] = {name: [] for name in variants}
     cached: dict[str, int] = {}
+    order = random.Random(0)
     for _ in range(reps + 1):  # the first round warms every shape up
-        for name, (prompt, params, warm_tokens) in variants.items():
+        names = list(variants)
+        order.shuffle(names)
+        for name in names:
+            prompt, params, warm_tokens = variants[name]
             p = dict(prompt, cache_salt=(prompt.get("cache_salt", "plain") + ":" + uuid.uuid4().hex))
             if warm_tokens:
                 one(dict(p, prompt_token_ids=p["prompt_token_ids"][:warm_tokens + 1]), None)
             ms, cached[name] = one(p, params)
             times[name].append(ms)
-    return {name: (statistics.median(values[1:]), cached[name]) for name, values in times.items()}
+    return {name: (values[1:], cached[name]) for name, values in times.items()}
+
+
+def paired_median(a: list[float], b: list[float]) -> float:
+    """Median over rounds of ``a - b``: the difference two variants make within a round, free of
+    the drift between rounds that the difference of two medians carries."""
+    return statistics.median(x - y for x, y in zip(a, b))
 
 
 def store_get_times(disk, facts, ks, reps: int) -> dict:
@@ -189,8 +204,8 @@ def measure(llm, prefix, facts, ks, budgets, question, reps: int, store: str, sa
                 "cached": ({"prompt_token_ids": segment + question, "cache_salt": "warm"}, None, claim),
                 "prompt": ({"prompt_token_ids": segment + question, "cache_salt": "text"}, None, 0),
             }, reps)
-            (none_ms, _), (kv_ms, injected), (cached_ms, hit), (text_ms, _) = (got[n] for n in ("none", "kv", "cached",
-                                                                                               "prompt"))
+            (none, _), (kv, injected), (cached, hit), (text, _) = (got[n] for n in ("none", "kv", "cached", "prompt"))
+            none_ms, kv_ms, cached_ms, text_ms = (statistics.median(t) for t in (none, kv, cached, text))
             if injected < claim:  # a load failed or fell back: its time is not KV injection's
                 raise RuntimeError(f"k={k}, {store}: {injected} of {claim} memory tokens injected "
                                    "(see the engine log for the connector's warning)")
@@ -198,7 +213,12 @@ def measure(llm, prefix, facts, ks, budgets, question, reps: int, store: str, sa
                          "recomputed_tokens": len(segment) - claim, "injected_tokens": injected,
                          "none_ms": none_ms, "kv_ms": kv_ms, "cached_ms": cached_ms, "cached_tokens": hit,
                          "prompt_ms": text_ms, "kv_vs_none": kv_ms / none_ms, "cached_vs_none": cached_ms / none_ms,
-                         "prompt_vs_none": text_ms / none_ms, "kv_vs_prompt": kv_ms / text_ms})
+                         "prompt_vs_none": text_ms / none_ms, "kv_vs_prompt": kv_ms / text_ms,
+                         # within-round differences: what the ≤ 1.1× goal is read off
+                         "kv_minus_none_ms": paired_median(kv, none),
+                         "cached_minus_none_ms": paired_median(cached, none),
+                         "kv_minus_cached_ms": paired_median(kv, cached),
+                         "kv_vs_none_paired": 1 + paired_median(kv, none) / none_ms})
     return rows
 
 
@@ -376,12 +396,14 @@ def main() -> None:
         print(f"no plot ({exc}); draw it later from the JSON")
     print(f"\n{device} — engine TTFT (wall of generate, 1 token, {mode}, {engine}), median of {args.reps}")
     print("| store | k | memory tokens | budget B | injected | no memory ms | KV injection ms | head in prefix "
-          "cache ms | prompt injection ms | KV/none | KV/prompt | prompt/none |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+          "cache ms | prompt injection ms | KV/none | KV/prompt | prompt/none | within rounds: KV − none ms, "
+          "prefix cache − none ms, KV/none |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         print(f"| {r['kv_store']} | {r['k']} | {r['memory_tokens']} | {r['recompute_tokens']} | "
               f"{r['injected_tokens']} | {r['none_ms']:.2f} | {r['kv_ms']:.2f} | {r['cached_ms']:.2f} | "
-              f"{r['prompt_ms']:.2f} | {r['kv_vs_none']:.2f} | {r['kv_vs_prompt']:.2f} | {r['prompt_vs_none']:.2f} |")
+              f"{r['prompt_ms']:.2f} | {r['kv_vs_none']:.2f} | {r['kv_vs_prompt']:.2f} | {r['prompt_vs_none']:.2f} | "
+              f"{r['kv_minus_none_ms']:.2f}, {r['cached_minus_none_ms']:.2f}, {r['kv_vs_none_paired']:.3f} |")
     if any("q2ft_ms" in r for r in rows):
         print("\n| store | k | KV injection ms | query-to-first-token ms | difference ms | embed | retrieve | compose "
               "| generate |\n|---|---|---|---|---|---|---|---|---|")
