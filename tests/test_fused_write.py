@@ -100,7 +100,8 @@ def write_counted_with_decoys(views, sources, free_slots, cos, sin, head0, rotar
 
 def write_through_graphs(views, parts, caches, expected, cos, sin, head0, rotary, neox) -> None:
     """Graph replays: both requests; then, into zeroed caches, the second alone (the staging
-    buffer still holds more columns: the count must stop them); then both again."""
+    buffer still holds more columns: the count must stop them); then both again, from the
+    same graph and from one captured for a new rotary table (the same values)."""
     from inferscale.connector.fused_write import Sources
     from inferscale.connector.write_graphs import WriteGraphs
 
@@ -116,6 +117,9 @@ def write_through_graphs(views, parts, caches, expected, cos, sin, head0, rotary
     alone = expected[1][0]
     verify(caches, expected[1:], alone, views.block_size, parts[1].dtype, views.dtype)
     assert graphs.write(both, cos, sin) and len(graphs._graphs) == 1  # replayed, not captured again
+    first = graphs._graphs[(64, both.dtype)]
+    assert graphs.write(both, cos.clone(), sin.clone())  # a rotary table made anew: captured again
+    assert graphs._graphs[(64, both.dtype)] is not first
     torch.cuda.synchronize()
 
 

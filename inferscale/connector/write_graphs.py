@@ -11,9 +11,10 @@ which the table carries, do nothing). A step writes its table into the staging
 buffer (one NumPy copy) and replays the graph on the forward stream.
 
 One graph per capacity (powers of two), captured when a step first needs it, so
-that few programs run idle. Where a graph cannot serve a step (more tokens than
-the largest capacity, its staging buffer still being read by an earlier step
-that the GPU has not reached, a rotary table grown since capture), the caller
+that few programs run idle, and captured again when the rotary table it reads
+has grown (the old graphs are kept until their last replay has run). Where a
+graph cannot serve a step (more tokens than the largest capacity, or its staging
+buffer still to be read by an earlier step the GPU has not reached), the caller
 launches the kernel as usual; a capture that fails turns graphs off for good,
 with a warning.
 """
@@ -38,11 +39,8 @@ class _Graph:
     staging: torch.Tensor  # pinned host, 6 * capacity + 1 int64
     table: torch.Tensor  # the same on the device
     graph: torch.cuda.CUDAGraph
-    copied: torch.cuda.Event  # recorded after each replay: the staging buffer may be written again
-
-    @property
-    def capacity(self) -> int:
-        return (self.table.numel() - 1) // 6
+    done: torch.cuda.Event  # recorded after each replay: once it has run, the staging buffer may be written again
+    rotary: tuple[torch.Tensor, torch.Tensor]  # the cos/sin table the kernel reads
 
 
 class WriteGraphs:
@@ -54,6 +52,7 @@ class WriteGraphs:
         self.capacities = capacities
         self.device = cache.bases.device
         self._graphs: dict[tuple[int, torch.dtype], _Graph] = {}
+        self._retired: list[_Graph] = []  # graphs of an older rotary table, kept until their last replay has run
         self._rotary: tuple[torch.Tensor, torch.Tensor] | None = None  # the cos/sin the graphs read
         self.enabled = self.device.type == "cuda" and fused_write.available()
 
@@ -65,21 +64,29 @@ class WriteGraphs:
         if not self.enabled or capacity is None or count == 0:
             return False
         if self._rotary is None or self._rotary[0] is not cos or self._rotary[1] is not sin:
-            self._graphs.clear()  # the rotary table was made (or grown): graphs read the old one
+            self._retire()  # the rotary table was made (or grown): these graphs read the old one
             self._rotary = (cos, sin)
+        elif self._retired:
+            self._retired = [graph for graph in self._retired if not graph.done.query()]
         graph = self._graphs.get((capacity, sources.dtype))
         if graph is None:
             graph = self._capture(capacity, sources.dtype)
             if graph is None:
                 return False
-        elif not graph.copied.query():  # an earlier replay has not copied the staging buffer yet
+        elif not graph.done.query():  # an earlier replay has not read the staging buffer yet
             return False
         rows = graph.staging.numpy()
         rows[:6 * capacity].reshape(6, capacity)[:, :count] = sources.table.numpy()
         rows[6 * capacity] = count
         graph.graph.replay()
-        graph.copied.record()
+        graph.done.record()
         return True
+
+    def _retire(self) -> None:
+        """Drop the graphs; one the GPU may still be replaying (an earlier step, with
+        asynchronous scheduling) is kept, with the rotary table it reads, until it has run."""
+        self._retired += [graph for graph in self._graphs.values() if not graph.done.query()]
+        self._graphs.clear()
 
     def _capture(self, capacity: int, dtype: torch.dtype) -> _Graph | None:
         try:
@@ -113,6 +120,6 @@ class WriteGraphs:
             finally:
                 graph.capture_end()
         forward.wait_stream(side)
-        copied = torch.cuda.Event()
-        copied.record(forward)
-        return _Graph(staging, table, graph, copied)
+        done = torch.cuda.Event()
+        done.record(forward)
+        return _Graph(staging, table, graph, done, self._rotary)
