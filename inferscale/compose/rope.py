@@ -184,7 +184,9 @@ class RotaryEmbedding:
 
     def table(self, device: torch.device, length: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Per-position ``[cos, cos]`` and ``[-sin, sin]`` rows over the rotary dims (neox;
-        interleaved for gptj), float32, times attention_scaling, for at least ``length`` positions."""
+        interleaved for gptj), float32, times attention_scaling, for at least ``length`` positions.
+        The fused cache write relies on this shape: a pair's cos at both its dims, its sin negated
+        at the first."""
         table = self._tables.get(device)
         if table is None or table[0].shape[0] < length:
             size = max(1024, 1 << max(0, length - 1).bit_length())

@@ -22,9 +22,11 @@ first, which is faster when the whole read must come before the forward
 :func:`compat.kv_cache_views`).
 
 The arithmetic matches :meth:`RotaryEmbedding.rotate_range`: float32
-``x * cos + partner(x) * sin`` from the same table, then one cast (the
-compiler may fuse the multiply-add, a difference of at most one float32
-rounding before the cast to the cache dtype).
+``x * cos + partner(x) * sin`` from the same table (whose rows hold a pair's
+cos at both of its dims and its sin negated at the first, so the kernel reads
+one cos and one sin per pair), then one cast (the compiler may fuse the
+multiply-add, a difference of at most one float32 rounding before the cast to
+the cache dtype).
 """
 
 from __future__ import annotations
@@ -216,13 +218,12 @@ if triton is not None:
         src = k_row + first + head * HEAD_SIZE
         xa = tl.load(src + a, mask=pairs, other=0.0).to(tl.float32)
         xb = tl.load(src + b, mask=pairs, other=0.0).to(tl.float32)
-        ca = tl.load(cos + position * ROTARY + a, mask=pairs, other=0.0)
-        sa = tl.load(sin + position * ROTARY + a, mask=pairs, other=0.0)
-        cb = tl.load(cos + position * ROTARY + b, mask=pairs, other=0.0)
-        sb = tl.load(sin + position * ROTARY + b, mask=pairs, other=0.0)
+        # a pair's rows hold cos at both dims and -sin / +sin (RotaryEmbedding.table): two loads
+        c = tl.load(cos + position * ROTARY + a, mask=pairs, other=0.0)
+        s = tl.load(sin + position * ROTARY + b, mask=pairs, other=0.0)
         out = k_out + dst + head * S_HEAD
-        tl.store(out + a * S_DIM, ((xa * ca + xb * sa) * scale).to(DST), mask=pairs)
-        tl.store(out + b * S_DIM, ((xb * cb + xa * sb) * scale).to(DST), mask=pairs)
+        tl.store(out + a * S_DIM, ((xa * c - xb * s) * scale).to(DST), mask=pairs)
+        tl.store(out + b * S_DIM, ((xb * c + xa * s) * scale).to(DST), mask=pairs)
 
         if ROTARY < HEAD_SIZE:  # the dims past the rotary ones: scaled only
             r = tl.arange(0, REST)
