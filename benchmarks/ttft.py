@@ -257,8 +257,8 @@ def query_to_first_token(llm, disk, prefix, facts, ks, question, reps: int, salt
             segment = list(prefix)
             for token_ids in disk.token_ids("bench", order):
                 segment.extend(token_ids)
-            salt = salts.segment("bench", disk.generation("bench"), segment, 0) + f":{uuid.uuid4().hex}"
-            prompt = {"prompt_token_ids": segment + question, "cache_salt": salt}
+            salt = salts.segment("bench", disk.generation("bench"), segment, 0)
+            prompt = {"prompt_token_ids": segment + question, "cache_salt": f"{salt}:{uuid.uuid4().hex}"}
             sampling = greedy_sampling(1, make_params("bench", order, 0))
             marks.append(time.perf_counter())
             llm.generate([prompt], sampling, use_tqdm=False)
@@ -271,8 +271,7 @@ def query_to_first_token(llm, disk, prefix, facts, ks, question, reps: int, salt
             time.sleep(marks[3] - marks[0])
             for control in ("generate_after_pause", "generate_back_to_back"):
                 began = time.perf_counter()
-                llm.generate([dict(prompt, cache_salt=salt.rsplit(":", 1)[0] + f":{uuid.uuid4().hex}")], sampling,
-                             use_tqdm=False)
+                llm.generate([dict(prompt, cache_salt=f"{salt}:{uuid.uuid4().hex}")], sampling, use_tqdm=False)
                 timed[control] = (time.perf_counter() - began) * 1e3
             return timed
 
@@ -346,6 +345,10 @@ def main() -> None:
     ks = [int(k) for k in args.ks.split(",")]
     budgets = [int(b) for b in args.recompute.split(",")]
     stores = args.kv_stores.split(",")
+    for store in stores:
+        if store.partition(":")[2] not in STORE_OPTIONS:
+            parser.error(f"--kv-stores {store}: the suffix after ':' is one of "
+                         f"{', '.join(s for s in STORE_OPTIONS if s)}")
 
     import torch
     from vllm import LLM

@@ -241,7 +241,7 @@ def write_tokens(cache: CacheViews, sources: Sources, cos: torch.Tensor, sin: to
     position and scaled. ``cos``/``sin`` are the ``[positions, rotary_dim]`` float32 table of
     :meth:`RotaryEmbedding.table` (covering every position); ``head0`` is this rank's first KV
     head among the stored ones."""
-    launch(cache, sources.table, sources.num_tokens, False, sources.dtype, cos, sin, head0, rotary_dim, neox,
+    _launch(cache, sources.table, sources.num_tokens, False, sources.dtype, cos, sin, head0, rotary_dim, neox,
            layers)
 
 
@@ -254,10 +254,10 @@ def write_counted(cache: CacheViews, table: torch.Tensor, capacity: int, dtype: 
     CUDA graph once and replayed for any step (:mod:`write_graphs`). ``dtype``: the stored K/V's."""
     if table.numel() != 6 * capacity + 1:
         raise ValueError(f"a table of capacity {capacity} has {6 * capacity + 1} elements, not {table.numel()}")
-    launch(cache, table, capacity, True, dtype, cos, sin, head0, rotary_dim, neox)
+    _launch(cache, table, capacity, True, dtype, cos, sin, head0, rotary_dim, neox)
 
 
-def launch(cache: CacheViews, table: torch.Tensor, stride: int, counted: bool, dtype: torch.dtype,
+def _launch(cache: CacheViews, table: torch.Tensor, stride: int, counted: bool, dtype: torch.dtype,
            cos: torch.Tensor, sin: torch.Tensor, head0: int, rotary_dim: int, neox: bool,
            layers: range | None = None) -> None:
     """The kernel over ``stride`` tokens (the table's row stride) of ``layers``."""

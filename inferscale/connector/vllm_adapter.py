@@ -226,7 +226,7 @@ class InferScaleConnector(compat.KVConnectorBase_V1):
             try:
                 sources = fused_write.Sources.join([part for _, part, _ in group])
                 cos, sin = self.rope.table(self.loader.device, max(spec.end for spec, _, _ in group))
-                self._launch_fused(sources, cos, sin)
+                sources = self._launch_fused(sources, cos, sin)
             except Exception as exc:  # these requests are recomputed
                 for spec, _, _ in group:
                     self._load_failed(spec, exc)
@@ -238,13 +238,15 @@ class InferScaleConnector(compat.KVConnectorBase_V1):
         if keep:
             self.layer_loads.all_queued(keep)
 
-    def _launch_fused(self, sources: fused_write.Sources, cos: torch.Tensor, sin: torch.Tensor) -> None:
+    def _launch_fused(self, sources: fused_write.Sources, cos: torch.Tensor, sin: torch.Tensor
+                      ) -> fused_write.Sources:
         """From GPU memory: one replay of a CUDA graph (``Config.write_graphs``), else one launch,
         on the current stream. From host memory: a launch per group of layers, each group's event
-        recorded."""
+        recorded. Returns the sources the queued work reads (their table, when it was copied to
+        the device, and the blocks)."""
         if not sources.in_host_memory and self._write_graphs is not None \
                 and self._write_graphs.write(sources, cos, sin):
-            return
+            return sources  # (the graph reads its own table)
         sources = sources.to(self.loader.device)
         neox = self.rope.style == "neox"
         for layers in layer_groups(len(self.layer_names)) if sources.in_host_memory else [None]:
@@ -252,6 +254,7 @@ class InferScaleConnector(compat.KVConnectorBase_V1):
                                      self.rope.rotary_dim, neox, layers)
             if layers is not None:
                 self.layer_loads.group_queued(layers, [sources])
+        return sources
 
     def _prepare(self, loads) -> list[tuple[LoadSpec, Segment, torch.Tensor]]:
         ready = []
