@@ -338,6 +338,8 @@ def main() -> None:
     parser.add_argument("--cuda-graphs", action="store_true", help="capture CUDA graphs (default: eager)")
     parser.add_argument("--shape", default="llama-3.1-8b", choices=sorted(SHAPES))
     parser.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks")
+    parser.add_argument("--block-size", type=int, default=None,
+                        help="tokens per KV cache block (vLLM's block_size; default: vLLM's choice)")
     parser.add_argument("--embedder", default=None, help="a sentence-transformers model directory: also time "
                         "query-to-first-token (embed + retrieve + compose + generate) on the first store's engine")
     parser.add_argument("--out", default="benchmarks/results/ttft.json")
@@ -378,7 +380,7 @@ def main() -> None:
                         **options)
         llm = LLM(model=str(model), load_format="dummy", skip_tokenizer_init=True, dtype="bfloat16",
                   max_model_len=8192, enforce_eager=not args.cuda_graphs, enable_prefix_caching=True,
-                  tensor_parallel_size=args.tp,
+                  tensor_parallel_size=args.tp, **({"block_size": args.block_size} if args.block_size else {}),
                   kv_transfer_config=KVTransferConfig(**kv_transfer_config(config)), **memory)
         salts, epoch = CacheSalts.from_file(config.secret_path), disk.generation("bench")
         rows += measure(llm, prefix, facts, ks, budgets, question, args.reps, store, salts, epoch)
@@ -399,7 +401,7 @@ def main() -> None:
         engine += f", tensor parallel {args.tp}"
     result = {"device": device, "model": f"{args.shape} shape, random weights, bf16, {mode}, {engine} engine",
               "command": " ".join(["python", *sys.argv]), "engine": engine, "kv_stores": stores,
-              "tensor_parallel": args.tp, "fused_write": config.fused_write,
+              "tensor_parallel": args.tp, "block_size": args.block_size, "fused_write": config.fused_write,
               "fact_tokens": args.fact_tokens, "reps": args.reps, "rows": rows, "store_get": gets}
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -36,6 +36,8 @@ PINNED_READS = os.environ.get("INFERSCALE_TEST_PINNED_READS", Config.pinned_read
 #: INFERSCALE_TEST_KV_STORE=hbm (GPU machine): the connector's memory tier (default: pinned host);
 #: on the GPU the hbm store's fused writes are replayed from CUDA graphs (Config.write_graphs)
 KV_STORE = os.environ.get("INFERSCALE_TEST_KV_STORE", "pinned")
+#: INFERSCALE_TEST_BLOCK_SIZE=64 (GPU machine): tokens per KV cache block (unset: vLLM's choice)
+BLOCK_SIZE = {"block_size": int(os.environ["INFERSCALE_TEST_BLOCK_SIZE"])} if os.environ.get("INFERSCALE_TEST_BLOCK_SIZE") else {}
 TOP_LOGPROBS = 5
 
 
@@ -73,7 +75,7 @@ def make_engine(model_dir: Path, data_dir: Path, dtype: str, *, multiprocess: bo
     with env(VLLM_ENABLE_V1_MULTIPROCESSING="1" if multiprocess else "0"):
         return LLM(model=str(model_dir), dtype=dtype, max_model_len=1024, enforce_eager=EAGER,
                    enable_prefix_caching=prefix_caching, kv_transfer_config=KVTransferConfig(**ktc),
-                   kv_cache_memory_bytes=128 << 20, seed=0, disable_log_stats=False, **kwargs)
+                   kv_cache_memory_bytes=128 << 20, seed=0, disable_log_stats=False, **{**BLOCK_SIZE, **kwargs})
 
 
 def close_engine(llm) -> None:
