@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import random
 import statistics
@@ -184,9 +185,10 @@ def store_get_times(disk, facts, ks, reps: int) -> dict:
     return out
 
 
-def measure(llm, prefix, facts, ks, budgets, question, reps: int, store: str, salts, epoch: str) -> list[dict]:
+def measure(llm, prefix, facts, ks, budgets, question, reps: int, store: str, salts, epoch: str,
+            prefix_caching: bool = True) -> list[dict]:
     """One engine's rows: per k and budget, the question alone, KV injection, the head from vLLM's
-    prefix cache and prompt injection, measured in interleaved rounds."""
+    prefix cache (NaN when the engine has none) and prompt injection, measured in interleaved rounds."""
     from inferscale.compose.blend import injected_length
     from inferscale.compose.request import make_params
 
@@ -198,12 +200,16 @@ def measure(llm, prefix, facts, ks, budgets, question, reps: int, store: str, sa
         for budget in budgets:
             claim = injected_length(lengths, budget)
             prompt = {"prompt_token_ids": segment + question, "cache_salt": salts.segment("bench", epoch, segment, budget)}
-            got = time_generate(llm, {
+            variants = {
                 "none": ({"prompt_token_ids": question}, None, 0),
                 "kv": (prompt, make_params("bench", ids, budget), 0),
                 "cached": ({"prompt_token_ids": segment + question, "cache_salt": "warm"}, None, claim),
                 "prompt": ({"prompt_token_ids": segment + question, "cache_salt": "text"}, None, 0),
-            }, reps)
+            }
+            if not prefix_caching:  # nothing to serve the head from: that row is not measured
+                del variants["cached"]
+            got = time_generate(llm, variants, reps)
+            got.setdefault("cached", ([math.nan] * reps, 0))
             (none, _), (kv, injected), (cached, hit), (text, _) = (got[n] for n in ("none", "kv", "cached", "prompt"))
             none_ms, kv_ms, cached_ms, text_ms = (statistics.median(t) for t in (none, kv, cached, text))
             if injected < claim:  # a load failed or fell back: its time is not KV injection's
@@ -338,6 +344,8 @@ def main() -> None:
     parser.add_argument("--cuda-graphs", action="store_true", help="capture CUDA graphs (default: eager)")
     parser.add_argument("--shape", default="llama-3.1-8b", choices=sorted(SHAPES))
     parser.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks")
+    parser.add_argument("--no-prefix-caching", action="store_true",
+                        help="engines without vLLM's prefix cache (no block hashing; the prefix-cache row is NaN)")
     parser.add_argument("--block-size", type=int, default=None,
                         help="tokens per KV cache block (vLLM's block_size; default: vLLM's choice)")
     parser.add_argument("--embedder", default=None, help="a sentence-transformers model directory: also time "
@@ -379,11 +387,12 @@ def main() -> None:
         config = Config(model=str(model), data_dir=str(work), kv_store=BackendSpec(name), recompute_tokens=0,
                         **options)
         llm = LLM(model=str(model), load_format="dummy", skip_tokenizer_init=True, dtype="bfloat16",
-                  max_model_len=8192, enforce_eager=not args.cuda_graphs, enable_prefix_caching=True,
+                  max_model_len=8192, enforce_eager=not args.cuda_graphs, enable_prefix_caching=not args.no_prefix_caching,
                   tensor_parallel_size=args.tp, **({"block_size": args.block_size} if args.block_size else {}),
                   kv_transfer_config=KVTransferConfig(**kv_transfer_config(config)), **memory)
         salts, epoch = CacheSalts.from_file(config.secret_path), disk.generation("bench")
-        rows += measure(llm, prefix, facts, ks, budgets, question, args.reps, store, salts, epoch)
+        rows += measure(llm, prefix, facts, ks, budgets, question, args.reps, store, salts, epoch,
+                        prefix_caching=not args.no_prefix_caching)
         if args.embedder and store == stores[0]:
             q2ft = query_to_first_token(llm, disk, prefix, facts, ks, question, args.reps, salts, args.embedder)
             for row in rows:
@@ -401,7 +410,8 @@ def main() -> None:
         engine += f", tensor parallel {args.tp}"
     result = {"device": device, "model": f"{args.shape} shape, random weights, bf16, {mode}, {engine} engine",
               "command": " ".join(["python", *sys.argv]), "engine": engine, "kv_stores": stores,
-              "tensor_parallel": args.tp, "block_size": args.block_size, "fused_write": config.fused_write,
+              "tensor_parallel": args.tp, "block_size": args.block_size,
+              "prefix_caching": not args.no_prefix_caching, "fused_write": config.fused_write,
               "fact_tokens": args.fact_tokens, "reps": args.reps, "rows": rows, "store_get": gets}
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
