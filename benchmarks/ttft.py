@@ -312,9 +312,18 @@ def plot(result: dict, path: Path) -> None:
     fig.savefig(path, dpi=120)
 
 
-#: what a --kv-stores suffix sets
+#: what a --kv-stores suffix sets (and "programs<n>": pinned_read_programs = n)
 STORE_OPTIONS = {"": {}, "copy": {"pinned_reads": "copy"}, "overlap": {"pinned_reads": "overlap"},
                  "launch": {"write_graphs": False}}
+
+
+def store_options(suffix: str) -> dict | None:
+    """The Config options a --kv-stores suffix sets; None for one it does not know."""
+    if suffix in STORE_OPTIONS:
+        return STORE_OPTIONS[suffix]
+    if suffix.startswith("programs") and suffix[len("programs"):].isdigit() and int(suffix[len("programs"):]) > 0:
+        return {"pinned_reads": "overlap", "pinned_read_programs": int(suffix[len("programs"):])}
+    return None
 
 
 def fused(args) -> dict:
@@ -336,7 +345,8 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=20)
     parser.add_argument("--kv-stores", default="hbm,pinned", help="one engine per store, in this order; "
                         "a suffix sets an option for that engine: pinned:copy or pinned:overlap "
-                        "Config.pinned_reads, hbm:launch Config.write_graphs = false")
+                        "Config.pinned_reads, pinned:programs32 Config.pinned_read_programs = 32, "
+                        "hbm:launch Config.write_graphs = false")
     parser.add_argument("--recompute", default="0", help="recompute budgets (tokens) to time KV injection with")
     parser.add_argument("--fused-write", action="store_true", help="Config.fused_write: one kernel per step")
     parser.add_argument("--layerwise-write", action="store_true",
@@ -356,9 +366,9 @@ def main() -> None:
     budgets = [int(b) for b in args.recompute.split(",")]
     stores = args.kv_stores.split(",")
     for store in stores:
-        if store.partition(":")[2] not in STORE_OPTIONS:
+        if store_options(store.partition(":")[2]) is None:
             parser.error(f"--kv-stores {store}: the suffix after ':' is one of "
-                         f"{', '.join(s for s in STORE_OPTIONS if s)}")
+                         f"{', '.join(s for s in STORE_OPTIONS if s)} or programs<n>")
 
     import torch
     from vllm import LLM
@@ -383,7 +393,7 @@ def main() -> None:
     rows = []
     for store in stores:  # "pinned:overlap" is the pinned store with pinned_reads = "overlap"
         name, _, option = store.partition(":")
-        options = {**fused(args), **STORE_OPTIONS[option]}
+        options = {**fused(args), **store_options(option)}
         config = Config(model=str(model), data_dir=str(work), kv_store=BackendSpec(name), recompute_tokens=0,
                         **options)
         llm = LLM(model=str(model), load_format="dummy", skip_tokenizer_init=True, dtype="bfloat16",

@@ -131,8 +131,12 @@ class Config:
     #: (the kernel reads host memory in place, a group of layers per launch on a side stream, each
     #: layer's attention waiting only for its group) or "copy" (one DMA per fact to the GPU, then
     #: the kernel, all before the forward pass). On an H200 at 50 and 100 facts, "overlap" added
-    #: 1.0-1.1x the PCIe copy time to TTFT, "copy" 0.9-1.5x (benchmarks/results/README.md)
+    #: 1.0-1.5x the PCIe copy time to TTFT, "copy" 0.9-1.5x (benchmarks/results/README.md)
     pinned_reads: str = "overlap"
+    #: with pinned_reads = "overlap": at most this many programs of the kernel per layer, each
+    #: writing every n-th token (0: one program per token). Reads of host memory wait on the bus;
+    #: few programs leave the GPU's SMs to the forward pass running beside them
+    pinned_read_programs: int = 0
     #: replay the fused write from CUDA graphs captured once per table capacity
     #: (connector/write_graphs.py): a step's write costs one graph launch instead of Triton's
     #: launcher and a table copy; false launches the kernel every step
@@ -151,6 +155,9 @@ class Config:
         for name in ("fused_write", "write_graphs"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"{name} must be true or false, got {getattr(self, name)!r}")
+        if isinstance(self.pinned_read_programs, bool) or not isinstance(self.pinned_read_programs, int) \
+                or self.pinned_read_programs < 0:
+            raise ConfigError(f"pinned_read_programs must be a non-negative integer, got {self.pinned_read_programs!r}")
         if self.pinned_reads not in PINNED_READS:
             raise ConfigError(f"pinned_reads must be one of {', '.join(PINNED_READS)}, got {self.pinned_reads!r}")
         if self.fact_style not in FACT_STYLES:

@@ -37,7 +37,8 @@ def flash_attention_views(num_blocks: int, heads: int, block_size: int, head_siz
 def check(case: int, device: str = "cpu", pinned: bool = False, via: str = "launch") -> None:
     """Two requests joined into one launch (different starts, key scales, slots), each checked
     against the whole-tensor path; ``pinned``: the stored blocks in pinned host memory, read
-    in place by the kernel. ``via``: "launch" (two launches of a range of layers each),
+    in place by the kernel. ``via``: "launch" (two launches of a range of layers each), "capped"
+    (the same with 3 programs per layer, each writing every third token),
     "counted" (one launch over a table of larger capacity whose columns past the count point at
     other slots) or "graph" (replays of a CUDA graph, :class:`WriteGraphs`)."""
     from inferscale.connector.fused_write import CacheViews, Sources, token_sources, write_tokens
@@ -73,9 +74,10 @@ def check(case: int, device: str = "cpu", pinned: bool = False, via: str = "laun
     scratch = [flash_attention_views(num_blocks, rank_heads, block_size, head_size, dst_dtype, device) for _ in range(layers)]
     write_tokens(CacheViews.of([(k, v) for _, k, v in scratch]), Sources.join(parts[1:]).to(torch.device(device)),
                  cos, sin, heads.start, rotary, style == "neox")
-    if via == "launch":
+    if via in ("launch", "capped"):  # "capped": 3 programs per layer, each looping over its tokens
         for part in (range(0, 1), range(1, layers)):  # in two launches, as a read of host memory overlapping the forward
-            write_tokens(views, sources, cos, sin, heads.start, rotary, style == "neox", part)
+            write_tokens(views, sources, cos, sin, heads.start, rotary, style == "neox", part,
+                         programs=3 if via == "capped" else None)
     elif via == "counted":
         write_counted_with_decoys(views, sources, slots[used:], cos, sin, heads.start, rotary, style == "neox")
     else:
@@ -146,7 +148,7 @@ def _triton_dir() -> Path:
     return Path(os.environ.get("INFERSCALE_CACHE", Path(__file__).resolve().parents[1] / ".cache")) / "triton"
 
 
-@pytest.mark.parametrize("via", ["launch", "counted"])
+@pytest.mark.parametrize("via", ["launch", "counted", "capped"])
 @pytest.mark.parametrize("case", range(len(CASES)), ids=[f"{c[0]}-{c[1]}-{c[2]}-{c[3]}" for c in CASES])
 def test_fused_write_matches_rope_and_touches_only_its_slots(case, via):
     if torch.cuda.is_available():

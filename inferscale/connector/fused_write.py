@@ -169,80 +169,83 @@ def token_sources(held: HeldBlocks, start: int, end: int, slots: Sequence[int], 
 #: runtime arguments are never specialized on their values or alignment: one compiled kernel per
 #: cache layout serves every step (no compilation, a latency spike, when a token count happens
 #: to be 1 or a multiple of 16)
-_RUNTIME_ARGS = ["table", "stride", "bases", "num_layers", "layer0", "cos", "sin", "head0"]
+_RUNTIME_ARGS = ["table", "stride", "bases", "num_layers", "layer0", "cos", "sin", "head0", "programs"]
 
 if triton is not None:
 
     @triton.jit(do_not_specialize=_RUNTIME_ARGS, do_not_specialize_on_alignment=_RUNTIME_ARGS)
-    def _write_kernel(table, stride, bases, num_layers, layer0, cos, sin, head0,
+    def _write_kernel(table, stride, bases, num_layers, layer0, cos, sin, head0, programs,
                       S_BLOCK: tl.constexpr, S_SLOT: tl.constexpr, S_HEAD: tl.constexpr, S_DIM: tl.constexpr,
                       SRC: tl.constexpr, DST: tl.constexpr, BLOCK_SIZE: tl.constexpr,
                       HEADS: tl.constexpr, HEAD_SIZE: tl.constexpr, ROTARY: tl.constexpr,
                       NEOX: tl.constexpr, ROW: tl.constexpr, PAIRS: tl.constexpr, REST: tl.constexpr,
                       COUNTED: tl.constexpr):
-        # one program: one token (a column of the Sources table, whose rows lie `stride` apart) of
-        # one layer, every head of this rank. COUNTED: the grid covers the table's capacity and
-        # the number of tokens in use follows its six rows; programs past it do nothing.
-        token = tl.program_id(0)
+        # one program: tokens pid, pid + programs, ... (columns of the Sources table, whose rows lie
+        # `stride` apart) of one layer, every head of this rank; with one program per token, one
+        # token each. COUNTED: the grid covers the table's capacity and the number of tokens in
+        # use follows its six rows; programs past it do nothing.
         layer = layer0 + tl.program_id(1)
         if COUNTED:
-            live = token < tl.load(table + 6 * stride)
+            count = tl.load(table + 6 * stride)
         else:
-            live = token < stride
-        k_row = tl.load(table + token).to(tl.pointer_type(SRC))
-        v_row = tl.load(table + stride + token).to(tl.pointer_type(SRC))
-        first = tl.load(table + 2 * stride + token) * layer + head0 * HEAD_SIZE  # this layer, first head
-        slot = tl.load(table + 3 * stride + token)
-        position = tl.load(table + 4 * stride + token)
-        scale = tl.load(table + 5 * stride + token).to(tl.int32).to(tl.float32, bitcast=True)
+            count = stride
         k_out = tl.load(bases + layer).to(tl.pointer_type(DST))
         v_out = tl.load(bases + num_layers + layer).to(tl.pointer_type(DST))
-        dst = (slot // BLOCK_SIZE) * S_BLOCK + (slot % BLOCK_SIZE) * S_SLOT
+        for token in range(tl.program_id(0), count, programs):
+            k_row = tl.load(table + token).to(tl.pointer_type(SRC))
+            v_row = tl.load(table + stride + token).to(tl.pointer_type(SRC))
+            first = tl.load(table + 2 * stride + token) * layer + head0 * HEAD_SIZE  # this layer, first head
+            slot = tl.load(table + 3 * stride + token)
+            position = tl.load(table + 4 * stride + token)
+            scale = tl.load(table + 5 * stride + token).to(tl.int32).to(tl.float32, bitcast=True)
+            dst = (slot // BLOCK_SIZE) * S_BLOCK + (slot % BLOCK_SIZE) * S_SLOT
 
-        # values: the row as it is
-        i = tl.arange(0, ROW)
-        mask = (i < HEADS * HEAD_SIZE) & live
-        value = tl.load(v_row + first + i, mask=mask)
-        tl.store(v_out + dst + (i // HEAD_SIZE) * S_HEAD + (i % HEAD_SIZE) * S_DIM, value.to(DST), mask=mask)
+            # values: the row as it is
+            i = tl.arange(0, ROW)
+            mask = i < HEADS * HEAD_SIZE
+            value = tl.load(v_row + first + i, mask=mask)
+            tl.store(v_out + dst + (i // HEAD_SIZE) * S_HEAD + (i % HEAD_SIZE) * S_DIM, value.to(DST), mask=mask)
 
-        # keys: each rotary pair (a, b) read once, by this program
-        j = tl.arange(0, PAIRS)
-        pairs = (j < HEADS * (ROTARY // 2)) & live
-        head = j // (ROTARY // 2)
-        if NEOX:
-            a = j % (ROTARY // 2)
-            b = a + ROTARY // 2
-        else:
-            a = 2 * (j % (ROTARY // 2))
-            b = a + 1
-        src = k_row + first + head * HEAD_SIZE
-        xa = tl.load(src + a, mask=pairs, other=0.0).to(tl.float32)
-        xb = tl.load(src + b, mask=pairs, other=0.0).to(tl.float32)
-        # a pair's rows hold cos at both dims and -sin / +sin (RotaryEmbedding.table): two loads
-        c = tl.load(cos + position * ROTARY + a, mask=pairs, other=0.0)
-        s = tl.load(sin + position * ROTARY + b, mask=pairs, other=0.0)
-        out = k_out + dst + head * S_HEAD
-        tl.store(out + a * S_DIM, ((xa * c - xb * s) * scale).to(DST), mask=pairs)
-        tl.store(out + b * S_DIM, ((xb * c + xa * s) * scale).to(DST), mask=pairs)
+            # keys: each rotary pair (a, b) read once, by this program
+            j = tl.arange(0, PAIRS)
+            pairs = j < HEADS * (ROTARY // 2)
+            head = j // (ROTARY // 2)
+            if NEOX:
+                a = j % (ROTARY // 2)
+                b = a + ROTARY // 2
+            else:
+                a = 2 * (j % (ROTARY // 2))
+                b = a + 1
+            src = k_row + first + head * HEAD_SIZE
+            xa = tl.load(src + a, mask=pairs, other=0.0).to(tl.float32)
+            xb = tl.load(src + b, mask=pairs, other=0.0).to(tl.float32)
+            # a pair's rows hold cos at both dims and -sin / +sin (RotaryEmbedding.table): two loads
+            c = tl.load(cos + position * ROTARY + a, mask=pairs, other=0.0)
+            s = tl.load(sin + position * ROTARY + b, mask=pairs, other=0.0)
+            out = k_out + dst + head * S_HEAD
+            tl.store(out + a * S_DIM, ((xa * c - xb * s) * scale).to(DST), mask=pairs)
+            tl.store(out + b * S_DIM, ((xb * c + xa * s) * scale).to(DST), mask=pairs)
 
-        if ROTARY < HEAD_SIZE:  # the dims past the rotary ones: scaled only
-            r = tl.arange(0, REST)
-            rest = (r < HEADS * (HEAD_SIZE - ROTARY)) & live
-            head = r // (HEAD_SIZE - ROTARY)
-            dim = ROTARY + r % (HEAD_SIZE - ROTARY)
-            x = tl.load(k_row + first + head * HEAD_SIZE + dim, mask=rest, other=0.0).to(tl.float32)
-            tl.store(k_out + dst + head * S_HEAD + dim * S_DIM, (x * scale).to(DST), mask=rest)
+            if ROTARY < HEAD_SIZE:  # the dims past the rotary ones: scaled only
+                r = tl.arange(0, REST)
+                rest = r < HEADS * (HEAD_SIZE - ROTARY)
+                head = r // (HEAD_SIZE - ROTARY)
+                dim = ROTARY + r % (HEAD_SIZE - ROTARY)
+                x = tl.load(k_row + first + head * HEAD_SIZE + dim, mask=rest, other=0.0).to(tl.float32)
+                tl.store(k_out + dst + head * S_HEAD + dim * S_DIM, (x * scale).to(DST), mask=rest)
 
 
 def write_tokens(cache: CacheViews, sources: Sources, cos: torch.Tensor, sin: torch.Tensor, head0: int,
-                 rotary_dim: int, neox: bool, layers: range | None = None) -> None:
+                 rotary_dim: int, neox: bool, layers: range | None = None, programs: int | None = None) -> None:
     """Write every token of ``sources`` (its table on the cache's device) into every layer of
     the cache, or those of ``layers`` (a contiguous range), at its slot; its key rotated to its
     position and scaled. ``cos``/``sin`` are the ``[positions, rotary_dim]`` float32 table of
     :meth:`RotaryEmbedding.table` (covering every position); ``head0`` is this rank's first KV
-    head among the stored ones."""
+    head among the stored ones. ``programs``: at most this many programs per layer, each
+    writing every ``programs``-th token (None: one per token). Few programs leave the GPU's
+    SMs to other work while they wait on slow reads, such as host memory over the bus."""
     _launch(cache, sources.table, sources.num_tokens, False, sources.dtype, cos, sin, head0, rotary_dim, neox,
-           layers)
+            layers, programs)
 
 
 def write_counted(cache: CacheViews, table: torch.Tensor, capacity: int, dtype: torch.dtype, cos: torch.Tensor,
@@ -258,20 +261,24 @@ def write_counted(cache: CacheViews, table: torch.Tensor, capacity: int, dtype: 
 
 
 def _launch(cache: CacheViews, table: torch.Tensor, stride: int, counted: bool, dtype: torch.dtype,
-           cos: torch.Tensor, sin: torch.Tensor, head0: int, rotary_dim: int, neox: bool,
-           layers: range | None = None) -> None:
-    """The kernel over ``stride`` tokens (the table's row stride) of ``layers``."""
+            cos: torch.Tensor, sin: torch.Tensor, head0: int, rotary_dim: int, neox: bool,
+            layers: range | None = None, programs: int | None = None) -> None:
+    """The kernel over ``stride`` tokens (the table's row stride) of ``layers``, with at most
+    ``programs`` programs per layer."""
     if triton is None:
         raise RuntimeError("the fused cache write needs Triton")
     layers = range(cache.num_layers) if layers is None else layers
     if layers.step != 1 or not 0 <= layers.start <= layers.stop <= cache.num_layers:
         raise ValueError(f"layers {layers} of a {cache.num_layers}-layer cache")
+    if programs is not None and programs < 1:
+        raise ValueError(f"programs must be at least 1, got {programs}")
     if stride == 0 or not layers:
         return
     heads, size = cache.num_heads, cache.head_size
     s_block, s_slot, s_head, s_dim = cache.strides
-    _write_kernel[(stride, len(layers))](
-        table, stride, cache.bases, cache.num_layers, layers.start, cos, sin, head0,
+    programs = stride if programs is None else min(programs, stride)
+    _write_kernel[(programs, len(layers))](
+        table, stride, cache.bases, cache.num_layers, layers.start, cos, sin, head0, programs,
         S_BLOCK=s_block, S_SLOT=s_slot, S_HEAD=s_head, S_DIM=s_dim, SRC=_TL_DTYPES[dtype],
         DST=_TL_DTYPES[cache.dtype], BLOCK_SIZE=cache.block_size, HEADS=heads, HEAD_SIZE=size, ROTARY=rotary_dim,
         NEOX=neox, ROW=triton.next_power_of_2(heads * size),

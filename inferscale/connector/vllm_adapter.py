@@ -249,9 +249,11 @@ class InferScaleConnector(compat.KVConnectorBase_V1):
             return sources  # (the graph reads its own table)
         sources = sources.to(self.loader.device)
         neox = self.rope.style == "neox"
-        for layers in layer_groups(len(self.layer_names)) if sources.in_host_memory else [None]:
+        host = sources.in_host_memory
+        programs = (self.config.pinned_read_programs or None) if host else None
+        for layers in layer_groups(len(self.layer_names)) if host else [None]:
             fused_write.write_tokens(self._cache_views, sources, cos, sin, self.heads.start,
-                                     self.rope.rotary_dim, neox, layers)
+                                     self.rope.rotary_dim, neox, layers, programs)
             if layers is not None:
                 self.layer_loads.group_queued(layers, [sources])
         return sources
