@@ -11,19 +11,15 @@ prefix and 20-token facts), one launch of the fused write into a FlashAttention-
   into (the forward's first layer waits for it; the others run while the forward does);
 * ``floor``         — one pinned host-to-device copy of the same bytes in one piece.
 
-Then, at ``--contention-ks``, whether the in-place reads slow a forward pass running beside
-them: a stand-in forward (per layer the four weight matmuls of Llama-3.1-8B for 16 tokens,
-about 14 GB of weights read per pass) timed alone, and again with ``pinned_reads = "overlap"``'s
-four launches queued on a side stream, for each kernel cap in ``--programs`` (programs per
-layer; 0: one per token, ``Config.pinned_read_programs``). Reported: the forward's time beside
-the reads, the reads' own time and the first launch's (alone and beside the forward).
-
-GPU times are CUDA events around the work (median of ``--reps``); the sources are built before
-the window, except for ``pinned copy``, whose copies run while the host builds them. Host times: building the sources
-(``HeldBlocks.of`` + ``token_sources`` + the table copy; the connector keeps a user's table, so it
-builds less) and one launch through Triton's JIT. Prints a table, writes ``--out`` (JSON).
-
-    python benchmarks/fused_write_speed.py --out benchmarks/results/fused_write_speed_h200.json
+Then, at ``--contention-ks``, the in-place reads (``pinned_reads = "overlap"``) beside a forward
+pass: a stand-in forward (per layer the four weight matmuls of Llama-3.1-8B for 16 tokens, about
+14 GB of weights read per pass) timed alone, and again with the reads queued first on a side
+stream, each layer of the forward waiting for its group's launch as the connector's
+``wait_for_layer_load`` makes it wait: per kernel cap in ``--programs`` (programs per layer; 0: one
+per token, ``Config.pinned_read_programs``) and number of launches in ``--launches``
+(``Config.pinned_read_launches``). Reported: what the reads add to the forward (what TTFT would
+see, host time aside), the forward's time beside the reads without waiting for them (how much the
+reads slow its kernels), and the reads' own time alone and beside it.
 """
 
 from __future__ import annotations
@@ -99,7 +95,7 @@ def row(k: int, args, cache: CacheViews, rope: RotaryEmbedding) -> dict:
            "pinned_direct_ms": gpu_ms(lambda: write(in_host), args.reps),
            "pinned_copy_ms": gpu_ms(copy_then_write, args.reps),
            # pinned_reads = "overlap": the first of the launches the forward's first layer waits for
-           "pinned_first_group_ms": gpu_ms(lambda: write(in_host, layer_groups(LAYERS)[0]), args.reps),
+           "pinned_first_group_ms": gpu_ms(lambda: write(in_host, layer_groups(LAYERS, 4)[0]), args.reps),
            "floor_ms": gpu_ms(lambda: target.copy_(flat, non_blocking=True), args.reps)}
     out["host_sources_ms"] = host_ms(lambda: sources(device), args.reps)
     out["host_launch_ms"] = host_ms(lambda: write(in_hbm), args.reps)
@@ -109,23 +105,27 @@ def row(k: int, args, cache: CacheViews, rope: RotaryEmbedding) -> dict:
 
 
 def stand_in_forward(tokens: int = 16, hidden: int = 4096, qkv: int = 6144, mlp: int = 14336):
-    """A callable that runs LAYERS layers of Llama-3.1-8B's weight matmuls for ``tokens`` tokens
-    (what bounds a short prefill on a GPU: reading every weight once)."""
+    """A callable ``forward(wait)`` that runs LAYERS layers of Llama-3.1-8B's weight matmuls for
+    ``tokens`` tokens (what bounds a short prefill on a GPU: reading every weight once), calling
+    ``wait(layer)`` before each layer's attention would run."""
     weights = [[torch.randn(hidden, n, dtype=torch.bfloat16, device="cuda") / 64 for n in (qkv, hidden, 2 * mlp)]
                + [torch.randn(mlp, hidden, dtype=torch.bfloat16, device="cuda") / 64] for _ in range(LAYERS)]
     x = torch.randn(tokens, hidden, dtype=torch.bfloat16, device="cuda")
 
-    def forward() -> None:
+    def forward(wait=lambda layer: None) -> None:
         h = x
-        for w_qkv, w_o, w_up, w_down in weights:
-            h = h + (h @ w_qkv)[:, :hidden] @ w_o
+        for layer, (w_qkv, w_o, w_up, w_down) in enumerate(weights):
+            q = (h @ w_qkv)[:, :hidden]
+            wait(layer)
+            h = h + q @ w_o
             up = h @ w_up
             h = h + (torch.nn.functional.silu(up[:, :mlp]) * up[:, mlp:]) @ w_down
     return forward
 
 
 def contention(k: int, args, cache: CacheViews, rope: RotaryEmbedding, forward) -> list[dict]:
-    """The stand-in forward alone and beside the in-place reads of k facts, per kernel cap."""
+    """The stand-in forward alone and beside the in-place reads of k facts, per kernel cap and
+    number of launches."""
     lengths = [args.prefix_tokens] + [args.fact_tokens] * k
     total = sum(lengths)
     host = [torch.randn(2, LAYERS, n, HEADS, HEAD_SIZE).to(torch.bfloat16).pin_memory() for n in lengths]
@@ -133,43 +133,45 @@ def contention(k: int, args, cache: CacheViews, rope: RotaryEmbedding, forward) 
     cos, sin = rope.table(torch.device("cuda"), total)
     sources = token_sources(HeldBlocks.of(host), 0, total, slots, 1.0, lengths[0]).to(torch.device("cuda"))
     side = torch.cuda.Stream()
-    groups = layer_groups(LAYERS)
     alone = gpu_ms(forward, args.reps)
     rows = []
-    for programs in (int(p) for p in args.programs.split(",")):
-        cap = programs or None
+    for launches in (int(n) for n in args.launches.split(",")):
+        groups = layer_groups(LAYERS, launches)
+        group_of = [g for g, group in enumerate(groups) for _ in group]
+        for programs in (int(p) for p in args.programs.split(",")):
+            def reads(which=groups, cap=programs or None) -> list[torch.cuda.Event]:
+                done = []
+                for group in which:
+                    write_tokens(cache, sources, cos, sin, 0, HEAD_SIZE, True, group, cap)
+                    done.append(torch.cuda.Event(enable_timing=True))
+                    done[-1].record()
+                return done
 
-        def reads(layers=None) -> None:
-            for group in groups if layers is None else [layers]:
-                write_tokens(cache, sources, cos, sin, 0, HEAD_SIZE, True, group, cap)
+            def beside(waits: bool) -> tuple[float, float]:
+                """ms of the forward and of the reads, the reads queued first on the side stream."""
+                start, forward_start, forward_done = (torch.cuda.Event(enable_timing=True) for _ in range(3))
+                torch.cuda.synchronize()
+                start.record()
+                side.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.stream(side):  # queued first, as the connector does before the forward
+                    done = reads()
+                forward_start.record()
+                stream = torch.cuda.current_stream()
+                forward((lambda layer: stream.wait_event(done[group_of[layer]])) if waits else (lambda layer: None))
+                forward_done.record()
+                stream.wait_stream(side)
+                torch.cuda.synchronize()
+                return forward_start.elapsed_time(forward_done), start.elapsed_time(done[-1])
 
-        times = {"forward": [], "reads": [], "first": []}
-        for rep in range(args.reps + 1):
-            start, first_done, reads_done, forward_start, forward_done = (
-                torch.cuda.Event(enable_timing=True) for _ in range(5))
-            torch.cuda.synchronize()
-            start.record()
-            side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):  # queued first, as the connector does before the forward
-                reads(groups[0])
-                first_done.record(side)
-                for group in groups[1:]:
-                    reads(group)
-                reads_done.record(side)
-            forward_start.record()
-            forward()
-            forward_done.record()
-            torch.cuda.current_stream().wait_stream(side)
-            torch.cuda.synchronize()
-            if rep:  # the first round warms up
-                times["forward"].append(forward_start.elapsed_time(forward_done))
-                times["reads"].append(start.elapsed_time(reads_done))
-                times["first"].append(start.elapsed_time(first_done))
-        row = {"k": k, "programs": programs, "forward_alone_ms": alone,
-               "reads_alone_ms": gpu_ms(reads, args.reps), "first_group_alone_ms": gpu_ms(lambda: reads(groups[0]), args.reps),
-               **{f"{name}_beside_ms": statistics.median(values) for name, values in times.items()}}
-        row["forward_slowdown_ms"] = row["forward_beside_ms"] - alone
-        rows.append(row)
+            timed = {waits: [beside(waits) for _ in range(args.reps + 1)][1:] for waits in (True, False)}
+            row = {"k": k, "launches": len(groups), "programs": programs, "forward_alone_ms": alone,
+                   "reads_alone_ms": gpu_ms(reads, args.reps),
+                   "first_launch_alone_ms": gpu_ms(lambda: reads(groups[:1]), args.reps),
+                   "forward_waiting_ms": statistics.median(t[0] for t in timed[True]),
+                   "forward_beside_ms": statistics.median(t[0] for t in timed[False]),
+                   "reads_beside_ms": statistics.median(t[1] for t in timed[False])}
+            row["added_ms"] = row["forward_waiting_ms"] - alone
+            rows.append(row)
     return rows
 
 
@@ -181,8 +183,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cache-blocks", type=int, default=1024, help="paged cache blocks of 16 slots")
     parser.add_argument("--reps", type=int, default=20)
     parser.add_argument("--contention-ks", default="50,100", help="ks of the forward-beside-reads table ('' skips it)")
-    parser.add_argument("--programs", default="0,16,32,64,132,264",
+    parser.add_argument("--programs", default="0,16,32,64,132",
                         help="kernel caps (programs per layer) to time beside the forward; 0: one per token")
+    parser.add_argument("--launches", default="4,8", help="launches the reads are split into, beside the forward")
     parser.add_argument("--out", default="benchmarks/results/fused_write_speed.json")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
@@ -204,22 +207,22 @@ def main(argv: list[str] | None = None) -> int:
               f"({r['pinned_direct_vs_floor']:.2f}) | {r['pinned_copy_ms']:.3f} ({r['pinned_copy_vs_floor']:.2f}) | "
               f"{r['pinned_first_group_ms']:.3f} | "
               f"{r['floor_ms']:.3f} | {r['host_sources_ms']:.3f}, {r['host_launch_ms']:.3f} |")
+    result = {"device": torch.cuda.get_device_name(), "command": "python " + " ".join(sys.argv), "rows": rows}
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(result, indent=1))  # kept should the second table fail
     beside = []
     if args.contention_ks:
         forward = stand_in_forward()
         beside = [r for k in args.contention_ks.split(",") for r in contention(int(k), args, cache, rope, forward)]
         print("\nthe in-place reads beside a stand-in forward (Llama-3.1-8B weight matmuls, 16 tokens), ms")
-        print("| k | programs per layer | forward alone | forward beside the reads (slowdown) | reads alone | "
-              "reads beside | first launch alone | first launch beside |")
-        print("|---|---|---|---|---|---|---|---|")
+        print("| k | launches | programs per layer | forward alone | forward waiting per layer (added) | "
+              "forward beside, not waiting | reads alone | reads beside | first launch alone |")
+        print("|---|---|---|---|---|---|---|---|---|")
         for r in beside:
-            print(f"| {r['k']} | {r['programs'] or 'one per token'} | {r['forward_alone_ms']:.3f} | "
-                  f"{r['forward_beside_ms']:.3f} ({r['forward_slowdown_ms']:+.3f}) | {r['reads_alone_ms']:.3f} | "
-                  f"{r['reads_beside_ms']:.3f} | {r['first_group_alone_ms']:.3f} | {r['first_beside_ms']:.3f} |")
-    result = {"device": torch.cuda.get_device_name(), "command": "python " + " ".join(sys.argv), "rows": rows,
-              "beside_forward": beside}
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=1))
+            print(f"| {r['k']} | {r['launches']} | {r['programs'] or 'one per token'} | {r['forward_alone_ms']:.3f} | "
+                  f"{r['forward_waiting_ms']:.3f} ({r['added_ms']:+.3f}) | {r['forward_beside_ms']:.3f} | "
+                  f"{r['reads_alone_ms']:.3f} | {r['reads_beside_ms']:.3f} | {r['first_launch_alone_ms']:.3f} |")
+    Path(args.out).write_text(json.dumps({**result, "beside_forward": beside}, indent=1))
     return 0
 
 

@@ -87,7 +87,7 @@ fi
 if has kernel; then  # the fused write alone: against the reference, then its speed by where the facts lie (quick)
   stamp "fused cache write on the GPU"
   PYTHONPATH=$NOW timeout 300 python3 -m pytest tests/test_fused_write.py -q -p no:cacheprovider 2>&1 | tail -5
-  PYTHONPATH=$NOW timeout 300 python3 benchmarks/fused_write_speed.py --out "$RUN/fused_write_speed_h200.json" 2>&1 | tail -8
+  PYTHONPATH=$NOW timeout 300 python3 benchmarks/fused_write_speed.py --out "$RUN/fused_write_speed_h200.json" 2>&1 | tail -40
 fi
 
 if has profile; then

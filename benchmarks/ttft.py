@@ -312,18 +312,28 @@ def plot(result: dict, path: Path) -> None:
     fig.savefig(path, dpi=120)
 
 
-#: what a --kv-stores suffix sets (and "programs<n>": pinned_read_programs = n)
+#: what a --kv-stores suffix sets (also "programs<n>": pinned_read_programs = n, and "groups<n>":
+#: pinned_read_launches = n; several joined by "+", e.g. pinned:programs32+groups8)
 STORE_OPTIONS = {"": {}, "copy": {"pinned_reads": "copy"}, "overlap": {"pinned_reads": "overlap"},
                  "launch": {"write_graphs": False}}
+COUNTED_OPTIONS = {"programs": "pinned_read_programs", "groups": "pinned_read_launches"}
 
 
 def store_options(suffix: str) -> dict | None:
     """The Config options a --kv-stores suffix sets; None for one it does not know."""
     if suffix in STORE_OPTIONS:
         return STORE_OPTIONS[suffix]
-    if suffix.startswith("programs") and suffix[len("programs"):].isdigit() and int(suffix[len("programs"):]) > 0:
-        return {"pinned_reads": "overlap", "pinned_read_programs": int(suffix[len("programs"):])}
-    return None
+    options = {}
+    for item in suffix.split("+"):
+        name = item.rstrip("0123456789")
+        count = item[len(name):]
+        if item in STORE_OPTIONS and item:
+            options.update(STORE_OPTIONS[item])
+        elif name in COUNTED_OPTIONS and count and int(count) > 0:
+            options.update({"pinned_reads": "overlap", COUNTED_OPTIONS[name]: int(count)})
+        else:
+            return None
+    return options
 
 
 def fused(args) -> dict:
@@ -345,7 +355,8 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=20)
     parser.add_argument("--kv-stores", default="hbm,pinned", help="one engine per store, in this order; "
                         "a suffix sets an option for that engine: pinned:copy or pinned:overlap "
-                        "Config.pinned_reads, pinned:programs32 Config.pinned_read_programs = 32, "
+                        "Config.pinned_reads, pinned:programs32+groups8 Config.pinned_read_programs = 32 and "
+                        "pinned_read_launches = 8, "
                         "hbm:launch Config.write_graphs = false")
     parser.add_argument("--recompute", default="0", help="recompute budgets (tokens) to time KV injection with")
     parser.add_argument("--fused-write", action="store_true", help="Config.fused_write: one kernel per step")
@@ -368,7 +379,7 @@ def main() -> None:
     for store in stores:
         if store_options(store.partition(":")[2]) is None:
             parser.error(f"--kv-stores {store}: the suffix after ':' is one of "
-                         f"{', '.join(s for s in STORE_OPTIONS if s)} or programs<n>")
+                         f"{', '.join(s for s in STORE_OPTIONS if s)}, programs<n>, groups<n>, joined by '+'")
 
     import torch
     from vllm import LLM

@@ -137,6 +137,10 @@ class Config:
     #: writing every n-th token (0: one program per token). Reads of host memory wait on the bus;
     #: few programs leave the GPU's SMs to the forward pass running beside them
     pinned_read_programs: int = 0
+    #: with pinned_reads = "overlap": launches the read is split into, a group of consecutive
+    #: layers each; layer 0's attention waits for the first group only, so more groups start the
+    #: forward sooner, each launch costing host time
+    pinned_read_launches: int = 4
     #: replay the fused write from CUDA graphs captured once per table capacity
     #: (connector/write_graphs.py): a step's write costs one graph launch instead of Triton's
     #: launcher and a table copy; false launches the kernel every step
@@ -155,9 +159,10 @@ class Config:
         for name in ("fused_write", "write_graphs"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"{name} must be true or false, got {getattr(self, name)!r}")
-        if isinstance(self.pinned_read_programs, bool) or not isinstance(self.pinned_read_programs, int) \
-                or self.pinned_read_programs < 0:
-            raise ConfigError(f"pinned_read_programs must be a non-negative integer, got {self.pinned_read_programs!r}")
+        for name, least in (("pinned_read_programs", 0), ("pinned_read_launches", 1)):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < least:
+                raise ConfigError(f"{name} must be an integer ≥ {least}, got {value!r}")
         if self.pinned_reads not in PINNED_READS:
             raise ConfigError(f"pinned_reads must be one of {', '.join(PINNED_READS)}, got {self.pinned_reads!r}")
         if self.fact_style not in FACT_STYLES:

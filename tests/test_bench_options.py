@@ -24,7 +24,10 @@ def ttft_module():
 @pytest.mark.parametrize("suffix, expected", [
     ("", {}), ("copy", {"pinned_reads": "copy"}), ("launch", {"write_graphs": False}),
     ("programs32", {"pinned_reads": "overlap", "pinned_read_programs": 32}),
-    ("programs0", None), ("programs", None), ("programs-3", None), ("fast", None),
+    ("programs16+groups8", {"pinned_reads": "overlap", "pinned_read_programs": 16, "pinned_read_launches": 8}),
+    ("launch+groups2", {"write_graphs": False, "pinned_reads": "overlap", "pinned_read_launches": 2}),
+    ("programs0", None), ("programs", None), ("programs-3", None), ("fast", None), ("groups8+", None),
+    ("+", None),
 ])
 def test_store_suffixes(suffix, expected):
     options = ttft_module().store_options(suffix)

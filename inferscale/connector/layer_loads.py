@@ -99,11 +99,7 @@ class LayerLoads:
         return index in self._pending
 
 
-#: launches a read of host memory is split into (:func:`layer_groups`)
-HOST_READ_LAUNCHES = 4
-
-
-def layer_groups(num_layers: int, launches: int = HOST_READ_LAUNCHES) -> list[range]:
+def layer_groups(num_layers: int, launches: int) -> list[range]:
     """``num_layers`` layers in at most ``launches`` contiguous groups of near-equal size, in order."""
     launches = max(1, min(launches, num_layers))
     bounds = [round(i * num_layers / launches) for i in range(launches + 1)]

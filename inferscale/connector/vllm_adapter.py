@@ -251,7 +251,7 @@ class InferScaleConnector(compat.KVConnectorBase_V1):
         neox = self.rope.style == "neox"
         host = sources.in_host_memory
         programs = (self.config.pinned_read_programs or None) if host else None
-        for layers in layer_groups(len(self.layer_names)) if host else [None]:
+        for layers in layer_groups(len(self.layer_names), self.config.pinned_read_launches) if host else [None]:
             fused_write.write_tokens(self._cache_views, sources, cos, sin, self.heads.start,
                                      self.rope.rotary_dim, neox, layers, programs)
             if layers is not None:
