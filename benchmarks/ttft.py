@@ -117,7 +117,8 @@ def time_generate(llm, variants: dict[str, tuple[dict, dict | None, int]], reps:
     per round, in an order shuffled every round (seeded) — so that a slow phase of the engine or
     the machine, and whatever the request before leaves behind, weigh on all of them alike. Every
     request gets a fresh cache salt; with ``warm tokens``, an untimed request for the prompt's
-    first tokens (same salt) fills vLLM's prefix cache first."""
+    first tokens (same salt) fills vLLM's prefix cache at the start of the round, before any
+    timed request (right before its own, every such variant would follow a long prefill)."""
     from inferscale.connector.compat import greedy_sampling
 
     def one(p: dict, extra: dict | None):
@@ -132,12 +133,14 @@ def time_generate(llm, variants: dict[str, tuple[dict, dict | None, int]], reps:
     for _ in range(reps + 1):  # the first round warms every shape up
         names = list(variants)
         order.shuffle(names)
-        for name in names:
-            prompt, params, warm_tokens = variants[name]
-            p = dict(prompt, cache_salt=(prompt.get("cache_salt", "plain") + ":" + uuid.uuid4().hex))
+        requests = {name: dict(prompt, cache_salt=(prompt.get("cache_salt", "plain") + ":" + uuid.uuid4().hex))
+                    for name, (prompt, _, _) in variants.items()}
+        for name, (_, _, warm_tokens) in variants.items():
             if warm_tokens:
+                p = requests[name]
                 one(dict(p, prompt_token_ids=p["prompt_token_ids"][:warm_tokens + 1]), None)
-            ms, cached[name] = one(p, params)
+        for name in names:
+            ms, cached[name] = one(requests[name], variants[name][1])
             times[name].append(ms)
     return {name: (values[1:], cached[name]) for name, values in times.items()}
 
