@@ -166,10 +166,11 @@ def test_fused_write_matches_rope_and_touches_only_its_slots(case, via):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="pinned host memory read by a GPU kernel")
+@pytest.mark.parametrize("via", ["launch", "capped"])
 @pytest.mark.parametrize("case", range(len(CASES)), ids=[f"{c[0]}-{c[1]}-{c[2]}-{c[3]}" for c in CASES])
-def test_fused_write_reads_pinned_host_blocks_in_place(case):
+def test_fused_write_reads_pinned_host_blocks_in_place(case, via):
     pytest.importorskip("triton")
-    check(case, "cuda", pinned=True)
+    check(case, "cuda", pinned=True, via=via)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs")
