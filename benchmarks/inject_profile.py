@@ -24,6 +24,7 @@ import argparse
 import functools
 import importlib
 import json
+import random
 import os
 import statistics
 import sys
@@ -139,13 +140,18 @@ def cached_one(llm, prompt: dict, salt: str) -> float:
 
 
 def interleaved(llm, variants: dict, segment: list[int], reps: int) -> dict[str, float]:
-    """Median ms of each variant, measured round by round (one request of each per round), so
-    that a slow phase of the engine or the machine weighs on all of them alike; variant
+    """Median ms of each variant, measured round by round (one request of each per round, in an
+    order shuffled every round, as ``ttft.py`` does), so that a slow phase of the engine or the
+    machine, and whatever the request before leaves behind, weigh on all of them alike; variant
     ``cached`` is the KV prompt with its head served from vLLM's prefix cache."""
     salts = warm_salts(llm, segment, reps + 2) if "cached" in variants else []
     times: dict[str, list[float]] = {name: [] for name in variants}
+    order = random.Random(0)
     for round_ in range(reps + 2):
-        for name, (prompt, params) in variants.items():
+        names = list(variants)
+        order.shuffle(names)
+        for name in names:
+            prompt, params = variants[name]
             ms = cached_one(llm, prompt, salts[round_]) if name == "cached" else one(llm, prompt, params)
             times[name].append(ms)
     return {f"{name}_ms": statistics.median(values[2:]) for name, values in times.items()}
