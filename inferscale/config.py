@@ -135,7 +135,8 @@ class Config:
     pinned_reads: str = "overlap"
     #: with pinned_reads = "overlap": at most this many programs of the kernel per layer, each
     #: writing every n-th token (0: one program per token). Reads of host memory wait on the bus;
-    #: few programs leave the GPU's SMs to the forward pass running beside them
+    #: fewer programs hold fewer of the SMs the forward pass beside them needs (whether that pays
+    #: off on a given GPU: the second table of benchmarks/fused_write_speed.py)
     pinned_read_programs: int = 0
     #: with pinned_reads = "overlap": launches the read is split into, a group of consecutive
     #: layers each; layer 0's attention waits for the first group only, so more groups start the

@@ -242,8 +242,8 @@ def write_tokens(cache: CacheViews, sources: Sources, cos: torch.Tensor, sin: to
     position and scaled. ``cos``/``sin`` are the ``[positions, rotary_dim]`` float32 table of
     :meth:`RotaryEmbedding.table` (covering every position); ``head0`` is this rank's first KV
     head among the stored ones. ``programs``: at most this many programs per layer, each
-    writing every ``programs``-th token (None: one per token). Few programs leave the GPU's
-    SMs to other work while they wait on slow reads, such as host memory over the bus."""
+    writing every ``programs``-th token (None: one per token). Fewer programs hold fewer of the
+    GPU's SMs while they wait on slow reads, such as host memory over the bus."""
     _launch(cache, sources.table, sources.num_tokens, False, sources.dtype, cos, sin, head0, rotary_dim, neox,
             layers, programs)
 
