@@ -490,6 +490,30 @@ def test_query_graphs_match_sentence_transformers(minilm):
     assert sorted(graphs._graphs) == [16]  # one bucket prepared, for the two short texts
 
 
+def test_query_graphs_token_ids_are_the_tokenizers(minilm):
+    """The ids the graph path embeds are the tokenizer's own (special tokens included), whatever
+    truncation or padding an earlier call left set on its Rust backend."""
+    from inferscale.retrieval.query_graphs import QueryGraphs
+
+    model = minilm._load()
+    graphs = QueryGraphs(model, buckets=(16, 32))
+    tokenizer = model.tokenizer
+
+    def same(got: list[int], expected: list[int]) -> bool:  # longer than every bucket: only that counts
+        return got == expected if len(expected) <= 32 else len(got) > 32
+
+    for text in QUERIES:
+        expected = tokenizer(text)["input_ids"]
+        assert same(graphs._token_ids(text), expected)
+        tokenizer(text, truncation=True, max_length=8)  # leaves truncation at 8 on the backend
+        assert tokenizer.backend_tokenizer.truncation["max_length"] == 8
+        assert same(graphs._token_ids(text), expected)
+        tokenizer.backend_tokenizer.no_truncation()
+        tokenizer.backend_tokenizer.enable_padding(length=40)  # as a caller of the backend might
+        assert same(graphs._token_ids(text), expected)
+        tokenizer.backend_tokenizer.no_padding()
+
+
 def test_embedder_encodes_as_before_when_the_graph_path_fails(minilm):
     """A model the padded forward does not suit (a fault injected here) is embedded by
     sentence-transformers' encode, and the graph path is not tried again."""
