@@ -29,6 +29,7 @@ import json
 import statistics
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -36,6 +37,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from inferscale.compose.rope import RotaryEmbedding  # noqa: E402
+from inferscale.config import Config  # noqa: E402
 from inferscale.connector.fused_write import CacheViews, Sources, token_sources, write_tokens  # noqa: E402
 from inferscale.connector.layer_loads import layer_groups  # noqa: E402
 from inferscale.storage.blocks import HeldBlocks  # noqa: E402
@@ -69,17 +71,34 @@ def host_ms(work, reps: int) -> float:
     return statistics.median(times)
 
 
-def row(k: int, args, cache: CacheViews, rope: RotaryEmbedding) -> dict:
-    lengths = [args.prefix_tokens] + [args.fact_tokens] * k
-    total = sum(lengths)
-    host = [torch.randn(2, LAYERS, n, HEADS, HEAD_SIZE).to(torch.bfloat16).pin_memory() for n in lengths]
-    device = [b.cuda() for b in host]
-    slots = torch.randperm(args.cache_blocks * BLOCK)[:total].tolist()
-    cos, sin = rope.table(torch.device("cuda"), total)
-    nbytes = sum(b.numel() * b.element_size() for b in host)
+@dataclass
+class Memory:
+    """A prefix and k facts of random K/V in pinned host memory, their cache slots, the rotary table."""
 
-    def sources(blocks) -> Sources:
-        return token_sources(HeldBlocks.of(blocks), 0, total, slots, 1.0, lengths[0]).to(torch.device("cuda"))
+    lengths: list[int]
+    host: list[torch.Tensor]
+    slots: list[int]
+    cos: torch.Tensor
+    sin: torch.Tensor
+
+    @classmethod
+    def make(cls, k: int, args, rope: RotaryEmbedding) -> Memory:
+        lengths = [args.prefix_tokens] + [args.fact_tokens] * k
+        host = [torch.randn(2, LAYERS, n, HEADS, HEAD_SIZE).to(torch.bfloat16).pin_memory() for n in lengths]
+        slots = torch.randperm(args.cache_blocks * BLOCK)[:sum(lengths)].tolist()
+        return cls(lengths, host, slots, *rope.table(torch.device("cuda"), sum(lengths)))
+
+    def sources(self, blocks: list[torch.Tensor]) -> Sources:
+        """The fused write's sources of ``blocks`` (these facts, wherever they lie), table on the GPU."""
+        return token_sources(HeldBlocks.of(blocks), 0, sum(self.lengths), self.slots, 1.0,
+                             self.lengths[0]).to(torch.device("cuda"))
+
+
+def row(k: int, args, cache: CacheViews, rope: RotaryEmbedding) -> dict:
+    memory = Memory.make(k, args, rope)
+    host, cos, sin, sources, total = memory.host, memory.cos, memory.sin, memory.sources, sum(memory.lengths)
+    device = [b.cuda() for b in host]
+    nbytes = sum(b.numel() * b.element_size() for b in host)
 
     def write(ready: Sources, layers: range | None = None) -> None:
         write_tokens(cache, ready, cos, sin, 0, HEAD_SIZE, True, layers)
@@ -95,7 +114,8 @@ def row(k: int, args, cache: CacheViews, rope: RotaryEmbedding) -> dict:
            "pinned_direct_ms": gpu_ms(lambda: write(in_host), args.reps),
            "pinned_copy_ms": gpu_ms(copy_then_write, args.reps),
            # pinned_reads = "overlap": the first of the launches the forward's first layer waits for
-           "pinned_first_group_ms": gpu_ms(lambda: write(in_host, layer_groups(LAYERS, 4)[0]), args.reps),
+           "pinned_first_group_ms": gpu_ms(lambda: write(in_host, layer_groups(LAYERS, Config.pinned_read_launches)[0]),
+                                           args.reps),
            "floor_ms": gpu_ms(lambda: target.copy_(flat, non_blocking=True), args.reps)}
     out["host_sources_ms"] = host_ms(lambda: sources(device), args.reps)
     out["host_launch_ms"] = host_ms(lambda: write(in_hbm), args.reps)
@@ -126,12 +146,8 @@ def stand_in_forward(tokens: int = 16, hidden: int = 4096, qkv: int = 6144, mlp:
 def contention(k: int, args, cache: CacheViews, rope: RotaryEmbedding, forward) -> list[dict]:
     """The stand-in forward alone and beside the in-place reads of k facts, per kernel cap and
     number of launches."""
-    lengths = [args.prefix_tokens] + [args.fact_tokens] * k
-    total = sum(lengths)
-    host = [torch.randn(2, LAYERS, n, HEADS, HEAD_SIZE).to(torch.bfloat16).pin_memory() for n in lengths]
-    slots = torch.randperm(args.cache_blocks * BLOCK)[:total].tolist()
-    cos, sin = rope.table(torch.device("cuda"), total)
-    sources = token_sources(HeldBlocks.of(host), 0, total, slots, 1.0, lengths[0]).to(torch.device("cuda"))
+    memory = Memory.make(k, args, rope)
+    cos, sin, sources = memory.cos, memory.sin, memory.sources(memory.host)
     side = torch.cuda.Stream()
     alone = gpu_ms(forward, args.reps)
     rows = []

@@ -24,8 +24,8 @@ import argparse
 import functools
 import importlib
 import json
-import random
 import os
+import random
 import statistics
 import sys
 import tempfile

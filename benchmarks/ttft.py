@@ -317,20 +317,20 @@ def plot(result: dict, path: Path) -> None:
 
 #: what a --kv-stores suffix sets (also "programs<n>": pinned_read_programs = n, and "groups<n>":
 #: pinned_read_launches = n; several joined by "+", e.g. pinned:programs32+groups8)
-STORE_OPTIONS = {"": {}, "copy": {"pinned_reads": "copy"}, "overlap": {"pinned_reads": "overlap"},
+STORE_OPTIONS = {"copy": {"pinned_reads": "copy"}, "overlap": {"pinned_reads": "overlap"},
                  "launch": {"write_graphs": False}}
 COUNTED_OPTIONS = {"programs": "pinned_read_programs", "groups": "pinned_read_launches"}
 
 
 def store_options(suffix: str) -> dict | None:
     """The Config options a --kv-stores suffix sets; None for one it does not know."""
-    if suffix in STORE_OPTIONS:
-        return STORE_OPTIONS[suffix]
+    if not suffix:
+        return {}
     options = {}
     for item in suffix.split("+"):
         name = item.rstrip("0123456789")
         count = item[len(name):]
-        if item in STORE_OPTIONS and item:
+        if item in STORE_OPTIONS:
             options.update(STORE_OPTIONS[item])
         elif name in COUNTED_OPTIONS and count and int(count) > 0:
             options.update({"pinned_reads": "overlap", COUNTED_OPTIONS[name]: int(count)})
@@ -382,7 +382,7 @@ def main() -> None:
     for store in stores:
         if store_options(store.partition(":")[2]) is None:
             parser.error(f"--kv-stores {store}: the suffix after ':' is one of "
-                         f"{', '.join(s for s in STORE_OPTIONS if s)}, programs<n>, groups<n>, joined by '+'")
+                         f"{', '.join(STORE_OPTIONS)}, programs<n>, groups<n>, joined by '+'")
 
     import torch
     from vllm import LLM
