@@ -171,6 +171,8 @@ class InferScaleConnector(compat.KVConnectorBase_V1):
         self.loader = SegmentLoader(self.store, self.disk, self.rope, self.heads, first.device, first.dtype,
                                     host_in_place=self.config.pinned_reads == "overlap")
         self.layer_loads = LayerLoads(first.device, len(self.layer_names))
+        #: the launches of an in-place read of host memory (pinned_reads = "overlap"), a group of layers each
+        self._host_groups = layer_groups(len(self.layer_names), self.config.pinned_read_launches)
 
     def start_load_kv(self, forward_context, **kwargs: Any) -> None:
         """Queue this step's loads; the forward pass waits for each layer in
@@ -251,7 +253,7 @@ class InferScaleConnector(compat.KVConnectorBase_V1):
         neox = self.rope.style == "neox"
         host = sources.in_host_memory
         programs = (self.config.pinned_read_programs or None) if host else None
-        for layers in layer_groups(len(self.layer_names), self.config.pinned_read_launches) if host else [None]:
+        for layers in self._host_groups if host else [None]:
             fused_write.write_tokens(self._cache_views, sources, cos, sin, self.heads.start,
                                      self.rope.rotary_dim, neox, layers, programs)
             if layers is not None:
