@@ -315,11 +315,13 @@ def plot(result: dict, path: Path) -> None:
     fig.savefig(path, dpi=120)
 
 
-#: what a --kv-stores suffix sets (also "programs<n>": pinned_read_programs = n, and "groups<n>":
-#: pinned_read_launches = n; several joined by "+", e.g. pinned:programs32+groups8)
+#: what a --kv-stores suffix sets (also "programs<n>": pinned_read_programs = n, 0 for one program
+#: per token, and "groups<n>": pinned_read_launches = n; several joined by "+", e.g.
+#: pinned:programs0+groups4)
 STORE_OPTIONS = {"copy": {"pinned_reads": "copy"}, "overlap": {"pinned_reads": "overlap"},
                  "launch": {"write_graphs": False}}
 COUNTED_OPTIONS = {"programs": "pinned_read_programs", "groups": "pinned_read_launches"}
+LEAST = {"programs": 0, "groups": 1}
 
 
 def store_options(suffix: str) -> dict | None:
@@ -332,7 +334,7 @@ def store_options(suffix: str) -> dict | None:
         count = item[len(name):]
         if item in STORE_OPTIONS:
             options.update(STORE_OPTIONS[item])
-        elif name in COUNTED_OPTIONS and count and int(count) > 0:
+        elif name in COUNTED_OPTIONS and count and int(count) >= LEAST[name]:
             options.update({"pinned_reads": "overlap", COUNTED_OPTIONS[name]: int(count)})
         else:
             return None
@@ -358,8 +360,8 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=20)
     parser.add_argument("--kv-stores", default="hbm,pinned", help="one engine per store, in this order; "
                         "a suffix sets an option for that engine: pinned:copy or pinned:overlap "
-                        "Config.pinned_reads, pinned:programs32+groups8 Config.pinned_read_programs = 32 and "
-                        "pinned_read_launches = 8, "
+                        "Config.pinned_reads, pinned:programs0+groups4 Config.pinned_read_programs = 0 (one "
+                        "program per token) and pinned_read_launches = 4, "
                         "hbm:launch Config.write_graphs = false")
     parser.add_argument("--recompute", default="0", help="recompute budgets (tokens) to time KV injection with")
     parser.add_argument("--fused-write", action="store_true", help="Config.fused_write: one kernel per step")

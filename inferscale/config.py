@@ -135,13 +135,15 @@ class Config:
     pinned_reads: str = "overlap"
     #: with pinned_reads = "overlap": at most this many programs of the kernel per layer, each
     #: writing every n-th token (0: one program per token). Reads of host memory wait on the bus;
-    #: fewer programs hold fewer of the SMs the forward pass beside them needs (whether that pays
-    #: off on a given GPU: the second table of benchmarks/fused_write_speed.py)
-    pinned_read_programs: int = 0
+    #: fewer programs hold fewer of the SMs the forward pass beside them needs. On an H200
+    #: (Llama-3.1-8B shape, 8 launches) 16 programs cut what the reads add to a forward pass
+    #: beside them from 2.2 to 0.8 ms at 50 facts, 5.6 to 2.7 ms at 100 (the second table of
+    #: benchmarks/fused_write_speed.py; benchmarks/results/README.md)
+    pinned_read_programs: int = 16
     #: with pinned_reads = "overlap": launches the read is split into, a group of consecutive
     #: layers each; layer 0's attention waits for the first group only, so more groups start the
     #: forward sooner, each launch costing host time
-    pinned_read_launches: int = 4
+    pinned_read_launches: int = 8
     #: replay the fused write from CUDA graphs captured once per table capacity
     #: (connector/write_graphs.py): a step's write costs one graph launch instead of Triton's
     #: launcher and a table copy; false launches the kernel every step
