@@ -11,7 +11,12 @@ random memory (as ``ttft.py``), then:
   connector (the ranges are added here, around whatever functions the
   installed InferScale has, so the same script profiles older code too), the
   CUDA synchronisations and memcpys the whole request made against the
-  question alone, and the busiest kernels.
+  question alone, and the busiest kernels;
+* times, without the profiler, the host work of each of vLLM's own steps a
+  request goes through (input processing, adding it to the engine core,
+  scheduling, the model runner, output processing) for the question alone,
+  the head from vLLM's prefix cache and KV injection, side by side: what a
+  request with memory costs on the host beyond the connector's own steps.
 
     python benchmarks/inject_profile.py --cuda-graphs --k 50 --out benchmarks/results/inject_profile.json
 
@@ -54,6 +59,26 @@ STEPS = [
     ("inferscale.connector.vllm_adapter", "InferScaleConnector.wait_for_layer_load", "worker: wait_for_layer_load"),
     ("inferscale.connector.vllm_adapter", "InferScaleConnector.request_finished", "scheduler: request_finished"),
 ]
+#: vLLM's own steps of a request (those the installed vLLM has are timed; nested ones overlap)
+ENGINE_STEPS = [
+    ("vllm.v1.engine.llm_engine", "LLMEngine.add_request", "vLLM: add_request (frontend, all)"),
+    ("vllm.v1.engine.input_processor", "InputProcessor.process_inputs", "vLLM: input processing"),
+    ("vllm.v1.engine.output_processor", "OutputProcessor.add_request", "vLLM: output processor add"),
+    ("vllm.v1.engine.core", "EngineCore.preprocess_add_request", "vLLM: core request (block hashes)"),
+    ("vllm.v1.engine.core", "EngineCore.add_request", "vLLM: core add_request"),
+    ("vllm.v1.engine.llm_engine", "LLMEngine.step", "vLLM: engine step (all)"),
+    ("vllm.v1.core.sched.scheduler", "Scheduler.schedule", "vLLM: schedule"),
+    ("vllm.v1.core.kv_cache_manager", "KVCacheManager.get_computed_blocks", "vLLM: prefix cache lookup"),
+    ("vllm.v1.core.kv_cache_manager", "KVCacheManager.allocate_slots", "vLLM: allocate slots"),
+    ("vllm.v1.worker.gpu.model_runner", "GPUModelRunner.execute_model", "vLLM: execute_model"),
+    ("vllm.v1.worker.gpu.model_runner", "GPUModelRunner.prepare_inputs", "vLLM: prepare_inputs"),
+    ("vllm.v1.worker.gpu.model_runner", "GPUModelRunner.prepare_attn", "vLLM: prepare_attn"),
+    ("vllm.v1.worker.gpu.kv_connector", "ActiveKVConnector.pre_forward", "vLLM: connector pre_forward"),
+    ("vllm.v1.worker.gpu.kv_connector", "ActiveKVConnector.post_forward", "vLLM: connector post_forward"),
+    ("vllm.v1.worker.gpu.model_runner", "GPUModelRunner.sample_tokens", "vLLM: sample_tokens"),
+    ("vllm.v1.core.sched.scheduler", "Scheduler.update_from_output", "vLLM: update_from_output"),
+    ("vllm.v1.engine.output_processor", "OutputProcessor.process_outputs", "vLLM: output processing"),
+]
 SYNC_EVENTS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy",
                "cudaMemcpyAsync", "cudaStreamWaitEvent", "cudaLaunchKernel", "cudaGraphLaunch")
 
@@ -63,12 +88,13 @@ HOST_MS: dict[str, list[float]] = {}
 TIMING = [False]
 
 
-def annotate() -> list[str]:
-    """Wrap each step that exists in the installed InferScale in a profiler range and a host timer."""
+def annotate(steps=STEPS) -> list[str]:
+    """Wrap each step that exists in the installed InferScale (or vLLM) in a profiler range and a
+    host timer."""
     import torch
 
     found = []
-    for module_name, path, label in STEPS:
+    for module_name, path, label in steps:
         try:
             module = importlib.import_module(module_name)
         except ModuleNotFoundError:  # code that predates the module
@@ -159,11 +185,21 @@ def interleaved(llm, variants: dict, segment: list[int], reps: int) -> dict[str,
 
 def host_times(llm, prompt: dict, params: dict | None, n: int) -> dict:
     """Per-request host ms inside each range, without the profiler (``n`` requests)."""
+    return _host_timed(lambda: [one(llm, prompt, params) for _ in range(n)], n)
+
+
+def host_times_cached(llm, prompt: dict, segment: list[int], n: int) -> dict:
+    """As :func:`host_times`, for requests whose head vLLM's prefix cache serves (warmed first, untimed)."""
+    salts = warm_salts(llm, segment, n)
+    return _host_timed(lambda: [cached_one(llm, prompt, salt) for salt in salts], n)
+
+
+def _host_timed(run, n: int) -> dict:
+    """Host ms per request (the mean over ``n`` requests) inside each range during ``run()``."""
     HOST_MS.clear()
     TIMING[0] = True
     try:
-        for _ in range(n):
-            one(llm, prompt, params)
+        run()
     finally:
         TIMING[0] = False
     return {label: sum(times) / n for label, times in HOST_MS.items()}
@@ -235,6 +271,7 @@ def main() -> None:
     from inferscale.connector.engine import kv_transfer_config
 
     annotated = annotate()
+    engine_steps = annotate(ENGINE_STEPS)
     work = Path(tempfile.mkdtemp(prefix="inferscale-profile-"))
     cfg = SHAPES[args.shape]
     model = work / f"{args.shape}-shape"
@@ -261,8 +298,11 @@ def main() -> None:
         "label": args.label, "fused_write": fused(args).get("fused_write", "default"), "command": " ".join(["python", *sys.argv]),
         "shape": args.shape, "k": args.k,
         "memory_tokens": len(segment), "kv_store": args.kv_store, "cuda_graphs": args.cuda_graphs,
-        "annotated": annotated, **times,
+        "annotated": annotated, "engine_steps": engine_steps, **times,
         "kv_host_ms": host_times(llm, kv_prompt, params, args.reps),
+        "engine_host_ms": {"none": host_times(llm, {"prompt_token_ids": question}, None, args.reps),
+                           "cached": host_times_cached(llm, plain, segment, args.reps),
+                           "kv": host_times(llm, kv_prompt, params, args.reps)},
         "kv": profile(llm, kv_prompt, params, args.profiled),
         "none": profile(llm, {"prompt_token_ids": question}, None, args.profiled),
         "cached": profile_cached(llm, plain, segment, args.profiled),
@@ -306,6 +346,14 @@ def print_report(r: dict) -> None:
     for label, row in r["kv"]["ranges"].items():
         print(f"| {label} | {row['calls']:.0f} | {r['kv_host_ms'].get(label, 0):.3f} | {row['host_ms']:.3f} | "
               f"{row['gpu_ms']:.3f} |")
+    engine = r.get("engine_host_ms")
+    if engine:
+        print("\n| host ms per request (no profiler) | question alone | head in prefix cache | KV injection |"
+              "\n|---|---|---|---|")
+        labels = dict.fromkeys(label for _, _, label in ENGINE_STEPS + STEPS if any(label in engine[n] for n in engine))
+        for label in labels:
+            print(f"| {label} | " + " | ".join(f"{engine[n].get(label, 0):.3f}" for n in ("none", "cached", "kv"))
+                  + " |")
     cached = r.get("cached", {"cuda_calls": {}, "top_kernels": []})
     print("\n| CUDA runtime call | KV injection | head in prefix cache | question alone |\n|---|---|---|---|")
     for name in SYNC_EVENTS:
