@@ -257,8 +257,9 @@ def main() -> None:
     parser.add_argument("--cuda-graphs", action="store_true")
     parser.add_argument("--label", default="", help="what code this is (goes into the JSON)")
     parser.add_argument("--out", default="benchmarks/results/inject_profile.json")
-    parser.add_argument("--trace", help="also write Chrome traces (gzipped) of one KV-injected request and one "
-                                        "question alone to TRACE_kv.json.gz and TRACE_none.json.gz")
+    parser.add_argument("--trace", help="also write Chrome traces (gzipped) of one KV-injected request, one "
+                                        "question alone and one prefix-cache hit to TRACE_kv.json.gz, "
+                                        "TRACE_none.json.gz and TRACE_cached.json.gz")
     args = parser.parse_args()
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # one process: one profiler sees everything
 
@@ -313,6 +314,8 @@ def main() -> None:
     if args.trace:
         for name, (prompt, extra) in {"kv": (kv_prompt, params), "none": ({"prompt_token_ids": question}, None)}.items():
             write_trace(lambda: one(llm, prompt, extra), f"{args.trace}_{name}.json.gz")
+        salts = iter(warm_salts(llm, segment, 2))  # one for write_trace's warm-up request, one traced
+        write_trace(lambda: cached_one(llm, plain, next(salts)), f"{args.trace}_cached.json.gz")
     os._exit(0)
 
 
