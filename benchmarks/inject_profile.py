@@ -15,8 +15,8 @@ random memory (as ``ttft.py``), then:
 * times, without the profiler, the host work of each of vLLM's own steps a
   request goes through (input processing, adding it to the engine core,
   scheduling, the model runner, output processing) for the question alone,
-  the head from vLLM's prefix cache and KV injection, side by side: what a
-  request with memory costs on the host beyond the connector's own steps.
+  the head from vLLM's prefix cache and KV injection, in interleaved rounds:
+  what a request with memory costs on the host beyond the connector's own steps.
 
     python benchmarks/inject_profile.py --cuda-graphs --k 50 --out benchmarks/results/inject_profile.json
 
@@ -188,10 +188,31 @@ def host_times(llm, prompt: dict, params: dict | None, n: int) -> dict:
     return _host_timed(lambda: [one(llm, prompt, params) for _ in range(n)], n)
 
 
-def host_times_cached(llm, prompt: dict, segment: list[int], n: int) -> dict:
-    """As :func:`host_times`, for requests whose head vLLM's prefix cache serves (warmed first, untimed)."""
-    salts = warm_salts(llm, segment, n)
-    return _host_timed(lambda: [cached_one(llm, prompt, salt) for salt in salts], n)
+def engine_host_times(llm, variants: dict, segment: list[int], reps: int) -> dict[str, dict]:
+    """Per variant (none, kv, cached: as in :func:`interleaved`), host ms per request inside each
+    range, median over ``reps`` rounds; every round runs each variant once in a shuffled order,
+    so that the engine's and the machine's slow phases weigh on all of them alike (measured one
+    variant after another, the variant measured first ran 1.5x slower than the rest on one H200
+    host)."""
+    salts = warm_salts(llm, segment, reps) if "cached" in variants else []
+    samples: dict[str, dict[str, list[float]]] = {name: {} for name in variants}
+    order = random.Random(1)
+    for round_ in range(reps):
+        names = list(variants)
+        order.shuffle(names)
+        for name in names:
+            prompt, params = variants[name]
+            HOST_MS.clear()
+            TIMING[0] = True
+            try:
+                cached_one(llm, prompt, salts[round_]) if name == "cached" else one(llm, prompt, params)
+            finally:
+                TIMING[0] = False
+            for label, times in HOST_MS.items():
+                samples[name].setdefault(label, []).append(sum(times))
+    return {name: {label: statistics.median(values + [0.0] * (reps - len(values)))
+                   for label, values in ranges.items()}
+            for name, ranges in samples.items()}
 
 
 def _host_timed(run, n: int) -> dict:
@@ -301,9 +322,9 @@ def main() -> None:
         "memory_tokens": len(segment), "kv_store": args.kv_store, "cuda_graphs": args.cuda_graphs,
         "annotated": annotated, "engine_steps": engine_steps, **times,
         "kv_host_ms": host_times(llm, kv_prompt, params, args.reps),
-        "engine_host_ms": {"none": host_times(llm, {"prompt_token_ids": question}, None, args.reps),
-                           "cached": host_times_cached(llm, plain, segment, args.reps),
-                           "kv": host_times(llm, kv_prompt, params, args.reps)},
+        "engine_host_ms": engine_host_times(llm, {"none": ({"prompt_token_ids": question}, None),
+                                                  "cached": (plain, None), "kv": (kv_prompt, params)},
+                                            segment, args.reps),
         "kv": profile(llm, kv_prompt, params, args.profiled),
         "none": profile(llm, {"prompt_token_ids": question}, None, args.profiled),
         "cached": profile_cached(llm, plain, segment, args.profiled),
@@ -351,7 +372,8 @@ def print_report(r: dict) -> None:
               f"{row['gpu_ms']:.3f} |")
     engine = r.get("engine_host_ms")
     if engine:
-        print("\n| host ms per request (no profiler) | question alone | head in prefix cache | KV injection |"
+        print("\n| host ms per request (no profiler, median of interleaved rounds) | question alone | "
+              "head in prefix cache | KV injection |"
               "\n|---|---|---|---|")
         labels = dict.fromkeys(label for _, _, label in ENGINE_STEPS + STEPS if any(label in engine[n] for n in engine))
         for label in labels:
