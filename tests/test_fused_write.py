@@ -109,18 +109,18 @@ def write_through_graphs(views, parts, caches, expected, cos, sin, head0, rotary
 
     graphs = WriteGraphs(views, head0, rotary, neox, capacities=(64,))
     both = Sources.join(parts)
-    assert not graphs.write(Sources.join(parts * 3), cos, sin), "more tokens than the largest capacity"
-    assert graphs.write(both, cos, sin)
+    assert graphs.write(Sources.join(parts * 3), cos, sin) is None, "more tokens than the largest capacity"
+    assert graphs.write(both, cos, sin) is not None
     torch.cuda.synchronize()
     for cache, _, _ in caches:
         cache.zero_()
-    assert graphs.write(parts[1], cos, sin)
-    torch.cuda.synchronize()
+    done = graphs.write(parts[1], cos, sin)
+    done.synchronize()  # the event it returns is recorded after the replay
     alone = expected[1][0]
     verify(caches, expected[1:], alone, views.block_size, parts[1].dtype, views.dtype)
-    assert graphs.write(both, cos, sin) and len(graphs._graphs) == 1  # replayed, not captured again
+    assert graphs.write(both, cos, sin) is not None and len(graphs._graphs) == 1  # replayed, not captured again
     first = graphs._graphs[(64, both.dtype)]
-    assert graphs.write(both, cos.clone(), sin.clone())  # a rotary table made anew: captured again
+    assert graphs.write(both, cos.clone(), sin.clone()) is not None  # a rotary table made anew: captured again
     assert graphs._graphs[(64, both.dtype)] is not first
     torch.cuda.synchronize()
 

@@ -9,7 +9,9 @@ for the GPU. When the forward pass will not ask per layer (a full CUDA graph
 replay, a step without attention metadata), the forward stream waits for all
 layers at once before it starts. The fused write (one kernel for every layer)
 is queued on the forward stream itself: the forward would wait for all of it
-before layer 0 anyway, and a side stream only cost host time.
+before layer 0 anyway, and a side stream only cost host time; stream order then
+makes the forward's kernels follow it with no wait at all (on the step's path
+every host call counts: the forward pass is paced by the host).
 
 On a CPU there are no streams: loads run in order, before the forward pass.
 """
@@ -31,6 +33,7 @@ class LayerLoads:
         self._pending: dict[int, torch.cuda.Event] = {}
         self._waited: set[int] = set()  # ids of events the forward stream already waits for
         self._kept: list[tuple[torch.cuda.Event, list]] = []  # tensors in use by queued work
+        self._on_side = False  # whether the work being issued goes to the side stream
 
     @contextlib.contextmanager
     def issuing(self, side_stream: bool = True) -> Iterator[None]:
@@ -43,13 +46,18 @@ class LayerLoads:
             return
         self.wait_all()
         self._waited.clear()
-        self._kept = [(event, refs) for event, refs in self._kept if not event.query()]
+        if self._kept:
+            self._kept = [(event, refs) for event, refs in self._kept if not event.query()]
         if not side_stream:
             yield
             return
         self.stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(self.stream):
-            yield
+        self._on_side = True
+        try:
+            with torch.cuda.stream(self.stream):
+                yield
+        finally:
+            self._on_side = False
 
     def layer_queued(self, index: int) -> None:
         """Layer ``index``'s cache writes are queued (call inside :meth:`issuing`)."""
@@ -57,17 +65,21 @@ class LayerLoads:
             self.events[index].record(self.stream)
             self._pending[index] = self.events[index]
 
-    def all_queued(self, keep: list) -> None:
+    def all_queued(self, keep: list, done: torch.cuda.Event | None = None) -> None:
         """Every layer's writes are queued, by one kernel on the current stream (call inside
         :meth:`issuing`); ``keep`` stays referenced until that work has run (the tensors it
-        reads, pinned host memory among them). The forward pass waits once, before layer 0
-        (free on the same stream); the other layers find nothing pending."""
+        reads, pinned host memory among them). ``done``: an event the caller recorded right
+        after that work (else one is recorded here). From the side stream the forward pass
+        waits once, before layer 0; on the forward stream itself nothing is pending: its
+        kernels run after the writes in stream order."""
         if self.stream is None:
             return
-        event = torch.cuda.Event()
-        event.record(torch.cuda.current_stream(self.device))
-        self._pending[0] = event  # (on the side stream it comes after any group queued there: it covers them)
-        self._kept.append((event, keep))
+        if done is None:
+            done = torch.cuda.Event()
+            done.record(torch.cuda.current_stream(self.device))
+        if self._on_side:
+            self._pending[0] = done  # (it comes after any group queued there: it covers them)
+        self._kept.append((done, keep))
 
     def group_queued(self, layers: range, keep: list | None = None) -> None:
         """The writes of ``layers`` are queued, by one kernel on the side stream (call inside

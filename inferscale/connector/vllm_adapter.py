@@ -223,13 +223,14 @@ class InferScaleConnector(compat.KVConnectorBase_V1):
                 ready.append((spec, self.loader.sources(spec, len(self.layer_names), self.head_size), tier))
             except Exception as exc:  # never crash the engine: report the blocks, vLLM recomputes
                 self._load_failed(spec, exc)
-        keep = []
+        keep, done = [], None  # done: an event recorded after the last work queued, if one was
         for group in _by_stored_kind(ready):  # one group unless facts were stored in two dtypes
             try:
                 sources = fused_write.Sources.join([part for _, part, _ in group])
                 cos, sin = self.rope.table(self.loader.device, max(spec.end for spec, _, _ in group))
-                sources = self._launch_fused(sources, cos, sin)
+                sources, done = self._launch_fused(sources, cos, sin)
             except Exception as exc:  # these requests are recomputed
+                done = None
                 for spec, _, _ in group:
                     self._load_failed(spec, exc)
                 continue
@@ -238,17 +239,18 @@ class InferScaleConnector(compat.KVConnectorBase_V1):
             for _, _, tier in group:
                 self._count_hit(tier)
         if keep:
-            self.layer_loads.all_queued(keep)
+            self.layer_loads.all_queued(keep, done)
 
     def _launch_fused(self, sources: fused_write.Sources, cos: torch.Tensor, sin: torch.Tensor
-                      ) -> fused_write.Sources:
+                      ) -> tuple[fused_write.Sources, torch.cuda.Event | None]:
         """From GPU memory: one replay of a CUDA graph (``Config.write_graphs``), else one launch,
         on the current stream. From host memory: a launch per group of layers, each group's event
         recorded. Returns the sources the queued work reads (their table, when it was copied to
-        the device, and the blocks)."""
-        if not sources.in_host_memory and self._write_graphs is not None \
-                and self._write_graphs.write(sources, cos, sin):
-            return sources  # (the graph reads its own table)
+        the device, and the blocks), and the event the graph recorded after its replay (else None)."""
+        if not sources.in_host_memory and self._write_graphs is not None:
+            done = self._write_graphs.write(sources, cos, sin)
+            if done is not None:
+                return sources, done  # (the graph reads its own table)
         sources = sources.to(self.loader.device)
         neox = self.rope.style == "neox"
         host = sources.in_host_memory
@@ -258,7 +260,7 @@ class InferScaleConnector(compat.KVConnectorBase_V1):
                                      self.rope.rotary_dim, neox, layers, programs)
             if layers is not None:
                 self.layer_loads.group_queued(layers, [sources])
-        return sources
+        return sources, None
 
     def _prepare(self, loads) -> list[tuple[LoadSpec, Segment, torch.Tensor]]:
         ready = []

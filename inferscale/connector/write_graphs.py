@@ -56,13 +56,14 @@ class WriteGraphs:
         self._rotary: tuple[torch.Tensor, torch.Tensor] | None = None  # the cos/sin the graphs read
         self.enabled = self.device.type == "cuda" and fused_write.available()
 
-    def write(self, sources: fused_write.Sources, cos: torch.Tensor, sin: torch.Tensor) -> bool:
-        """Queue the write of ``sources`` (its table on the host) on the current stream; False when
-        no graph can serve it (nothing queued: launch the kernel instead)."""
+    def write(self, sources: fused_write.Sources, cos: torch.Tensor, sin: torch.Tensor) -> torch.cuda.Event | None:
+        """Queue the write of ``sources`` (its table on the host) on the current stream; the event
+        recorded right after it, or None when no graph can serve it (nothing queued: launch the
+        kernel instead). The event is the graph's own, recorded again by its next replay."""
         count = sources.num_tokens
         capacity = next((c for c in self.capacities if c >= count), None)
         if not self.enabled or capacity is None or count == 0:
-            return False
+            return None
         if self._rotary is None or self._rotary[0] is not cos or self._rotary[1] is not sin:
             self._retire()  # the rotary table was made (or grown): these graphs read the old one
             self._rotary = (cos, sin)
@@ -72,15 +73,15 @@ class WriteGraphs:
         if graph is None:
             graph = self._capture(capacity, sources.dtype)
             if graph is None:
-                return False
+                return None
         elif not graph.done.query():  # an earlier replay has not read the staging buffer yet
-            return False
+            return None
         rows = graph.staging.numpy()
         rows[:6 * capacity].reshape(6, capacity)[:, :count] = sources.table.numpy()
         rows[6 * capacity] = count
         graph.graph.replay()
         graph.done.record()
-        return True
+        return graph.done
 
     def _retire(self) -> None:
         """Drop the graphs; one the GPU may still be replaying (an earlier step, with
