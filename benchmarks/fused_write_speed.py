@@ -19,7 +19,8 @@ stream, each layer of the forward waiting for its group's launch as the connecto
 per token, ``Config.pinned_read_programs``) and number of launches in ``--launches``
 (``Config.pinned_read_launches``). Reported: what the reads add to the forward (what TTFT would
 see, host time aside), the forward's time beside the reads without waiting for them (how much the
-reads slow its kernels), and the reads' own time alone and beside it.
+reads slow its kernels), and the reads' own time alone and beside it. That table is also drawn
+(the JSON's name, ``.png``); ``--plot RESULT.json`` draws it again from a saved result, no GPU needed.
 """
 
 from __future__ import annotations
@@ -191,6 +192,41 @@ def contention(k: int, args, cache: CacheViews, rope: RotaryEmbedding, forward) 
     return rows
 
 
+def plot(result: dict, path: Path) -> None:
+    """What the in-place reads add to the forward, per cap and number of launches, one panel per k
+    (the reads' own time alone, dotted, for scale)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    beside = result.get("beside_forward") or []
+    ks = sorted({r["k"] for r in beside})
+    if not ks:
+        return
+    fig, axes = plt.subplots(1, len(ks), figsize=(5 * len(ks), 4), squeeze=False)
+    for ax, k in zip(axes[0], ks):
+        rows = [r for r in beside if r["k"] == k]
+        caps = sorted({r["programs"] for r in rows})
+        labels = [str(c) if c else "one per token" for c in caps]
+        for n, launches in enumerate(sorted({r["launches"] for r in rows})):
+            by_cap = {r["programs"]: r for r in rows if r["launches"] == launches}
+            ax.plot(labels, [by_cap[c]["added_ms"] if c in by_cap else float("nan") for c in caps],
+                    marker="o", color=f"C{n}", label=f"{launches} launches: added to the forward")
+            ax.plot(labels, [by_cap[c]["reads_alone_ms"] if c in by_cap else float("nan") for c in caps],
+                    linestyle=":", marker=".", color=f"C{n}", label=f"{launches} launches: reads alone")
+        ax.set_title(f"k = {k}")
+        ax.set_xlabel("programs per layer (Config.pinned_read_programs)")
+        ax.set_ylabel("ms")
+        ax.set_ylim(bottom=0)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.suptitle(f"In-place reads of pinned host memory beside a forward pass, {result.get('device', '')}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--ks", default="1,10,50,100")
@@ -203,7 +239,12 @@ def main(argv: list[str] | None = None) -> int:
                         help="kernel caps (programs per layer) to time beside the forward; 0: one per token")
     parser.add_argument("--launches", default="4,8", help="launches the reads are split into, beside the forward")
     parser.add_argument("--out", default="benchmarks/results/fused_write_speed.json")
+    parser.add_argument("--plot", metavar="RESULT", help="only draw the second table of a saved result (to --out's "
+                        "name, .png)")
     args = parser.parse_args(argv)
+    if args.plot:
+        plot(json.loads(Path(args.plot).read_text()), Path(args.out).with_suffix(".png"))
+        return 0
     if not torch.cuda.is_available():
         print("needs a CUDA GPU", file=sys.stderr)
         return 2
@@ -238,7 +279,9 @@ def main(argv: list[str] | None = None) -> int:
             print(f"| {r['k']} | {r['launches']} | {r['programs'] or 'one per token'} | {r['forward_alone_ms']:.3f} | "
                   f"{r['forward_waiting_ms']:.3f} ({r['added_ms']:+.3f}) | {r['forward_beside_ms']:.3f} | "
                   f"{r['reads_alone_ms']:.3f} | {r['reads_beside_ms']:.3f} | {r['first_launch_alone_ms']:.3f} |")
-    Path(args.out).write_text(json.dumps({**result, "beside_forward": beside}, indent=1))
+    result["beside_forward"] = beside
+    Path(args.out).write_text(json.dumps(result, indent=1))
+    plot(result, Path(args.out).with_suffix(".png"))
     return 0
 
 
