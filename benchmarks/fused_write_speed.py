@@ -11,6 +11,11 @@ prefix and 20-token facts), one launch of the fused write into a FlashAttention-
   into (the forward's first layer waits for it; the others run while the forward does);
 * ``floor``         — one pinned host-to-device copy of the same bytes in one piece.
 
+GPU times are CUDA events around the work (median of ``--reps``); the sources are built before
+the window, except for ``pinned copy``, whose copies run while the host builds them. Host times:
+building the sources (``HeldBlocks.of`` + ``token_sources`` + the table copy; the connector keeps a
+user's table, so it builds less) and one launch through Triton's JIT.
+
 Then, at ``--contention-ks``, the in-place reads (``pinned_reads = "overlap"``) beside a forward
 pass: a stand-in forward (per layer the four weight matmuls of Llama-3.1-8B for 16 tokens, about
 14 GB of weights read per pass) timed alone, and again with the reads queued first on a side
@@ -21,6 +26,9 @@ per token, ``Config.pinned_read_programs``) and number of launches in ``--launch
 see, host time aside), the forward's time beside the reads without waiting for them (how much the
 reads slow its kernels), and the reads' own time alone and beside it. That table is also drawn
 (the JSON's name, ``.png``); ``--plot RESULT.json`` draws it again from a saved result, no GPU needed.
+Prints both tables, writes ``--out`` (JSON).
+
+    python benchmarks/fused_write_speed.py --out benchmarks/results/fused_write_speed_h200.json
 """
 
 from __future__ import annotations
