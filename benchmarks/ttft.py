@@ -321,11 +321,14 @@ def plot(result: dict, path: Path) -> None:
 STORE_OPTIONS = {"copy": {"pinned_reads": "copy"}, "overlap": {"pinned_reads": "overlap"},
                  "launch": {"write_graphs": False}}
 COUNTED_OPTIONS = {"programs": "pinned_read_programs", "groups": "pinned_read_launches"}
-LEAST = {"programs": 0, "groups": 1}
 
 
 def store_options(suffix: str) -> dict | None:
-    """The Config options a --kv-stores suffix sets; None for one it does not know."""
+    """The Config options a --kv-stores suffix sets; None for one it does not know, or whose
+    values Config refuses."""
+    from inferscale.config import Config
+    from inferscale.errors import ConfigError
+
     if not suffix:
         return {}
     options = {}
@@ -334,10 +337,14 @@ def store_options(suffix: str) -> dict | None:
         count = item[len(name):]
         if item in STORE_OPTIONS:
             options.update(STORE_OPTIONS[item])
-        elif name in COUNTED_OPTIONS and count and int(count) >= LEAST[name]:
+        elif name in COUNTED_OPTIONS and count:
             options.update({"pinned_reads": "overlap", COUNTED_OPTIONS[name]: int(count)})
         else:
             return None
+    try:
+        Config(**options)
+    except ConfigError:
+        return None
     return options
 
 
