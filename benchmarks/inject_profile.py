@@ -15,8 +15,9 @@ random memory (as ``ttft.py``), then:
 * times, without the profiler, the host work of each of vLLM's own steps a
   request goes through (input processing, adding it to the engine core,
   scheduling, the model runner, output processing) for the question alone,
-  the head from vLLM's prefix cache and KV injection, in interleaved rounds:
-  what a request with memory costs on the host beyond the connector's own steps.
+  the head from vLLM's prefix cache and KV injection, in the same interleaved
+  rounds: what a request with memory costs on the host beyond the connector's
+  own steps.
 
     python benchmarks/inject_profile.py --cuda-graphs --k 50 --out benchmarks/results/inject_profile.json
 
@@ -165,39 +166,18 @@ def cached_one(llm, prompt: dict, salt: str) -> float:
     return (time.perf_counter() - start) * 1e3
 
 
-def interleaved(llm, variants: dict, segment: list[int], reps: int) -> dict[str, float]:
-    """Median ms of each variant, measured round by round (one request of each per round, in an
-    order shuffled every round, as ``ttft.py`` does), so that a slow phase of the engine or the
-    machine, and whatever the request before leaves behind, weigh on all of them alike; variant
-    ``cached`` is the KV prompt with its head served from vLLM's prefix cache."""
+def interleaved(llm, variants: dict, segment: list[int], reps: int) -> tuple[dict[str, float], dict[str, dict]]:
+    """Median ms of each variant's ``generate``, and per variant the median host ms inside each
+    range (no profiler), measured round by round: one request of each per round, in an order
+    shuffled every round (as ``ttft.py`` does), so that a slow phase of the engine or the machine,
+    and whatever the request before leaves behind, weigh on all of them alike (measured one variant
+    after another, the variant measured first ran 1.5x slower than the rest on one H200 host).
+    Variant ``cached`` is the KV prompt with its head served from vLLM's prefix cache."""
     salts = warm_salts(llm, segment, reps + 2) if "cached" in variants else []
     times: dict[str, list[float]] = {name: [] for name in variants}
+    host: dict[str, dict[str, list[float]]] = {name: {} for name in variants}
     order = random.Random(0)
-    for round_ in range(reps + 2):
-        names = list(variants)
-        order.shuffle(names)
-        for name in names:
-            prompt, params = variants[name]
-            ms = cached_one(llm, prompt, salts[round_]) if name == "cached" else one(llm, prompt, params)
-            times[name].append(ms)
-    return {f"{name}_ms": statistics.median(values[2:]) for name, values in times.items()}
-
-
-def host_times(llm, prompt: dict, params: dict | None, n: int) -> dict:
-    """Per-request host ms inside each range, without the profiler (``n`` requests)."""
-    return _host_timed(lambda: [one(llm, prompt, params) for _ in range(n)], n)
-
-
-def engine_host_times(llm, variants: dict, segment: list[int], reps: int) -> dict[str, dict]:
-    """Per variant (none, kv, cached: as in :func:`interleaved`), host ms per request inside each
-    range, median over ``reps`` rounds; every round runs each variant once in a shuffled order,
-    so that the engine's and the machine's slow phases weigh on all of them alike (measured one
-    variant after another, the variant measured first ran 1.5x slower than the rest on one H200
-    host)."""
-    salts = warm_salts(llm, segment, reps) if "cached" in variants else []
-    samples: dict[str, dict[str, list[float]]] = {name: {} for name in variants}
-    order = random.Random(1)
-    for round_ in range(reps):
+    for round_ in range(reps + 2):  # the first two warm up
         names = list(variants)
         order.shuffle(names)
         for name in names:
@@ -205,25 +185,18 @@ def engine_host_times(llm, variants: dict, segment: list[int], reps: int) -> dic
             HOST_MS.clear()
             TIMING[0] = True
             try:
-                cached_one(llm, prompt, salts[round_]) if name == "cached" else one(llm, prompt, params)
+                ms = cached_one(llm, prompt, salts[round_]) if name == "cached" else one(llm, prompt, params)
             finally:
                 TIMING[0] = False
-            for label, times in HOST_MS.items():
-                samples[name].setdefault(label, []).append(sum(times))
-    return {name: {label: statistics.median(values + [0.0] * (reps - len(values)))
-                   for label, values in ranges.items()}
-            for name, ranges in samples.items()}
-
-
-def _host_timed(run, n: int) -> dict:
-    """Host ms per request (the mean over ``n`` requests) inside each range during ``run()``."""
-    HOST_MS.clear()
-    TIMING[0] = True
-    try:
-        run()
-    finally:
-        TIMING[0] = False
-    return {label: sum(times) / n for label, times in HOST_MS.items()}
+            times[name].append(ms)
+            if round_ >= 2:
+                for label, spent in HOST_MS.items():
+                    host[name].setdefault(label, []).append(sum(spent))
+    medians = {f"{name}_ms": statistics.median(values[2:]) for name, values in times.items()}
+    host_ms = {name: {label: statistics.median(values + [0.0] * (reps - len(values)))
+                      for label, values in ranges.items()}
+               for name, ranges in host.items()}
+    return medians, host_ms
 
 
 def profile(llm, prompt: dict, params: dict | None, n: int) -> dict:
@@ -312,19 +285,17 @@ def main() -> None:
     kv_prompt = {"prompt_token_ids": segment + question, "cache_salt": bench_salt(config, segment)}
     params = make_params("bench", ids, 0)
     plain = {"prompt_token_ids": segment + question}
-    times = interleaved(llm, {"none": ({"prompt_token_ids": question}, None), "kv": (kv_prompt, params),
-                              "cached": (plain, None), "prompt": (dict(plain, cache_salt="text"), None)},
-                        segment, args.reps)
+    times, host_ms = interleaved(llm, {"none": ({"prompt_token_ids": question}, None), "kv": (kv_prompt, params),
+                                       "cached": (plain, None), "prompt": (dict(plain, cache_salt="text"), None)},
+                                 segment, args.reps)
     result = {
         "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
         "label": args.label, "fused_write": fused(args).get("fused_write", "default"), "command": " ".join(["python", *sys.argv]),
         "shape": args.shape, "k": args.k,
         "memory_tokens": len(segment), "kv_store": args.kv_store, "cuda_graphs": args.cuda_graphs,
         "annotated": annotated, "engine_steps": engine_steps, **times,
-        "kv_host_ms": host_times(llm, kv_prompt, params, args.reps),
-        "engine_host_ms": engine_host_times(llm, {"none": ({"prompt_token_ids": question}, None),
-                                                  "cached": (plain, None), "kv": (kv_prompt, params)},
-                                            segment, args.reps),
+        "kv_host_ms": host_ms["kv"],
+        "engine_host_ms": host_ms,
         "kv": profile(llm, kv_prompt, params, args.profiled),
         "none": profile(llm, {"prompt_token_ids": question}, None, args.profiled),
         "cached": profile_cached(llm, plain, segment, args.profiled),
