@@ -94,11 +94,12 @@ fi
 if has profile; then
   for which in ${PROFILES:-fused layerwise}; do  # before: the code in .gpu/before
     for k in ${PROFILE_KS:-50}; do
-      stamp "profile of one injected request ($which, k = $k)"
+      stamp "profile of one injected request ($which, k = $k, ${PROFILE_STORE:-hbm})"
       path=$NOW flag=; [[ $which == before ]] && path=$BEFORE; [[ $which == fused ]] && flag=--fused-write
       [[ $which == layerwise ]] && flag=--layerwise-write
-      PYTHONPATH=$path timeout 420 python3 benchmarks/inject_profile.py --cuda-graphs --k "$k" --kv-store hbm $flag \
-        --label "$which" --out "$RUN/inject_profile_${which}_k$k.json" --trace "$RUN/inject_trace_${which}_k$k" 2>&1 \
+      PYTHONPATH=$path timeout 420 python3 benchmarks/inject_profile.py --cuda-graphs --k "$k" --kv-store "${PROFILE_STORE:-hbm}" \
+        $flag --label "$which" --out "$RUN/inject_profile_${which}_k$k${PROFILE_TAG:-}.json" \
+        --trace "$RUN/inject_trace_${which}_k$k${PROFILE_TAG:-}" 2>&1 \
         | grep -v " INFO \| DEBUG "
     done
   done
