@@ -68,11 +68,12 @@ fi
 if has tests; then
   for fused in ${TEST_WRITES:-0 1}; do  # 1: the fused write (the default), 0: per layer
     stamp "connector tests on the GPU (tiny Llama, bf16, CUDA graphs, fused write $fused)"
-    log="$RUN/tests_fused$fused${PINNED_READS:+_$PINNED_READS}${PINNED_READ_PROGRAMS:+_p$PINNED_READ_PROGRAMS}${TEST_KV_STORE:+_$TEST_KV_STORE}${TEST_BLOCK_SIZE:+_bs$TEST_BLOCK_SIZE}.log"
+    log="$RUN/tests_fused$fused${PINNED_READS:+_$PINNED_READS}${PINNED_READ_PROGRAMS:+_p$PINNED_READ_PROGRAMS}${PINNED_READ_GRAPHS:+_graphs}${TEST_KV_STORE:+_$TEST_KV_STORE}${TEST_BLOCK_SIZE:+_bs$TEST_BLOCK_SIZE}.log"
     PYTHONPATH=$NOW INFERSCALE_TEST_MODELS=llama:bfloat16 INFERSCALE_REPLAY_MODELS=llama:bfloat16 \
       INFERSCALE_TEST_CUDA_GRAPHS=1 INFERSCALE_TEST_FUSED_WRITE=$fused INFERSCALE_TEST_PINNED_READS=${PINNED_READS:-overlap} \
       INFERSCALE_TEST_KV_STORE=${TEST_KV_STORE:-pinned} INFERSCALE_TEST_BLOCK_SIZE=${TEST_BLOCK_SIZE:-} \
-      INFERSCALE_TEST_PINNED_READ_PROGRAMS=${PINNED_READ_PROGRAMS:-} timeout 420 python3 -m pytest \
+      INFERSCALE_TEST_PINNED_READ_PROGRAMS=${PINNED_READ_PROGRAMS:-} INFERSCALE_TEST_PINNED_READ_GRAPHS=${PINNED_READ_GRAPHS:-} \
+      timeout 420 python3 -m pytest \
       tests/test_connector.py $(has kernel || echo tests/test_fused_write.py) -q -p no:cacheprovider -k "not fuzz" > "$log" 2>&1
     status=$?
     grep -v " INFO \| DEBUG " "$log" | tail -30

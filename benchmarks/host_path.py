@@ -135,10 +135,10 @@ def steps(k: int, data: Path, device: torch.device) -> dict:
         def graph_launch():
             with loads.issuing(side_stream=False):
                 cos, sin = rope.table(device, spec.end)
-                done = graphs.write(fused_write.Sources.join([ready]), cos, sin)
-                if done is None:
+                events = graphs.write(fused_write.Sources.join([ready]), cos, sin)
+                if events is None:
                     raise RuntimeError("no graph served the write")
-                loads.all_queued([ready], done)
+                loads.all_queued([ready], events[-1][1])
             loads.wait_all()
         out["graph_launch"] = graph_launch
     return out

@@ -319,7 +319,7 @@ def plot(result: dict, path: Path) -> None:
 #: per token, and "groups<n>": pinned_read_launches = n; several joined by "+", e.g.
 #: pinned:programs0+groups4)
 STORE_OPTIONS = {"copy": {"pinned_reads": "copy"}, "overlap": {"pinned_reads": "overlap"},
-                 "launch": {"write_graphs": False}}
+                 "launch": {"write_graphs": False}, "graphs": {"pinned_reads": "overlap", "pinned_read_graphs": True}}
 COUNTED_OPTIONS = {"programs": "pinned_read_programs", "groups": "pinned_read_launches"}
 
 
@@ -369,7 +369,7 @@ def main() -> None:
                         "a suffix sets an option for that engine: pinned:copy or pinned:overlap "
                         "Config.pinned_reads, pinned:programs0+groups4 Config.pinned_read_programs = 0 (one "
                         "program per token) and pinned_read_launches = 4, "
-                        "hbm:launch Config.write_graphs = false")
+                        "hbm:launch Config.write_graphs = false, pinned:graphs Config.pinned_read_graphs = true")
     parser.add_argument("--recompute", default="0", help="recompute budgets (tokens) to time KV injection with")
     parser.add_argument("--fused-write", action="store_true", help="Config.fused_write: one kernel per step")
     parser.add_argument("--layerwise-write", action="store_true",

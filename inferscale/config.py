@@ -149,6 +149,10 @@ class Config:
     #: (connector/write_graphs.py): a step's write costs one graph launch instead of Triton's
     #: launcher and a table copy; false launches the kernel every step
     write_graphs: bool = True
+    #: with write_graphs and pinned_reads = "overlap": the groups' launches of an in-place read
+    #: replayed from one CUDA graph per step (each group's event recorded by the graph), instead
+    #: of a Triton launch and an event per group (connector/write_graphs.py)
+    pinned_read_graphs: bool = False
     #: the server secret that keys cache salts (created, mode 0600, on first use); "" = <data_dir>/secret
     secret_file: str = ""
 
@@ -160,7 +164,7 @@ class Config:
         for name in ("instruction", "closing", "secret_file"):
             if not isinstance(getattr(self, name), str):
                 raise ConfigError(f"{name} must be a string")
-        for name in ("fused_write", "write_graphs"):
+        for name in ("fused_write", "write_graphs", "pinned_read_graphs"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"{name} must be true or false, got {getattr(self, name)!r}")
         for name, least in (("pinned_read_programs", 0), ("pinned_read_launches", 1)):

@@ -27,6 +27,7 @@ def ttft_module():
     ("programs16+groups8", {"pinned_reads": "overlap", "pinned_read_programs": 16, "pinned_read_launches": 8}),
     ("launch+groups2", {"write_graphs": False, "pinned_reads": "overlap", "pinned_read_launches": 2}),
     ("programs0+groups4", {"pinned_reads": "overlap", "pinned_read_programs": 0, "pinned_read_launches": 4}),
+    ("graphs+groups4", {"pinned_reads": "overlap", "pinned_read_graphs": True, "pinned_read_launches": 4}),
     ("groups0", None), ("programs", None), ("programs-3", None), ("fast", None), ("groups8+", None),
     ("+", None),
 ])

@@ -62,6 +62,7 @@ def test_from_env_overrides(tmp_path):
 
 @pytest.mark.parametrize("bad", [{"top_k": 0}, {"model": {"dtype": "int8"}}, {"retriever": 3}, {"model": {"file": "x"}},
                                  {"pinned_reads": "zero-copy"}, {"fused_write": "yes"}, {"write_graphs": 1},
+                                 {"pinned_read_graphs": "on"},
                                  {"pinned_read_programs": -1}, {"pinned_read_programs": True},
                                  {"pinned_read_launches": 0}, {"pinned_read_launches": 2.5}])
 def test_invalid_values(bad):

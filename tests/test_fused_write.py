@@ -40,7 +40,8 @@ def check(case: int, device: str = "cpu", pinned: bool = False, via: str = "laun
     in place by the kernel. ``via``: "launch" (two launches of a range of layers each), "capped"
     (the same with 3 programs per layer, each writing every third token),
     "counted" (one launch over a table of larger capacity whose columns past the count point at
-    other slots) or "graph" (replays of a CUDA graph, :class:`WriteGraphs`)."""
+    other slots), "graph" (replays of a CUDA graph, :class:`WriteGraphs`) or "graph-groups" (two
+    groups of layers replayed from one graph, each with its own event)."""
     from inferscale.connector.fused_write import CacheViews, Sources, token_sources, write_tokens
     from inferscale.storage.blocks import HeldBlocks
 
@@ -80,6 +81,8 @@ def check(case: int, device: str = "cpu", pinned: bool = False, via: str = "laun
                          programs=3 if via == "capped" else None)
     elif via == "counted":
         write_counted_with_decoys(views, sources, slots[used:], cos, sin, heads.start, rotary, style == "neox")
+    elif via == "graph-groups":
+        write_through_grouped_graphs(views, parts, caches, cos, sin, heads.start, rotary, style == "neox")
     else:
         write_through_graphs(views, parts, caches, expected, cos, sin, heads.start, rotary, style == "neox")
     verify(caches, expected, slots[:used], block_size, src_dtype, dst_dtype)
@@ -114,15 +117,43 @@ def write_through_graphs(views, parts, caches, expected, cos, sin, head0, rotary
     torch.cuda.synchronize()
     for cache, _, _ in caches:
         cache.zero_()
-    done = graphs.write(parts[1], cos, sin)
+    (layers, done), = graphs.write(parts[1], cos, sin)
+    assert layers == range(views.num_layers)
     done.synchronize()  # the event it returns is recorded after the replay
     alone = expected[1][0]
     verify(caches, expected[1:], alone, views.block_size, parts[1].dtype, views.dtype)
     assert graphs.write(both, cos, sin) is not None and len(graphs._graphs) == 1  # replayed, not captured again
-    first = graphs._graphs[(64, both.dtype)]
+    first, = graphs._graphs.values()
     assert graphs.write(both, cos.clone(), sin.clone()) is not None  # a rotary table made anew: captured again
-    assert graphs._graphs[(64, both.dtype)] is not first
+    assert graphs._graphs[(64, both.dtype, None, None)] is not first
     torch.cuda.synchronize()
+
+
+def write_through_grouped_graphs(views, parts, caches, cos, sin, head0, rotary, neox) -> None:
+    """One graph replays the write in two groups of layers, 3 programs per layer; the replay is
+    queued behind a long sleep, and a second stream that waits for the first group's event (which
+    the graph records) still finds layer 0 written: the event marks that group's writes."""
+    from inferscale.connector.fused_write import Sources
+    from inferscale.connector.write_graphs import WriteGraphs
+
+    graphs = WriteGraphs(views, head0, rotary, neox, capacities=(64,))
+    groups = (range(0, 1), range(1, views.num_layers))
+    both = Sources.join(parts)
+    assert graphs.write(both, cos, sin, groups, 3) is not None  # captured, then replayed
+    torch.cuda.synchronize()
+    for cache, _, _ in caches:
+        cache.zero_()
+    torch.cuda._sleep(50_000_000)  # tens of milliseconds on the stream the replay is queued on
+    events = graphs.write(both, cos, sin, groups, 3)
+    assert events is not None and [layers for layers, _ in events] == list(groups)
+    assert len(graphs._graphs) == 1  # replayed, not captured again
+    reader = torch.cuda.Stream()
+    with torch.cuda.stream(reader):
+        reader.wait_event(events[0][1])
+        first = caches[0][0].clone()
+    reader.synchronize()
+    torch.cuda.synchronize()
+    assert caches[0][0].any() and torch.equal(first, caches[0][0]), "layer 0 read before its group's event"
 
 
 def verify(caches, expected, written_slots, block_size, src_dtype, dst_dtype) -> None:
@@ -178,6 +209,13 @@ def test_fused_write_reads_pinned_host_blocks_in_place(case, via):
 def test_fused_write_replayed_from_cuda_graphs(case):
     pytest.importorskip("triton")
     check(case, "cuda", via="graph")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs reading pinned host memory")
+@pytest.mark.parametrize("case", range(len(CASES)), ids=[f"{c[0]}-{c[1]}-{c[2]}-{c[3]}" for c in CASES])
+def test_in_place_read_groups_replayed_from_one_cuda_graph(case):
+    pytest.importorskip("triton")
+    check(case, "cuda", pinned=True, via="graph-groups")
 
 
 def test_sources_point_at_each_tokens_rows():

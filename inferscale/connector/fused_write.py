@@ -249,15 +249,17 @@ def write_tokens(cache: CacheViews, sources: Sources, cos: torch.Tensor, sin: to
 
 
 def write_counted(cache: CacheViews, table: torch.Tensor, capacity: int, dtype: torch.dtype, cos: torch.Tensor,
-                  sin: torch.Tensor, head0: int, rotary_dim: int, neox: bool) -> None:
+                  sin: torch.Tensor, head0: int, rotary_dim: int, neox: bool, layers: range | None = None,
+                  programs: int | None = None) -> None:
     """:func:`write_tokens` from a table of fixed ``capacity`` on the device: a flat int64 tensor
     of ``6 * capacity + 1`` elements, the six rows of a :class:`Sources` table ``capacity`` apart
     and then the number of tokens in use (which may be anything up to the capacity when the
     kernel runs). The launch itself does not depend on that number: it can be captured in a
-    CUDA graph once and replayed for any step (:mod:`write_graphs`). ``dtype``: the stored K/V's."""
+    CUDA graph once and replayed for any step (:mod:`write_graphs`). ``dtype``: the stored K/V's;
+    ``layers`` and ``programs`` as for :func:`write_tokens`."""
     if table.numel() != 6 * capacity + 1:
         raise ValueError(f"a table of capacity {capacity} has {6 * capacity + 1} elements, not {table.numel()}")
-    _launch(cache, table, capacity, True, dtype, cos, sin, head0, rotary_dim, neox)
+    _launch(cache, table, capacity, True, dtype, cos, sin, head0, rotary_dim, neox, layers, programs)
 
 
 def _launch(cache: CacheViews, table: torch.Tensor, stride: int, counted: bool, dtype: torch.dtype,

@@ -81,14 +81,17 @@ class LayerLoads:
             self._pending[0] = done  # (it comes after any group queued there: it covers them)
         self._kept.append((done, keep))
 
-    def group_queued(self, layers: range, keep: list | None = None) -> None:
+    def group_queued(self, layers: range, keep: list | None = None, event: torch.cuda.Event | None = None
+                     ) -> None:
         """The writes of ``layers`` are queued, by one kernel on the side stream (call inside
         :meth:`issuing`); each of those layers' attention waits for them alone. ``keep`` stays
-        referenced until that work has run."""
+        referenced until that work has run. ``event``: one already recorded right after those
+        writes (by a CUDA graph's replay), else one is recorded here."""
         if self.stream is None:
             return
-        event = torch.cuda.Event()
-        event.record(self.stream)
+        if event is None:
+            event = torch.cuda.Event()
+            event.record(self.stream)
         for index in layers:
             self._pending[index] = event
         if keep:

@@ -172,7 +172,7 @@ class InferScaleConnector(compat.KVConnectorBase_V1):
                                     host_in_place=self.config.pinned_reads == "overlap")
         self.layer_loads = LayerLoads(first.device, len(self.layer_names))
         #: the launches of an in-place read of host memory (pinned_reads = "overlap"), a group of layers each
-        self._host_groups = layer_groups(len(self.layer_names), self.config.pinned_read_launches)
+        self._host_groups = tuple(layer_groups(len(self.layer_names), self.config.pinned_read_launches))
 
     def start_load_kv(self, forward_context, **kwargs: Any) -> None:
         """Queue this step's loads; the forward pass waits for each layer in
@@ -245,21 +245,25 @@ class InferScaleConnector(compat.KVConnectorBase_V1):
                       ) -> tuple[fused_write.Sources, torch.cuda.Event | None]:
         """From GPU memory: one replay of a CUDA graph (``Config.write_graphs``), else one launch,
         on the current stream. From host memory: a launch per group of layers, each group's event
-        recorded. Returns the sources the queued work reads (their table, when it was copied to
-        the device, and the blocks), and the event the graph recorded after its replay (else None)."""
-        if not sources.in_host_memory and self._write_graphs is not None:
-            done = self._write_graphs.write(sources, cos, sin)
-            if done is not None:
-                return sources, done  # (the graph reads its own table)
+        recorded, all replayed from one graph with ``Config.pinned_read_graphs``. Returns the
+        sources the queued work reads (their table, when it was copied to the device, and the
+        blocks), and the event the graph recorded after its replay (else None)."""
+        host = sources.in_host_memory
+        groups = self._host_groups if host else None
+        programs = (self.config.pinned_read_programs or None) if host else None
+        if self._write_graphs is not None and (not host or self.config.pinned_read_graphs):
+            events = self._write_graphs.write(sources, cos, sin, groups, programs)
+            if events is not None:  # (the graph reads its own table)
+                for layers, event in events if host else ():  # the sources kept until the last group has run
+                    self.layer_loads.group_queued(layers, [sources] if layers == groups[-1] else None, event)
+                return sources, events[-1][1]
         sources = sources.to(self.loader.device)
         neox = self.rope.style == "neox"
-        host = sources.in_host_memory
-        programs = (self.config.pinned_read_programs or None) if host else None
-        for layers in self._host_groups if host else [None]:
+        for layers in groups or [None]:
             fused_write.write_tokens(self._cache_views, sources, cos, sin, self.heads.start,
                                      self.rope.rotary_dim, neox, layers, programs)
-            if layers is not None:
-                self.layer_loads.group_queued(layers, [sources])
+            if host:
+                self.layer_loads.group_queued(layers, [sources] if layers == groups[-1] else None)
         return sources, None
 
     def _prepare(self, loads) -> list[tuple[LoadSpec, Segment, torch.Tensor]]:

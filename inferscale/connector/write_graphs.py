@@ -8,20 +8,30 @@ CUDA graph: the table's copy from a pinned staging buffer into a device buffer
 of fixed capacity, then the kernel over that capacity
 (:func:`fused_write.write_counted`: programs past the number of tokens in use,
 which the table carries, do nothing). A step writes its table into the staging
-buffer (one NumPy copy) and replays the graph on the forward stream.
+buffer (one NumPy copy) and replays the graph on the forward stream (an in-place
+read of host memory: on the side stream, below).
 
-One graph per capacity (powers of two), captured when a step first needs it, so
-that few programs run idle, and captured again when the rotary table it reads
-has grown (the old graphs are kept until their last replay has run). Where a
-graph cannot serve a step (more tokens than the largest capacity, or its staging
-buffer still to be read by an earlier step the GPU has not reached), the caller
-launches the kernel as usual; a capture that fails turns graphs off for good,
-with a warning.
+An in-place read of pinned host memory (``Config.pinned_reads = "overlap"``) is
+split into groups of layers, each layer's attention waiting for its group only.
+Replayed from a graph (``Config.pinned_read_graphs``), the groups' launches are
+captured one after another, each followed by an event that the graph itself
+records (an *external* event: the forward stream, outside the graph, can wait
+for it), so that one graph launch replaces a Triton launch, an event and its
+record per group.
+
+One graph per capacity (powers of two) and way of launching (the groups, the
+programs per layer), captured when a step first needs it, so that few programs
+run idle, and captured again when the rotary table it reads has grown (the old
+graphs are kept until their last replay has run). Where a graph cannot serve a
+step (more tokens than the largest capacity, or its staging buffer still to be
+read by an earlier step the GPU has not reached), the caller launches the kernel
+as usual; a capture that fails turns graphs off for good, with a warning.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -41,6 +51,7 @@ class _Graph:
     graph: torch.cuda.CUDAGraph
     done: torch.cuda.Event  # recorded after each replay: once it has run, the staging buffer may be written again
     rotary: tuple[torch.Tensor, torch.Tensor]  # the cos/sin table the kernel reads
+    groups: list[tuple[range, torch.cuda.Event]]  # each group of layers, the event after its writes (the last: done)
 
 
 class WriteGraphs:
@@ -51,15 +62,21 @@ class WriteGraphs:
         self.cache, self.head0, self.rotary_dim, self.neox = cache, head0, rotary_dim, neox
         self.capacities = capacities
         self.device = cache.bases.device
-        self._graphs: dict[tuple[int, torch.dtype], _Graph] = {}
+        self._graphs: dict[tuple, _Graph] = {}  # (capacity, stored dtype, groups, programs)
         self._retired: list[_Graph] = []  # graphs of an older rotary table, kept until their last replay has run
         self._rotary: tuple[torch.Tensor, torch.Tensor] | None = None  # the cos/sin the graphs read
         self.enabled = self.device.type == "cuda" and fused_write.available()
 
-    def write(self, sources: fused_write.Sources, cos: torch.Tensor, sin: torch.Tensor) -> torch.cuda.Event | None:
-        """Queue the write of ``sources`` (its table on the host) on the current stream; the event
-        recorded right after it, or None when no graph can serve it (nothing queued: launch the
-        kernel instead). The event is the graph's own, recorded again by its next replay."""
+    def write(self, sources: fused_write.Sources, cos: torch.Tensor, sin: torch.Tensor,
+              groups: Sequence[range] | None = None, programs: int | None = None
+              ) -> list[tuple[range, torch.cuda.Event]] | None:
+        """Queue the write of ``sources`` (its table on the host) on the current stream: one launch
+        over every layer, or one per group of ``groups`` (contiguous ranges of layers, in order)
+        with at most ``programs`` programs per layer (:func:`fused_write.write_tokens`). Returns
+        each group of layers (every layer, without ``groups``) with the event its writes are done
+        at, the last recorded after the whole replay; None when no graph can serve the write
+        (nothing queued: launch the kernel instead). The events are the graph's own, recorded
+        again by its next replay."""
         count = sources.num_tokens
         capacity = next((c for c in self.capacities if c >= count), None)
         if not self.enabled or capacity is None or count == 0:
@@ -69,9 +86,10 @@ class WriteGraphs:
             self._rotary = (cos, sin)
         elif self._retired:
             self._retired = [graph for graph in self._retired if not graph.done.query()]
-        graph = self._graphs.get((capacity, sources.dtype))
+        key = (capacity, sources.dtype, None if groups is None else tuple(groups), programs)
+        graph = self._graphs.get(key)
         if graph is None:
-            graph = self._capture(capacity, sources.dtype)
+            graph = self._capture(key)
             if graph is None:
                 return None
         elif not graph.done.query():  # an earlier replay has not read the staging buffer yet
@@ -81,7 +99,7 @@ class WriteGraphs:
         rows[6 * capacity] = count
         graph.graph.replay()
         graph.done.record()
-        return graph.done
+        return graph.groups
 
     def _retire(self) -> None:
         """Drop the graphs; one the GPU may still be replaying (an earlier step, with
@@ -89,25 +107,31 @@ class WriteGraphs:
         self._retired += [graph for graph in self._graphs.values() if not graph.done.query()]
         self._graphs.clear()
 
-    def _capture(self, capacity: int, dtype: torch.dtype) -> _Graph | None:
+    def _capture(self, key: tuple) -> _Graph | None:
         try:
-            graph = self._make(capacity, dtype)
+            graph = self._make(*key)
         except Exception as exc:  # the kernel is launched instead, every step
             self.enabled = False
             logger.warning("inferscale: CUDA graphs of the fused write are off (%s: %s)", type(exc).__name__, exc)
             return None
-        self._graphs[(capacity, dtype)] = graph
+        self._graphs[key] = graph
         return graph
 
-    def _make(self, capacity: int, dtype: torch.dtype) -> _Graph:
+    def _make(self, capacity: int, dtype: torch.dtype, groups: tuple[range, ...] | None, programs: int | None
+              ) -> _Graph:
         cos, sin = self._rotary
         staging = torch.zeros(6 * capacity + 1, dtype=torch.int64, pin_memory=True)
         table = torch.zeros(6 * capacity + 1, dtype=torch.int64, device=self.device)
+        # recorded by the graph itself (external), except after the last group: `done` is, by the replay's caller
+        marks = [torch.cuda.Event(external=True) for _ in groups[:-1]] if groups else []
 
         def work():
             table.copy_(staging, non_blocking=True)
-            fused_write.write_counted(self.cache, table, capacity, dtype, cos, sin, self.head0,
-                                      self.rotary_dim, self.neox)
+            for index, layers in enumerate(groups or [None]):
+                fused_write.write_counted(self.cache, table, capacity, dtype, cos, sin, self.head0,
+                                          self.rotary_dim, self.neox, layers, programs)
+                if index < len(marks):
+                    marks[index].record()
 
         forward = torch.cuda.current_stream(self.device)
         side = torch.cuda.Stream(self.device)
@@ -123,4 +147,5 @@ class WriteGraphs:
         forward.wait_stream(side)
         done = torch.cuda.Event()
         done.record(forward)
-        return _Graph(staging, table, graph, done, self._rotary)
+        spans = list(groups) if groups else [range(self.cache.num_layers)]
+        return _Graph(staging, table, graph, done, self._rotary, list(zip(spans, [*marks, done])))
