@@ -10,7 +10,10 @@ token (median of ``--reps``, the variants interleaved round by round in a
 shuffled order), each request with a fresh cache salt so vLLM's prefix cache
 never helps. Differences between variants are also taken within each round
 (``kv_minus_none_ms``: the median over rounds of KV − none), which drift
-between rounds does not blur as it blurs a difference of two medians:
+between rounds does not blur as it blurs a difference of two medians; a
+distribution-free 95 % interval of that median (``kv_minus_none_ci_ms``,
+``kv_vs_none_paired_ci``) says whether a goal was met or the run cannot tell,
+and every round's times are kept (``rounds_ms``):
 
 * ``none``   — the question alone (the floor: no memory at all);
 * ``kv``     — ``[prefix | k facts | question]`` with the facts injected, once per recompute
@@ -151,6 +154,29 @@ def paired_median(a: list[float], b: list[float]) -> float:
     return statistics.median(x - y for x, y in zip(a, b))
 
 
+def median_interval(values: list[float], confidence: float = 0.95) -> tuple[float, float]:
+    """A distribution-free interval for the median of what ``values`` were drawn from: the
+    order statistics ``r`` and ``n + 1 - r`` (1-based), with ``r`` the largest for which
+    ``P(Binomial(n, 1/2) < r) ≤ (1 - confidence) / 2``, so that the interval covers the median
+    with at least ``confidence`` (NaN, NaN when too few values for it)."""
+    n, tail = len(values), (1 - confidence) / 2
+    below, r = 0.0, 0  # below: P(Binomial(n, 1/2) < r + 1) as r grows
+    while r < n // 2:
+        below += math.comb(n, r) / 2 ** n
+        if below > tail:
+            break
+        r += 1
+    if r == 0:
+        return math.nan, math.nan
+    ordered = sorted(values)
+    return ordered[r - 1], ordered[n - r]
+
+
+def paired_interval(a: list[float], b: list[float], confidence: float = 0.95) -> tuple[float, float]:
+    """:func:`median_interval` of the within-round differences ``a - b``."""
+    return median_interval([x - y for x, y in zip(a, b)], confidence)
+
+
 def store_get_times(disk, facts, ks, reps: int) -> dict:
     """ms of pinned/hbm ``get`` of k facts onto the GPU vs one raw pinned copy of the same bytes."""
     import torch
@@ -227,7 +253,11 @@ def measure(llm, prefix, facts, ks, budgets, question, reps: int, store: str, sa
                          "kv_minus_none_ms": paired_median(kv, none),
                          "cached_minus_none_ms": paired_median(cached, none),
                          "kv_minus_cached_ms": paired_median(kv, cached),
-                         "kv_vs_none_paired": 1 + paired_median(kv, none) / none_ms})
+                         "kv_vs_none_paired": 1 + paired_median(kv, none) / none_ms,
+                         # 95 % intervals of the medians of those differences (distribution-free)
+                         "kv_minus_none_ci_ms": paired_interval(kv, none),
+                         "kv_vs_none_paired_ci": tuple(1 + d / none_ms for d in paired_interval(kv, none)),
+                         "rounds_ms": {"none": none, "kv": kv, "cached": cached, "prompt": text}})
     return rows
 
 
@@ -456,13 +486,14 @@ def main() -> None:
     print(f"\n{device} — engine TTFT (wall of generate, 1 token, {mode}, {engine}), median of {args.reps}")
     print("| store | k | memory tokens | budget B | injected | no memory ms | KV injection ms | head in prefix "
           "cache ms | prompt injection ms | KV/none | KV/prompt | prompt/none | within rounds: KV − none ms, "
-          "prefix cache − none ms, KV/none |")
+          "prefix cache − none ms, KV/none (95 % interval) |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         print(f"| {r['kv_store']} | {r['k']} | {r['memory_tokens']} | {r['recompute_tokens']} | "
               f"{r['injected_tokens']} | {r['none_ms']:.2f} | {r['kv_ms']:.2f} | {r['cached_ms']:.2f} | "
               f"{r['prompt_ms']:.2f} | {r['kv_vs_none']:.2f} | {r['kv_vs_prompt']:.2f} | {r['prompt_vs_none']:.2f} | "
-              f"{r['kv_minus_none_ms']:.2f}, {r['cached_minus_none_ms']:.2f}, {r['kv_vs_none_paired']:.3f} |")
+              f"{r['kv_minus_none_ms']:.2f}, {r['cached_minus_none_ms']:.2f}, {r['kv_vs_none_paired']:.3f} "
+              f"({r['kv_vs_none_paired_ci'][0]:.3f}-{r['kv_vs_none_paired_ci'][1]:.3f}) |")
     if any("q2ft_ms" in r for r in rows):
         print("\n| store | k | KV injection ms | query-to-first-token ms | difference ms | embed | retrieve | compose "
               "| generate | generate after a pause | generate back to back |\n|---|---|---|---|---|---|---|---|---|---|---|")

@@ -1,13 +1,19 @@
-"""How benchmarks/ttft.py turns a --kv-stores entry into the connector's options."""
+"""How benchmarks/ttft.py turns a --kv-stores entry into the connector's options, and the
+interval it puts around a within-round median."""
 
 from __future__ import annotations
 
 import importlib.util
+import math
+import random
+import statistics
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from inferscale.config import Config
 
@@ -42,3 +48,40 @@ def test_unknown_suffix_is_refused_before_any_engine_starts():
     done = subprocess.run([sys.executable, "benchmarks/ttft.py", "--kv-stores", "hbm,pinned:zero"], cwd=REPO,
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 2 and "pinned:zero" in done.stderr and "programs<n>" in done.stderr
+
+
+def test_median_interval_order_statistics():
+    """n = 40: P(Binomial(40, 1/2) <= 13) = 0.019 <= 0.025 < P(<= 14) = 0.040, so the 95 % interval
+    runs from the 14th to the 27th smallest value; too few values give no interval."""
+    ttft = ttft_module()
+    assert ttft.median_interval([float(v) for v in range(40)]) == (13.0, 26.0)
+    assert ttft.median_interval([3.0, 1.0, 2.0, 5.0, 4.0, 0.0]) == (0.0, 5.0)  # n = 6: 2 × 1/64 ≤ 0.05
+    low, high = ttft.median_interval([1.0, 2.0, 3.0, 4.0, 5.0])  # n = 5: 2 × 1/32 > 0.05
+    assert math.isnan(low) and math.isnan(high)
+    assert ttft.paired_interval([5.0] * 40, [float(v) for v in range(40)]) == (-21.0, -8.0)
+
+
+def test_median_interval_covers_the_median_as_often_as_it_says():
+    """Over many samples of 40 rounds (skewed, as latencies are), the interval holds the true
+    median at least 95 % of the time, and not so much more that it is needlessly wide."""
+    ttft = ttft_module()
+    rng = random.Random(7)
+    true_median = math.log(2)  # of an exponential with rate 1
+    trials = 4000
+    covered = 0
+    for _ in range(trials):
+        low, high = ttft.median_interval([rng.expovariate(1.0) for _ in range(40)])
+        covered += low <= true_median <= high
+    assert 0.95 <= covered / trials <= 0.985
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.floats(-1e3, 1e3), min_size=6, max_size=80), st.sampled_from([0.8, 0.9, 0.95, 0.99]))
+def test_median_interval_holds_the_sample_median_and_widens_with_confidence(values, confidence):
+    ttft = ttft_module()
+    low, high = ttft.median_interval(values, confidence)
+    if math.isnan(low):
+        return
+    assert low <= statistics.median(values) <= high
+    wider = ttft.median_interval(values, min(0.999, confidence + 0.009))
+    assert math.isnan(wider[0]) or (wider[0] <= low and high <= wider[1])
