@@ -41,7 +41,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from ttft import SHAPES, fused, write_memory  # noqa: E402
+from ttft import SHAPES, STORE_OPTIONS, fused, store_options, write_memory  # noqa: E402
 
 #: (module, attribute path, range name): the steps of an injected request
 STEPS = [
@@ -241,7 +241,8 @@ def main() -> None:
     parser.add_argument("--fact-tokens", type=int, default=20)
     parser.add_argument("--prefix-tokens", type=int, default=32)
     parser.add_argument("--question-tokens", type=int, default=16)
-    parser.add_argument("--kv-store", default="hbm", choices=("pinned", "hbm"))
+    parser.add_argument("--kv-store", default="hbm", help="hbm or pinned, with an option suffix as in ttft.py's "
+                        "--kv-stores (e.g. pinned:graphs)")
     parser.add_argument("--reps", type=int, default=20)
     parser.add_argument("--profiled", type=int, default=5)
     parser.add_argument("--fused-write", action="store_true", help="Config.fused_write: one kernel per step")
@@ -255,6 +256,10 @@ def main() -> None:
                                         "question alone and one prefix-cache hit to TRACE_kv.json.gz, "
                                         "TRACE_none.json.gz and TRACE_cached.json.gz")
     args = parser.parse_args()
+    name, _, option = args.kv_store.partition(":")
+    if name not in ("hbm", "pinned") or store_options(option) is None:
+        parser.error(f"--kv-store {args.kv_store}: hbm or pinned, with an optional ':' suffix of "
+                     f"{', '.join(STORE_OPTIONS)}, programs<n>, groups<n>, joined by '+'")
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # one process: one profiler sees everything
 
     import torch
@@ -273,8 +278,8 @@ def main() -> None:
     model.mkdir()
     (model / "config.json").write_text(json.dumps(cfg))
     _, prefix, facts = write_memory(work, cfg, [args.k], args.fact_tokens, args.prefix_tokens)
-    config = Config(model=str(model), data_dir=str(work), kv_store=BackendSpec(args.kv_store), recompute_tokens=0,
-                    **fused(args))
+    config = Config(model=str(model), data_dir=str(work), kv_store=BackendSpec(name), recompute_tokens=0,
+                    **{**fused(args), **store_options(option)})
     memory = {"gpu_memory_utilization": 0.5} if torch.cuda.is_available() else {"kv_cache_memory_bytes": 256 << 20}
     llm = LLM(model=str(model), load_format="dummy", skip_tokenizer_init=True, dtype="bfloat16",
               max_model_len=8192, enforce_eager=not args.cuda_graphs, enable_prefix_caching=True,
