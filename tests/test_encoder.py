@@ -186,10 +186,15 @@ def test_context_changes_only_deeper_layers(runs, error_log):
         # layer 0's pre-RoPE K and V are per-token functions of the embeddings
         layer0 = max(layer0, rel_err(b.keys[:1], a.keys[:1]), rel_err(b.values[:1], a.values[:1]))
         deeper = min(deeper, rel_err(b.keys[1:], a.keys[1:]))
-    assert torch.equal(alone["f-6"].keys, behind["f-6"].keys)
+    # without context f-6 is the same row behind either window; the shared path runs it in a batch
+    # with rows that have context, over their padded past (all of it masked for f-6): equal up to
+    # float rounding, which depends on the attention kernel the padding selects
+    no_context = max(rel_err(behind["f-6"].keys, alone["f-6"].keys), rel_err(behind["f-6"].values, alone["f-6"].values))
+    error_log[f"{runs.name}: w2 vs w0, fact without context, K/V rel (rounding only)"] = (no_context,)
     error_log[f"{runs.name}: w2 vs w0, layer 0 K/V rel (rounding only)"] = (layer0,)
     error_log[f"{runs.name}: w2 vs w0, layers 1+ keys rel (min over facts)"] = (deeper,)
     assert layer0 <= 1e-6  # a few ulps: matmul blocking may depend on the row count
+    assert no_context <= 1e-5
     assert deeper > 1e-2
 
 
