@@ -14,7 +14,10 @@ STEPS=${STEPS:-kernel tests load-short ttft load}  # also: hostpath profile shap
 # --layerwise-write or --fused-write
 FUSED=${FUSED:-}
 # more arguments of the load steps, e.g. LOAD_ARGS="--users 100 -- --api-server-count 4"; of the ttft step,
-# e.g. TTFT_STORES=pinned,pinned:overlap (both ways of reading the pinned store, in the same run)
+# e.g. TTFT_STORES=pinned,pinned:overlap (both ways of reading the pinned store, in the same run);
+# of the profile step, PROFILE_STORE=pinned:graphs (a store as in TTFT_STORES; default hbm) and
+# PROFILE_TAG (appended to its file names); of the tests step, TEST_KV_STORE=hbm, PINNED_READS,
+# PINNED_READ_PROGRAMS=n, PINNED_READ_GRAPHS=1, TEST_BLOCK_SIZE=n
 source benchmarks/gpu_block.sh
 NOW=/tmp/site:$PWD BEFORE=/tmp/site:$PWD/.gpu/before
 if [[ -d .gpu/wheels ]] && ! PYTHONPATH=$NOW python3 -c 'import faiss' 2>/dev/null; then
