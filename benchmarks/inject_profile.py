@@ -41,7 +41,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from ttft import SHAPES, STORE_OPTIONS, fused, store_options, write_memory  # noqa: E402
+from ttft import SHAPES, fused, parse_store, write_memory  # noqa: E402
 
 #: (module, attribute path, range name): the steps of an injected request
 STEPS = [
@@ -256,10 +256,10 @@ def main() -> None:
                                         "question alone and one prefix-cache hit to TRACE_kv.json.gz, "
                                         "TRACE_none.json.gz and TRACE_cached.json.gz")
     args = parser.parse_args()
-    name, _, option = args.kv_store.partition(":")
-    if name not in ("hbm", "pinned") or store_options(option) is None:
-        parser.error(f"--kv-store {args.kv_store}: hbm or pinned, with an optional ':' suffix of "
-                     f"{', '.join(STORE_OPTIONS)}, programs<n>, groups<n>, joined by '+'")
+    try:
+        name, store_options = parse_store(args.kv_store)
+    except ValueError as exc:
+        parser.error(f"--kv-store {exc}")
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # one process: one profiler sees everything
 
     import torch
@@ -279,7 +279,7 @@ def main() -> None:
     (model / "config.json").write_text(json.dumps(cfg))
     _, prefix, facts = write_memory(work, cfg, [args.k], args.fact_tokens, args.prefix_tokens)
     config = Config(model=str(model), data_dir=str(work), kv_store=BackendSpec(name), recompute_tokens=0,
-                    **{**fused(args), **store_options(option)})
+                    **{**fused(args), **store_options})
     memory = {"gpu_memory_utilization": 0.5} if torch.cuda.is_available() else {"kv_cache_memory_bytes": 256 << 20}
     llm = LLM(model=str(model), load_format="dummy", skip_tokenizer_init=True, dtype="bfloat16",
               max_model_len=8192, enforce_eager=not args.cuda_graphs, enable_prefix_caching=True,

@@ -378,6 +378,17 @@ def store_options(suffix: str) -> dict | None:
     return options
 
 
+def parse_store(store: str) -> tuple[str, dict]:
+    """A --kv-stores entry as (the memory store's name, the Config options its suffix sets);
+    ValueError, saying what is allowed, for an entry either part of which is unknown."""
+    name, _, suffix = store.partition(":")
+    options = store_options(suffix)
+    if name not in ("hbm", "pinned") or options is None:
+        raise ValueError(f"{store}: hbm or pinned, with an optional ':' suffix of {', '.join(STORE_OPTIONS)}, "
+                         "programs<n>, groups<n>, joined by '+'")
+    return name, options
+
+
 def fused(args) -> dict:
     """Config.fused_write and Config.pinned_reads when asked for (absent from code that predates
     them): the defaults unless ``--fused-write``, ``--layerwise-write`` or (inject_profile.py)
@@ -418,10 +429,10 @@ def main() -> None:
     ks = [int(k) for k in args.ks.split(",")]
     budgets = [int(b) for b in args.recompute.split(",")]
     stores = args.kv_stores.split(",")
-    for store in stores:
-        if store_options(store.partition(":")[2]) is None:
-            parser.error(f"--kv-stores {store}: the suffix after ':' is one of "
-                         f"{', '.join(STORE_OPTIONS)}, programs<n>, groups<n>, joined by '+'")
+    try:
+        parsed = [parse_store(store) for store in stores]
+    except ValueError as exc:
+        parser.error(f"--kv-stores {exc}")
 
     import torch
     from vllm import LLM
@@ -444,9 +455,8 @@ def main() -> None:
     set_engine_environment(platform_device_type(), in_process=os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0")
     memory = {"gpu_memory_utilization": 0.5} if torch.cuda.is_available() else {"kv_cache_memory_bytes": 256 << 20}
     rows = []
-    for store in stores:  # "pinned:overlap" is the pinned store with pinned_reads = "overlap"
-        name, _, option = store.partition(":")
-        options = {**fused(args), **store_options(option)}
+    for store, (name, suffix_options) in zip(stores, parsed):  # "pinned:copy": the pinned store, pinned_reads = "copy"
+        options = {**fused(args), **suffix_options}
         config = Config(model=str(model), data_dir=str(work), kv_store=BackendSpec(name), recompute_tokens=0,
                         **options)
         llm = LLM(model=str(model), load_format="dummy", skip_tokenizer_init=True, dtype="bfloat16",

@@ -44,6 +44,16 @@ def test_store_suffixes(suffix, expected):
         Config(**options)
 
 
+def test_a_store_entry_names_a_memory_store_and_its_options():
+    ttft = ttft_module()
+    assert ttft.parse_store("pinned:graphs+groups4") == (
+        "pinned", {"pinned_reads": "overlap", "pinned_read_graphs": True, "pinned_read_launches": 4})
+    assert ttft.parse_store("hbm") == ("hbm", {})
+    for bad in ("disk", "pinned:zero", "hbm:groups0"):
+        with pytest.raises(ValueError, match="hbm or pinned"):
+            ttft.parse_store(bad)
+
+
 def test_unknown_suffix_is_refused_before_any_engine_starts():
     done = subprocess.run([sys.executable, "benchmarks/ttft.py", "--kv-stores", "hbm,pinned:zero"], cwd=REPO,
                           capture_output=True, text=True, timeout=120)
