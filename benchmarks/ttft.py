@@ -410,7 +410,8 @@ def main() -> None:
                         "a suffix sets an option for that engine: pinned:copy or pinned:overlap "
                         "Config.pinned_reads, pinned:programs0+groups4 Config.pinned_read_programs = 0 (one "
                         "program per token) and pinned_read_launches = 4, "
-                        "hbm:launch Config.write_graphs = false, pinned:graphs Config.pinned_read_graphs = true")
+                        "hbm:launch or pinned:launch Config.write_graphs = false (for pinned: a launch per group of "
+                        "layers, no graphs), pinned:graphs Config.pinned_read_graphs = true (the default)")
     parser.add_argument("--recompute", default="0", help="recompute budgets (tokens) to time KV injection with")
     parser.add_argument("--fused-write", action="store_true", help="Config.fused_write: one kernel per step")
     parser.add_argument("--layerwise-write", action="store_true",

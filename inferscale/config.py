@@ -151,8 +151,10 @@ class Config:
     write_graphs: bool = True
     #: with write_graphs and pinned_reads = "overlap": the groups' launches of an in-place read
     #: replayed from one CUDA graph per step (each group's event recorded by the graph), instead
-    #: of a Triton launch and an event per group (connector/write_graphs.py)
-    pinned_read_graphs: bool = False
+    #: of a Triton launch and an event per group (connector/write_graphs.py). On an H200 at 50
+    #: facts this cut what the read adds to TTFT from 3.6 to 2.4 ms (0.94x the PCIe copy time),
+    #: in the same rounds (benchmarks/results/README.md); false launches each group
+    pinned_read_graphs: bool = True
     #: the server secret that keys cache salts (created, mode 0600, on first use); "" = <data_dir>/secret
     secret_file: str = ""
 

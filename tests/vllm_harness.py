@@ -35,8 +35,10 @@ FUSED_WRITE = {"0": False, "1": True}.get(os.environ.get("INFERSCALE_TEST_FUSED_
 PINNED_READS = os.environ.get("INFERSCALE_TEST_PINNED_READS", Config.pinned_reads)
 #: INFERSCALE_TEST_PINNED_READ_PROGRAMS=n (GPU machine): the in-place reads capped at n programs per layer
 PINNED_READ_PROGRAMS = int(os.environ.get("INFERSCALE_TEST_PINNED_READ_PROGRAMS") or Config.pinned_read_programs)
-#: INFERSCALE_TEST_PINNED_READ_GRAPHS=1 (GPU machine): the in-place reads replayed from CUDA graphs
-PINNED_READ_GRAPHS = os.environ.get("INFERSCALE_TEST_PINNED_READ_GRAPHS", "") == "1" or Config.pinned_read_graphs
+#: INFERSCALE_TEST_PINNED_READ_GRAPHS=0/1 (GPU machine): the in-place reads launched per group /
+#: replayed from CUDA graphs (unset: Config's default)
+PINNED_READ_GRAPHS = {"0": False, "1": True}.get(os.environ.get("INFERSCALE_TEST_PINNED_READ_GRAPHS", ""),
+                                                 Config.pinned_read_graphs)
 #: INFERSCALE_TEST_KV_STORE=hbm (GPU machine): the connector's memory tier (default: pinned host);
 #: on the GPU the hbm store's fused writes are replayed from CUDA graphs (Config.write_graphs)
 KV_STORE = os.environ.get("INFERSCALE_TEST_KV_STORE", "pinned")
