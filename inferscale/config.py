@@ -131,8 +131,8 @@ class Config:
     #: (the kernel reads host memory in place, a group of layers per launch on a side stream, each
     #: layer's attention waiting only for its group) or "copy" (one DMA per fact to the GPU, then
     #: the kernel, all before the forward pass). On an H200 at 50 and 100 facts, "overlap" (with
-    #: the defaults below) added 1.03-1.67x and 0.75-1.01x the PCIe copy time to TTFT across
-    #: three machines, "copy" 0.9-1.5x (benchmarks/results/README.md)
+    #: the defaults below) added 0.94-1.17x and 0.83-0.92x the PCIe copy time to TTFT on two
+    #: machines, "copy" 0.9-1.5x on earlier ones (benchmarks/results/README.md)
     pinned_reads: str = "overlap"
     #: with pinned_reads = "overlap": at most this many programs of the kernel per layer, each
     #: writing every n-th token (0: one program per token). Reads of host memory wait on the bus;
