@@ -17,7 +17,8 @@ FUSED=${FUSED:-}
 # e.g. TTFT_STORES=pinned,pinned:overlap (both ways of reading the pinned store, in the same run);
 # of the profile step, PROFILE_STORE=pinned:graphs (a store as in TTFT_STORES; default hbm) and
 # PROFILE_TAG (appended to its file names); of the tests step, TEST_KV_STORE=hbm, PINNED_READS,
-# PINNED_READ_PROGRAMS=n, PINNED_READ_GRAPHS=0/1 (default: Config's), TEST_BLOCK_SIZE=n
+# PINNED_READ_PROGRAMS=n, PINNED_READ_GRAPHS=0/1 (default: Config's), TEST_BLOCK_SIZE=n,
+# PINNED_COPY_BELOW_MIB=x (default 0: the tiny test model's reads go in place; Config's 32 would copy them all)
 source benchmarks/gpu_block.sh
 NOW=/tmp/site:$PWD BEFORE=/tmp/site:$PWD/.gpu/before
 if [[ -d .gpu/wheels ]] && ! PYTHONPATH=$NOW python3 -c 'import faiss' 2>/dev/null; then
@@ -71,11 +72,12 @@ fi
 if has tests; then
   for fused in ${TEST_WRITES:-0 1}; do  # 1: the fused write (the default), 0: per layer
     stamp "connector tests on the GPU (tiny Llama, bf16, CUDA graphs, fused write $fused)"
-    log="$RUN/tests_fused$fused${PINNED_READS:+_$PINNED_READS}${PINNED_READ_PROGRAMS:+_p$PINNED_READ_PROGRAMS}${PINNED_READ_GRAPHS:+_graphs$PINNED_READ_GRAPHS}${TEST_KV_STORE:+_$TEST_KV_STORE}${TEST_BLOCK_SIZE:+_bs$TEST_BLOCK_SIZE}.log"
+    log="$RUN/tests_fused$fused${PINNED_READS:+_$PINNED_READS}${PINNED_READ_PROGRAMS:+_p$PINNED_READ_PROGRAMS}${PINNED_READ_GRAPHS:+_graphs$PINNED_READ_GRAPHS}${PINNED_COPY_BELOW_MIB:+_copybelow$PINNED_COPY_BELOW_MIB}${TEST_KV_STORE:+_$TEST_KV_STORE}${TEST_BLOCK_SIZE:+_bs$TEST_BLOCK_SIZE}.log"
     PYTHONPATH=$NOW INFERSCALE_TEST_MODELS=llama:bfloat16 INFERSCALE_REPLAY_MODELS=llama:bfloat16 \
       INFERSCALE_TEST_CUDA_GRAPHS=1 INFERSCALE_TEST_FUSED_WRITE=$fused INFERSCALE_TEST_PINNED_READS=${PINNED_READS:-overlap} \
       INFERSCALE_TEST_KV_STORE=${TEST_KV_STORE:-pinned} INFERSCALE_TEST_BLOCK_SIZE=${TEST_BLOCK_SIZE:-} \
       INFERSCALE_TEST_PINNED_READ_PROGRAMS=${PINNED_READ_PROGRAMS:-} INFERSCALE_TEST_PINNED_READ_GRAPHS=${PINNED_READ_GRAPHS:-} \
+      INFERSCALE_TEST_PINNED_COPY_BELOW_MIB=${PINNED_COPY_BELOW_MIB:-0} \
       timeout 420 python3 -m pytest \
       tests/test_connector.py $(has kernel || echo tests/test_fused_write.py) -q -p no:cacheprovider -k "not fuzz" > "$log" 2>&1
     status=$?

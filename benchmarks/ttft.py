@@ -346,11 +346,12 @@ def plot(result: dict, path: Path) -> None:
 
 
 #: what a --kv-stores suffix sets (also "programs<n>": pinned_read_programs = n, 0 for one program
-#: per token, and "groups<n>": pinned_read_launches = n; several joined by "+", e.g.
-#: pinned:programs0+groups4)
+#: per token, "groups<n>": pinned_read_launches = n, and "copybelow<n>": pinned_copy_below_mib = n;
+#: several joined by "+", e.g. pinned:programs0+groups4)
 STORE_OPTIONS = {"copy": {"pinned_reads": "copy"}, "overlap": {"pinned_reads": "overlap"},
                  "launch": {"write_graphs": False}, "graphs": {"pinned_reads": "overlap", "pinned_read_graphs": True}}
-COUNTED_OPTIONS = {"programs": "pinned_read_programs", "groups": "pinned_read_launches"}
+COUNTED_OPTIONS = {"programs": "pinned_read_programs", "groups": "pinned_read_launches",
+                   "copybelow": "pinned_copy_below_mib"}
 
 
 def store_options(suffix: str) -> dict | None:
@@ -385,7 +386,7 @@ def parse_store(store: str) -> tuple[str, dict]:
     options = store_options(suffix)
     if name not in ("hbm", "pinned") or options is None:
         raise ValueError(f"{store}: hbm or pinned, with an optional ':' suffix of {', '.join(STORE_OPTIONS)}, "
-                         "programs<n>, groups<n>, joined by '+'")
+                         "programs<n>, groups<n>, copybelow<n>, joined by '+'")
     return name, options
 
 
@@ -411,7 +412,8 @@ def main() -> None:
                         "Config.pinned_reads, pinned:programs0+groups4 Config.pinned_read_programs = 0 (one "
                         "program per token) and pinned_read_launches = 4, "
                         "hbm:launch or pinned:launch Config.write_graphs = false (for pinned: a launch per group of "
-                        "layers, no graphs), pinned:graphs Config.pinned_read_graphs = true (the default)")
+                        "layers, no graphs), pinned:graphs Config.pinned_read_graphs = true (the default), "
+                        "pinned:copybelow0 Config.pinned_copy_below_mib = 0 (every read in place)")
     parser.add_argument("--recompute", default="0", help="recompute budgets (tokens) to time KV injection with")
     parser.add_argument("--fused-write", action="store_true", help="Config.fused_write: one kernel per step")
     parser.add_argument("--layerwise-write", action="store_true",

@@ -155,6 +155,13 @@ class Config:
     #: facts this cut what the read adds to TTFT from 3.6 to 2.4 ms (0.94x the PCIe copy time),
     #: in the same rounds (benchmarks/results/README.md); false launches each group
     pinned_read_graphs: bool = True
+    #: with pinned_reads = "overlap": a step that loads fewer MiB than this copies them to the GPU
+    #: first, as "copy" does (one DMA per fact, then the write on the forward stream). An in-place
+    #: read costs about the same fixed host time at any size (its launch, the forward's waits):
+    #: on an H200, 1 fact read in place added 1.6-2.6 ms to TTFT, copied first 0.8-0.9 ms, while
+    #: at 50 facts (125 MiB) the in-place read was the faster (benchmarks/results/README.md);
+    #: 0 reads every step in place
+    pinned_copy_below_mib: float = 32.0
     #: the server secret that keys cache salts (created, mode 0600, on first use); "" = <data_dir>/secret
     secret_file: str = ""
 
@@ -173,6 +180,9 @@ class Config:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < least:
                 raise ConfigError(f"{name} must be an integer ≥ {least}, got {value!r}")
+        value = self.pinned_copy_below_mib
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < float("inf"):
+            raise ConfigError(f"pinned_copy_below_mib must be a number ≥ 0, got {value!r}")
         if self.pinned_reads not in PINNED_READS:
             raise ConfigError(f"pinned_reads must be one of {', '.join(PINNED_READS)}, got {self.pinned_reads!r}")
         if self.fact_style not in FACT_STYLES:

@@ -34,6 +34,8 @@ def ttft_module():
     ("launch+groups2", {"write_graphs": False, "pinned_reads": "overlap", "pinned_read_launches": 2}),
     ("programs0+groups4", {"pinned_reads": "overlap", "pinned_read_programs": 0, "pinned_read_launches": 4}),
     ("graphs+groups4", {"pinned_reads": "overlap", "pinned_read_graphs": True, "pinned_read_launches": 4}),
+    ("copybelow0", {"pinned_reads": "overlap", "pinned_copy_below_mib": 0}),
+    ("graphs+copybelow64", {"pinned_reads": "overlap", "pinned_read_graphs": True, "pinned_copy_below_mib": 64}),
     ("groups0", None), ("programs", None), ("programs-3", None), ("fast", None), ("groups8+", None),
     ("+", None),
 ])

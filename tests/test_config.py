@@ -64,7 +64,9 @@ def test_from_env_overrides(tmp_path):
                                  {"pinned_reads": "zero-copy"}, {"fused_write": "yes"}, {"write_graphs": 1},
                                  {"pinned_read_graphs": "on"},
                                  {"pinned_read_programs": -1}, {"pinned_read_programs": True},
-                                 {"pinned_read_launches": 0}, {"pinned_read_launches": 2.5}])
+                                 {"pinned_read_launches": 0}, {"pinned_read_launches": 2.5},
+                                 {"pinned_copy_below_mib": -1}, {"pinned_copy_below_mib": "32"},
+                                 {"pinned_copy_below_mib": float("nan")}, {"pinned_copy_below_mib": True}])
 def test_invalid_values(bad):
     with pytest.raises(ConfigError):
         Config.from_dict(bad)

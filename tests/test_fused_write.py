@@ -12,6 +12,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings
@@ -261,20 +262,40 @@ def test_layer_groups_cover_every_layer_once_in_order(num_layers, launches):
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="pinned host memory addressed by a GPU")
 def test_loader_reads_pinned_blocks_in_place_when_asked():
-    """pinned_reads = "overlap": the sources point into the pinned store's own blocks; "copy":
-    into copies on the GPU."""
-    from inferscale.connector.loader import SegmentLoader
+    """pinned_reads = "overlap": the sources point into the pinned store's own blocks, unless the
+    step asks for a copy (a small read, Config.pinned_copy_below_mib); "copy": always into copies
+    on the GPU, whatever the step asks."""
+    from inferscale.compose.request import SegmentRequest
+    from inferscale.compose.segment import PREFIX_FACT, SYSTEM_USER
+    from inferscale.connector.loader import LoadSpec, SegmentLoader
     from inferscale.kv import FactKV
     from inferscale.storage.pinned import PinnedHostStore
 
     store = PinnedHostStore()
+    store.put(SYSTEM_USER, {PREFIX_FACT: FactKV((7, 8, 9), torch.randn(2, 3, 1, 8), torch.randn(2, 3, 1, 8))})
     store.put("ann", {f"f{i}": FactKV((i, i + 1), torch.randn(2, 2, 1, 8), torch.randn(2, 2, 1, 8)) for i in range(3)})
-    for in_place in (True, False):
-        loader = SegmentLoader(store, None, None, slice(0, 1), "cuda", torch.float32, host_in_place=in_place)
-        held = loader._held_blocks("ann", ["f2", "f0"])
-        own = store.blocks("ann", ["f2", "f0"], "cpu")
-        if in_place:
-            assert [b.data_ptr() for b in held.blocks] == [b.data_ptr() for b in own]
-            assert all(b.is_pinned() for b in held.blocks)
-        else:
-            assert all(b.is_cuda for b in held.blocks)
+    spec = LoadSpec("r", SegmentRequest("ann", ("f2", "f0")), 0, 7, 7, np.arange(7),
+                    (store.generation(SYSTEM_USER), store.generation("ann")))
+    own = {b.data_ptr() for b in store.blocks("ann", ["f2", "f0"], "cpu")}
+    for host_in_place in (True, False):
+        loader = SegmentLoader(store, None, None, slice(0, 1), "cuda", torch.float32, host_in_place=host_in_place)
+        for asked in (None, True, False, True):  # (the prefix's blocks are kept per place: asked twice)
+            sources = loader.sources(spec, 2, 8, asked)
+            in_place = host_in_place and asked is not False
+            assert sources.in_host_memory == in_place
+            if in_place:
+                assert own <= {b.data_ptr() for b in sources.blocks}
+                assert all(b.is_pinned() for b in sources.blocks)
+            else:
+                assert all(b.is_cuda for b in sources.blocks)
+
+
+@pytest.mark.parametrize("tokens, token_bytes, from_bytes, expected", [
+    (52, 131072, 32 << 20, False), (232, 131072, 32 << 20, False), (256, 131072, 32 << 20, True),
+    (1032, 131072, 32 << 20, True), (1, 1, 0, True), (0, 131072, 1, False)])
+def test_only_reads_past_the_threshold_go_in_place(tokens, token_bytes, from_bytes, expected):
+    """Config.pinned_copy_below_mib: Llama-3.1-8B's 128 KiB a token, 32 MiB: 1 or 10 facts of 20
+    tokens (and the 32-token prefix) are copied first, 50 are read in place; 0 reads all in place."""
+    from inferscale.connector.loader import reads_in_place
+
+    assert reads_in_place(tokens, token_bytes, from_bytes) is expected

@@ -39,6 +39,9 @@ PINNED_READ_PROGRAMS = int(os.environ.get("INFERSCALE_TEST_PINNED_READ_PROGRAMS"
 #: replayed from CUDA graphs (unset: Config's default)
 PINNED_READ_GRAPHS = {"0": False, "1": True}.get(os.environ.get("INFERSCALE_TEST_PINNED_READ_GRAPHS", ""),
                                                  Config.pinned_read_graphs)
+#: INFERSCALE_TEST_PINNED_COPY_BELOW_MIB=x (GPU machine): steps loading fewer MiB are copied, not read in place
+#: (unset: Config's default, under which a tiny model's reads are all copied)
+PINNED_COPY_BELOW_MIB = float(os.environ.get("INFERSCALE_TEST_PINNED_COPY_BELOW_MIB") or Config.pinned_copy_below_mib)
 #: INFERSCALE_TEST_KV_STORE=hbm (GPU machine): the connector's memory tier (default: pinned host);
 #: on the GPU the hbm store's fused writes are replayed from CUDA graphs (Config.write_graphs)
 KV_STORE = os.environ.get("INFERSCALE_TEST_KV_STORE", "pinned")
@@ -53,7 +56,7 @@ def engine_config(model_dir: Path, data_dir: Path, dtype: str, recompute_tokens:
     return Config(model=ModelSpec(path=str(model_dir), dtype=dtype), data_dir=str(data_dir),
                   kv_store=BackendSpec(KV_STORE), recompute_tokens=recompute_tokens, fused_write=FUSED_WRITE,
                   pinned_reads=PINNED_READS, pinned_read_programs=PINNED_READ_PROGRAMS,
-                  pinned_read_graphs=PINNED_READ_GRAPHS)
+                  pinned_read_graphs=PINNED_READ_GRAPHS, pinned_copy_below_mib=PINNED_COPY_BELOW_MIB)
 
 
 @contextlib.contextmanager

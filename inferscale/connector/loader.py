@@ -6,6 +6,7 @@ disk tier on first use and then kept by the store (pinned host or HBM).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -74,9 +75,10 @@ class SegmentLoader:
                  device: torch.device | str, dtype: torch.dtype, host_in_place: bool = False):
         self.store, self.disk, self.rope = store, disk, rope
         self.heads, self.device, self.dtype = heads, torch.device(device), dtype
-        #: the fused write's sources point into pinned host blocks where they lie (no copy)
+        #: the fused write's sources may point into pinned host blocks where they lie (no copy)
         self.host_in_place = host_in_place and self.device.type == "cuda" and getattr(store, "pinned", False)
-        self._prefix_held: tuple[str | None, HeldBlocks] | None = None  # (its version, its blocks)
+        #: the instruction prefix's blocks where a step reads them (host or device): (its version, its blocks)
+        self._prefix_held: dict[bool, tuple[str | None, HeldBlocks]] = {}
 
     def load(self, spec: LoadSpec, num_layers: int, head_size: int) -> Segment:
         """K/V for the spec's tokens, rotated to their positions, this rank's heads, cache dtype.
@@ -98,10 +100,13 @@ class SegmentLoader:
         token_ids = batch.flat_token_ids()[spec.start:spec.end]
         return Segment(batch.fact_ids, spec.start, token_ids, keys.to(self.dtype), values)
 
-    def sources(self, spec: LoadSpec, num_layers: int, head_size: int) -> Sources:
+    def sources(self, spec: LoadSpec, num_layers: int, head_size: int, in_place: bool | None = None) -> Sources:
         """Where the spec's tokens lie in the store, their positions and key scales (for the
-        fused write, :mod:`fused_write`); checked as :meth:`load` checks."""
-        blocks, prefix_len, total = self._read(self._held, spec)
+        fused write, :mod:`fused_write`); checked as :meth:`load` checks. ``in_place``: point into
+        pinned host blocks where they lie (default :attr:`host_in_place`; never where that is
+        false), else copy them to the device."""
+        in_place = self.host_in_place if in_place is None else in_place and self.host_in_place
+        blocks, prefix_len, total = self._read(functools.partial(self._held, in_place=in_place), spec)
         _check_range(spec, total)
         _check_model(blocks.layout.num_layers, blocks.layout.head_size, num_layers, head_size)
         return token_sources(blocks, spec.start, spec.end, spec.slots, spec.key_scale, scaled_from=prefix_len)
@@ -118,32 +123,33 @@ class SegmentLoader:
             raise ValueError("stored facts changed since the request was scheduled (another version)")
         return found
 
-    def _held(self, spec: LoadSpec) -> tuple[HeldBlocks, int, int] | None:
-        """(the segment's blocks on the device, prefix tokens, segment tokens); None when the
-        memory tier does not hold the scheduled versions."""
+    def _held(self, spec: LoadSpec, in_place: bool) -> tuple[HeldBlocks, int, int] | None:
+        """(the segment's blocks, prefix tokens, segment tokens); None when the memory tier does
+        not hold the scheduled versions."""
         self._hold(spec.user_id)
         if not self._holds_versions(spec):
             return None
         try:
-            blocks = self._prefix()
+            blocks = self._prefix(in_place)
             if spec.request.fact_ids:
-                blocks += self._held_blocks(spec.user_id, spec.request.fact_ids)
+                blocks += self._held_blocks(spec.user_id, spec.request.fact_ids, in_place)
         except MissingFactError:
             return None
         return blocks, int(blocks.lengths[0]), int(blocks.lengths.sum())
 
-    def _prefix(self) -> HeldBlocks:
-        """The instruction prefix's blocks, looked up once per version of it (every request
-        starts with it; a pinned store's prefix is then copied once)."""
+    def _prefix(self, in_place: bool) -> HeldBlocks:
+        """The instruction prefix's blocks, looked up once per version of it and place (every
+        request starts with it; a pinned store's prefix is then copied once)."""
         generation = self.store.generation(SYSTEM_USER)
-        if self._prefix_held is None or self._prefix_held[0] != generation:
-            self._prefix_held = (generation, self._held_blocks(SYSTEM_USER, [PREFIX_FACT]))
-        return self._prefix_held[1]
+        held = self._prefix_held.get(in_place)
+        if held is None or held[0] != generation:
+            held = self._prefix_held[in_place] = (generation, self._held_blocks(SYSTEM_USER, [PREFIX_FACT], in_place))
+        return held[1]
 
-    def _held_blocks(self, user_id: str, fact_ids: Sequence[str]) -> HeldBlocks:
+    def _held_blocks(self, user_id: str, fact_ids: Sequence[str], in_place: bool) -> HeldBlocks:
         """The facts' blocks on the loader's device (pinned host blocks copied, one DMA each), or
-        where they lie with :attr:`host_in_place`; through the store's table when it keeps one."""
-        where = _HOST if self.host_in_place else self.device
+        where they lie when ``in_place``; through the store's table when it keeps one."""
+        where = _HOST if in_place else self.device
         held = getattr(self.store, "held_blocks", None)
         if held is not None:
             return held(user_id, fact_ids, where)
@@ -180,10 +186,17 @@ class SegmentLoader:
                 ensure_user(self.store, self.disk, user)
 
     def _refresh(self, user_id: str) -> None:
-        self._prefix_held = None
+        self._prefix_held.clear()
         for user in (SYSTEM_USER, user_id):
             self.store.delete(user)
             ensure_user(self.store, self.disk, user)
+
+
+def reads_in_place(num_tokens: int, token_bytes: int, in_place_from: int) -> bool:
+    """Whether a step loading ``num_tokens`` tokens of ``token_bytes`` bytes each reads pinned
+    host memory in place (``Config.pinned_copy_below_mib``): only from ``in_place_from`` bytes on,
+    where the bus time it hides outweighs its fixed cost; smaller steps are copied first."""
+    return num_tokens * token_bytes >= in_place_from
 
 
 def _check_range(spec: LoadSpec, segment_len: int) -> None:

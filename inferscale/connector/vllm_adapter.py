@@ -34,7 +34,7 @@ from inferscale.config import Config, build
 from inferscale.connector import compat, fused_write
 from inferscale.compose.segment import Segment
 from inferscale.connector.layer_loads import LayerLoads, layer_groups
-from inferscale.connector.loader import LoadSpec, SegmentLoader, blocks_for, kv_head_range, slots_for
+from inferscale.connector.loader import LoadSpec, SegmentLoader, blocks_for, kv_head_range, reads_in_place, slots_for
 from inferscale.connector.metrics import InferScalePromMetrics, InferScaleStats, stats_or_none
 from inferscale.connector.planner import NO_MEMORY, Plan, plan_request
 from inferscale.connector.report import client_report
@@ -173,6 +173,10 @@ class InferScaleConnector(compat.KVConnectorBase_V1):
         self.layer_loads = LayerLoads(first.device, len(self.layer_names))
         #: the launches of an in-place read of host memory (pinned_reads = "overlap"), a group of layers each
         self._host_groups = tuple(layer_groups(len(self.layer_names), self.config.pinned_read_launches))
+        #: the bytes of one token's K/V on this rank, and the fewest a step reads in place
+        self._token_bytes = len(self.layer_names) * 2 * (self.heads.stop - self.heads.start) * self.head_size \
+            * first.dtype.itemsize
+        self._in_place_from = int(self.config.pinned_copy_below_mib * 2**20)
 
     def start_load_kv(self, forward_context, **kwargs: Any) -> None:
         """Queue this step's loads; the forward pass waits for each layer in
@@ -184,11 +188,13 @@ class InferScaleConnector(compat.KVConnectorBase_V1):
             raise RuntimeError("KV caches were never registered with the connector")
         began = time.perf_counter()
         fused = self._fused_views(forward_context) is not None
+        in_place = fused and self.loader.host_in_place and reads_in_place(
+            sum(spec.end - spec.start for spec in loads), self._token_bytes, self._in_place_from)
         # one kernel from GPU memory runs before the forward on its own stream; reads of host
-        # memory (pinned_reads = "overlap") and the per-layer path overlap it from a side stream
-        with self.layer_loads.issuing(side_stream=not fused or self.loader.host_in_place):
+        # memory in place (pinned_reads = "overlap") and the per-layer path overlap it from a side stream
+        with self.layer_loads.issuing(side_stream=not fused or in_place):
             if fused:
-                self._write_fused(loads)
+                self._write_fused(loads, in_place)
             else:
                 self._write(forward_context, self._prepare(loads))
         if getattr(forward_context, "attn_metadata", None) is None:
@@ -211,7 +217,7 @@ class InferScaleConnector(compat.KVConnectorBase_V1):
                                                      self.rope.style == "neox")
         return self._cache_views or None
 
-    def _write_fused(self, loads) -> None:
+    def _write_fused(self, loads, in_place: bool) -> None:
         """One kernel writes every layer for every request of the step, queued on the forward
         stream itself (nothing to synchronise; the forward's wait at layer 0 is then free). From
         host memory, a few launches of a group of layers each, on the side stream: each layer's
@@ -220,7 +226,7 @@ class InferScaleConnector(compat.KVConnectorBase_V1):
         for spec in loads:
             try:
                 tier = self._tier(spec)
-                ready.append((spec, self.loader.sources(spec, len(self.layer_names), self.head_size), tier))
+                ready.append((spec, self.loader.sources(spec, len(self.layer_names), self.head_size, in_place), tier))
             except Exception as exc:  # never crash the engine: report the blocks, vLLM recomputes
                 self._load_failed(spec, exc)
         keep, done = [], None  # done: an event recorded after the last work queued, if one was
