@@ -1,9 +1,10 @@
 """How benchmarks/ttft.py turns a --kv-stores entry into the connector's options, and the
-interval it puts around a within-round median."""
+interval it puts around a within-round median, and the goal it holds each row against."""
 
 from __future__ import annotations
 
 import importlib.util
+import json
 import math
 import random
 import statistics
@@ -97,3 +98,31 @@ def test_median_interval_holds_the_sample_median_and_widens_with_confidence(valu
     assert low <= statistics.median(values) <= high
     wider = ttft.median_interval(values, min(0.999, confidence + 0.009))
     assert math.isnan(wider[0]) or (wider[0] <= low and high <= wider[1])
+
+
+def test_goal_verdicts_of_a_saved_h200_run():
+    """The goal column read off the eleventh H200 block's second machine: the hbm store met
+    1.10x at k = 1, could not tell at k = 50 (1.089-1.152), missed at k = 100 (1.172-1.255); the
+    pinned store met 1.2x its PCIe floor at k = 100 (3.44-5.07 ms, limit 5.72), could not tell at
+    k = 50 (2.51-3.17 ms, limit 2.88)."""
+    ttft = ttft_module()
+    saved = json.loads((REPO / "benchmarks/results/ttft_llama8b_h200_run13b.json").read_text())
+    gets = {int(k): v for k, v in saved["store_get"].items()}
+    verdicts = {(r["kv_store"], r["k"]): ttft.goal(r, gets) for r in saved["rows"]}
+    assert {key: v["verdict"] for key, v in verdicts.items() if key[1] in (1, 50, 100)} == {
+        ("hbm", 1): "met", ("hbm", 50): "undecided", ("hbm", 100): "missed",
+        ("pinned", 1): "missed", ("pinned", 50): "undecided", ("pinned", 100): "met"}
+    assert verdicts[("pinned", 100)]["limit"] == pytest.approx(1.2 * gets[100]["pcie_floor_ms"])
+    assert ttft.goal_cell(verdicts[("hbm", 100)]) == "KV / none ≤ 1.10: missed"
+
+
+def test_goal_needs_full_injection_and_a_floor():
+    ttft = ttft_module()
+    row = {"kv_store": "pinned:copybelow0", "k": 50, "recompute_tokens": 0,
+           "kv_minus_none_ci_ms": (1.0, 2.0), "kv_vs_none_paired_ci": (1.05, 1.08)}
+    assert ttft.goal(row, {}) is None  # no GPU, no floor
+    assert ttft.goal(row, {50: {"pcie_floor_ms": 2.0}})["verdict"] == "met"
+    assert ttft.goal(dict(row, recompute_tokens=256), {50: {"pcie_floor_ms": 2.0}}) is None
+    nan = float("nan")  # too few rounds for an interval: the run cannot tell
+    assert ttft.goal(dict(row, kv_store="hbm", kv_vs_none_paired_ci=(nan, nan)), {})["verdict"] == "undecided"
+    assert ttft.goal(dict(row, kv_store="hbm", kv_vs_none_paired_ci=(1.11, 1.2)), {})["verdict"] == "missed"
