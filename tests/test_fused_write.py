@@ -288,6 +288,20 @@ def test_loader_reads_pinned_blocks_in_place_when_asked():
                 assert all(b.is_pinned() for b in sources.blocks)
             else:
                 assert all(b.is_cuda for b in sources.blocks)
+        # the step's choice: 7 tokens of 2 layers × K and V × 1 head × 8 float32 = 896 bytes
+        assert loader.step_in_place([spec], 2, 8) is host_in_place
+        loader.in_place_from = 897
+        assert loader.step_in_place([spec], 2, 8) is False
+
+
+def test_a_loader_off_the_gpu_never_reads_in_place():
+    from inferscale.compose.request import SegmentRequest
+    from inferscale.connector.loader import LoadSpec, SegmentLoader
+    from inferscale.storage.pinned import PinnedHostStore
+
+    loader = SegmentLoader(PinnedHostStore(), None, None, slice(0, 1), "cpu", torch.float32, host_in_place=True)
+    spec = LoadSpec("r", SegmentRequest("ann", ("f0",)), 0, 7, 7, np.arange(7), ("", ""))
+    assert not loader.host_in_place and loader.step_in_place([spec], 2, 8) is False
 
 
 @pytest.mark.parametrize("tokens, token_bytes, from_bytes, expected", [

@@ -72,11 +72,13 @@ _HOST = torch.device("cpu")
 
 class SegmentLoader:
     def __init__(self, store: KVStore, disk: KVStore, rope: RotaryEmbedding, heads: slice,
-                 device: torch.device | str, dtype: torch.dtype, host_in_place: bool = False):
+                 device: torch.device | str, dtype: torch.dtype, host_in_place: bool = False, in_place_from: int = 0):
         self.store, self.disk, self.rope = store, disk, rope
         self.heads, self.device, self.dtype = heads, torch.device(device), dtype
-        #: the fused write's sources may point into pinned host blocks where they lie (no copy)
+        #: the fused write's sources may point into pinned host blocks where they lie (no copy), for a
+        #: step that loads at least ``in_place_from`` bytes (Config.pinned_copy_below_mib)
         self.host_in_place = host_in_place and self.device.type == "cuda" and getattr(store, "pinned", False)
+        self.in_place_from = in_place_from
         #: the instruction prefix's blocks where a step reads them (host or device): (its version, its blocks)
         self._prefix_held: dict[bool, tuple[str | None, HeldBlocks]] = {}
 
@@ -99,6 +101,14 @@ class SegmentLoader:
             values = values.contiguous()
         token_ids = batch.flat_token_ids()[spec.start:spec.end]
         return Segment(batch.fact_ids, spec.start, token_ids, keys.to(self.dtype), values)
+
+    def step_in_place(self, specs: Sequence[LoadSpec], num_layers: int, head_size: int) -> bool:
+        """Whether a step loading ``specs`` reads pinned host memory in place (:attr:`host_in_place`,
+        and enough bytes for it, :func:`reads_in_place`), else copies them to the device first."""
+        if not self.host_in_place:
+            return False
+        token_bytes = num_layers * 2 * (self.heads.stop - self.heads.start) * head_size * self.dtype.itemsize
+        return reads_in_place(sum(spec.end - spec.start for spec in specs), token_bytes, self.in_place_from)
 
     def sources(self, spec: LoadSpec, num_layers: int, head_size: int, in_place: bool | None = None) -> Sources:
         """Where the spec's tokens lie in the store, their positions and key scales (for the

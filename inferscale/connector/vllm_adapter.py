@@ -34,7 +34,7 @@ from inferscale.config import Config, build
 from inferscale.connector import compat, fused_write
 from inferscale.compose.segment import Segment
 from inferscale.connector.layer_loads import LayerLoads, layer_groups
-from inferscale.connector.loader import LoadSpec, SegmentLoader, blocks_for, kv_head_range, reads_in_place, slots_for
+from inferscale.connector.loader import LoadSpec, SegmentLoader, blocks_for, kv_head_range, slots_for
 from inferscale.connector.metrics import InferScalePromMetrics, InferScaleStats, stats_or_none
 from inferscale.connector.planner import NO_MEMORY, Plan, plan_request
 from inferscale.connector.report import client_report
@@ -169,14 +169,11 @@ class InferScaleConnector(compat.KVConnectorBase_V1):
         self._layer_of = {name: index for index, name in enumerate(self.layer_names)}
         first = kv_caches[self.layer_names[0]]
         self.loader = SegmentLoader(self.store, self.disk, self.rope, self.heads, first.device, first.dtype,
-                                    host_in_place=self.config.pinned_reads == "overlap")
+                                    host_in_place=self.config.pinned_reads == "overlap",
+                                    in_place_from=int(self.config.pinned_copy_below_mib * 2**20))
         self.layer_loads = LayerLoads(first.device, len(self.layer_names))
         #: the launches of an in-place read of host memory (pinned_reads = "overlap"), a group of layers each
         self._host_groups = tuple(layer_groups(len(self.layer_names), self.config.pinned_read_launches))
-        #: the bytes of one token's K/V on this rank, and the fewest a step reads in place
-        self._token_bytes = len(self.layer_names) * 2 * (self.heads.stop - self.heads.start) * self.head_size \
-            * first.dtype.itemsize
-        self._in_place_from = int(self.config.pinned_copy_below_mib * 2**20)
 
     def start_load_kv(self, forward_context, **kwargs: Any) -> None:
         """Queue this step's loads; the forward pass waits for each layer in
@@ -188,8 +185,7 @@ class InferScaleConnector(compat.KVConnectorBase_V1):
             raise RuntimeError("KV caches were never registered with the connector")
         began = time.perf_counter()
         fused = self._fused_views(forward_context) is not None
-        in_place = fused and self.loader.host_in_place and reads_in_place(
-            sum(spec.end - spec.start for spec in loads), self._token_bytes, self._in_place_from)
+        in_place = fused and self.loader.step_in_place(loads, len(self.layer_names), self.head_size)
         # one kernel from GPU memory runs before the forward on its own stream; reads of host
         # memory in place (pinned_reads = "overlap") and the per-layer path overlap it from a side stream
         with self.layer_loads.issuing(side_stream=not fused or in_place):
