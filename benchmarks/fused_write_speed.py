@@ -13,7 +13,7 @@ prefix and 20-token facts), one launch of the fused write into a FlashAttention-
 
 GPU times are CUDA events around the work (median of ``--reps``); the sources are built before
 the window, except for ``pinned copy``, whose copies run while the host builds them. Host times:
-building the sources (``HeldBlocks.of`` + ``token_sources`` + the table copy; the connector keeps a
+building the sources (``HeldBlocks.of`` + ``segment_sources`` + the table copy; the connector keeps a
 user's table, so it builds less) and one launch through Triton's JIT.
 
 Then, at ``--contention-ks``, the in-place reads (``pinned_reads = "overlap"``) beside a forward
@@ -47,7 +47,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from inferscale.compose.rope import RotaryEmbedding  # noqa: E402
 from inferscale.config import Config  # noqa: E402
-from inferscale.connector.fused_write import CacheViews, Sources, token_sources, write_tokens  # noqa: E402
+from inferscale.connector.fused_write import CacheViews, write_tokens  # noqa: E402
+from inferscale.connector.sources import Sources, segment_sources  # noqa: E402
 from inferscale.connector.layer_loads import layer_groups  # noqa: E402
 from inferscale.storage.blocks import HeldBlocks  # noqa: E402
 
@@ -99,8 +100,8 @@ class Memory:
 
     def sources(self, blocks: list[torch.Tensor]) -> Sources:
         """The fused write's sources of ``blocks`` (these facts, wherever they lie), table on the GPU."""
-        return token_sources(HeldBlocks.of(blocks), 0, sum(self.lengths), self.slots, 1.0,
-                             self.lengths[0]).to(torch.device("cuda"))
+        return segment_sources(HeldBlocks.of(blocks[:1]), HeldBlocks.of(blocks[1:]), 0, sum(self.lengths),
+                               self.slots)[0].to(torch.device("cuda"))
 
 
 def row(k: int, args, cache: CacheViews, rope: RotaryEmbedding) -> dict:

@@ -113,7 +113,7 @@ fi
 
 if has ttft; then
   stamp "TTFT vs k, Llama-3.1-8B shape, multiprocess engine, CUDA graphs, hbm + pinned, query-to-first-token ($FUSED)"
-  PYTHONPATH=$NOW timeout 600 python3 benchmarks/ttft.py --cuda-graphs --shape llama-3.1-8b --kv-stores "${TTFT_STORES:-hbm,pinned}" \
+  PYTHONPATH=$NOW timeout ${TTFT_TIMEOUT:-900} python3 benchmarks/ttft.py --cuda-graphs --shape llama-3.1-8b --kv-stores "${TTFT_STORES:-hbm,pinned}" \
     --ks "${TTFT_KS:-1,5,10,25,50,100}" --reps 20 $FUSED ${TTFT_ARGS:-} --embedder .gpu/minilm --out "$RUN/ttft_llama8b_h200${TTFT_TAG:-}.json" 2>&1 \
     | grep -v " INFO \| DEBUG "
 fi

@@ -11,10 +11,13 @@ facts of a Llama-3.1-8B K/V shape (random memory as ``ttft.py`` writes it):
   write's launch on the current stream, with its event (``_write_fused``'s work);
 * ``graph_launch`` — the same from a CUDA graph (``Config.write_graphs``): the table into the
   pinned staging buffer, one graph replay, the event. Not in the sums: it replaces ``launch``.
+* ``sources_numpy`` — the baseline of ``sources``: the same table built as before the compiled
+  loop (the facts' blocks picked and joined, then a dozen NumPy calls). Not in the sums.
 
-"hot" calls a step back to back; "cold" first runs unrelated work that sweeps the CPU's caches
-(64 MiB of memory and a few thousand Python objects), as the engine's own work between two
-requests does. A fixed pure-Python workload (``python_ref_ms``) compares hosts: the engine's host
+"cold" first runs unrelated work that sweeps the CPU's caches (64 MiB of memory and a few
+thousand Python objects), as the engine's own work between two requests does; "hot" calls the
+step again right after. Every round times each step once both ways, the steps in a shuffled
+order, so that a host that slows down during the run slows all of them alike. A fixed pure-Python workload (``python_ref_ms``) compares hosts: the engine's host
 is often slower than a developer's. Prints a table, writes ``--out`` (JSON).
 
     python benchmarks/host_path.py --out benchmarks/results/host_path.json
@@ -25,6 +28,7 @@ from __future__ import annotations
 import argparse
 import json
 import platform
+import random
 import statistics
 import sys
 import tempfile
@@ -45,6 +49,7 @@ from inferscale.compose.rope import RotaryEmbedding  # noqa: E402
 from inferscale.compose.salt import CacheSalts  # noqa: E402
 from inferscale.connector import fused_write  # noqa: E402
 from inferscale.connector.layer_loads import LayerLoads  # noqa: E402
+from inferscale.connector.sources import K_ADDR, LAYER_STRIDE, POSITION, SCALE, SLOT, V_ADDR, Sources  # noqa: E402
 from inferscale.connector.loader import LoadSpec, SegmentLoader, blocks_for, slots_for  # noqa: E402
 from inferscale.connector.planner import plan_request  # noqa: E402
 from inferscale.connector.write_graphs import WriteGraphs  # noqa: E402
@@ -85,6 +90,50 @@ def median_ms(work, reps: int, cold: bool) -> float:
     return statistics.median(times)
 
 
+def numpy_sources(loader: SegmentLoader, spec: LoadSpec) -> Sources:
+    """The sources table as the loader built it before the compiled loop (the baseline of
+    ``sources``): the facts' blocks picked and joined to the prefix's, then NumPy over tokens."""
+    prefix, facts, rows = loader._held(spec, False)
+    held = prefix + (facts if rows is None else facts.select(rows))
+    layout, lengths = held.layout, held.lengths
+    row, size = layout.num_kv_heads * layout.head_size, layout.dtype.itemsize
+    which = np.repeat(np.arange(len(lengths)), lengths)[spec.start:spec.end]
+    base = held.addresses - (np.cumsum(lengths) - lengths) * (row * size)
+    table = np.empty((6, spec.end - spec.start), dtype=np.int64)
+    positions, keys, stride = table[POSITION], table[K_ADDR], table[LAYER_STRIDE]
+    positions[:] = np.arange(spec.start, spec.end)
+    np.multiply(lengths[which], row, out=stride)
+    np.multiply(positions, row * size, out=keys)
+    keys += base[which]
+    np.multiply(stride, layout.num_layers * size, out=table[V_ADDR])
+    table[V_ADDR] += keys
+    table[SLOT] = spec.slots
+    table[SCALE] = np.float32(1.0).view(np.int32)
+    if spec.key_scale != 1.0:
+        table[SCALE, max(0, int(prefix.lengths.sum()) - spec.start):] = np.float32(spec.key_scale).view(np.int32)
+    return Sources(torch.from_numpy(table), layout.dtype, layout.num_kv_heads, held.blocks)
+
+
+def rounds_ms(work: dict, reps: int) -> dict[str, float]:
+    """Median ms of each step hot and cold (``<name>_hot_ms``, ``<name>_cold_ms``) over ``reps``
+    rounds, each timing every step once cold and once hot, in a shuffled order."""
+    times: dict[str, list[float]] = {f"{name}_{kind}_ms": [] for name in work for kind in ("hot", "cold")}
+    for step in work.values():  # warm-up (compiles what compiles on first use)
+        step()
+    shuffler = random.Random(0)
+    for _ in range(reps):
+        for name in shuffler.sample(list(work), len(work)):
+            for kind in ("cold", "hot"):
+                if torch.cuda.is_available():  # as in the engine, the GPU has finished the step before
+                    torch.cuda.synchronize()
+                if kind == "cold":
+                    sweep()
+                began = time.perf_counter()
+                work[name]()
+                times[f"{name}_{kind}_ms"].append((time.perf_counter() - began) * 1e3)
+    return {key: statistics.median(values) for key, values in times.items()}
+
+
 def steps(k: int, data: Path, device: torch.device) -> dict:
     """The step functions of one request with k facts."""
     cfg = SHAPES["llama-3.1-8b"]
@@ -114,7 +163,8 @@ def steps(k: int, data: Path, device: torch.device) -> dict:
         return LoadSpec("r", planned.request, 0, planned.claim_len, planned.segment_len, slots, planned.versions, 1.0)
 
     spec = metadata()
-    out = {"plan": plan, "metadata": metadata, "sources": lambda: loader.sources(spec, layers, head_size)}
+    out = {"plan": plan, "metadata": metadata, "sources": lambda: loader.sources(spec, layers, head_size),
+           "sources_numpy": lambda: numpy_sources(loader, spec)}
     if device.type == "cuda" and fused_write.available():
         caches = [torch.zeros(len(block_ids) + 8, heads, BLOCK, 2 * head_size, dtype=torch.bfloat16, device=device)
                   for _ in range(layers)]
@@ -124,7 +174,7 @@ def steps(k: int, data: Path, device: torch.device) -> dict:
 
         def launch():
             with loads.issuing(side_stream=False):
-                sources = fused_write.Sources.join([ready]).to(device)
+                sources = Sources.join([ready]).to(device)
                 cos, sin = rope.table(device, spec.end)
                 fused_write.write_tokens(views, sources, cos, sin, 0, rope.rotary_dim, rope.style == "neox")
                 loads.all_queued([sources])
@@ -135,7 +185,7 @@ def steps(k: int, data: Path, device: torch.device) -> dict:
         def graph_launch():
             with loads.issuing(side_stream=False):
                 cos, sin = rope.table(device, spec.end)
-                events = graphs.write(fused_write.Sources.join([ready]), cos, sin)
+                events = graphs.write(Sources.join([ready]), cos, sin)
                 if events is None:
                     raise RuntimeError("no graph served the write")
                 loads.all_queued([ready], events[-1][1])
@@ -155,13 +205,9 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for k in (int(k) for k in args.ks.split(",")):
-            row = {"k": k}
-            for name, work in steps(k, Path(tmp) / f"k{k}", device).items():
-                row[f"{name}_hot_ms"] = median_ms(work, args.reps, cold=False)
-                row[f"{name}_cold_ms"] = median_ms(work, args.reps, cold=True)
-            rows.append(row)
+            rows.append({"k": k, **rounds_ms(steps(k, Path(tmp) / f"k{k}", device), args.reps)})
     names = [key[:-7] for key in rows[0] if key.endswith("_hot_ms")]
-    summed = [n for n in names if n != "graph_launch"]
+    summed = [n for n in names if n not in ("graph_launch", "sources_numpy")]
     host = platform.processor() or platform.machine()
     print(f"connector host path per request, ms (median of {args.reps}), {device.type}, {host}; "
           f"python_ref {ref:.3f} ms")
@@ -172,6 +218,10 @@ def main(argv: list[str] | None = None) -> int:
         cold = sum(r[f"{n}_cold_ms"] for n in summed)
         cells = " | ".join(f"{r[f'{n}_hot_ms']:.3f} / {r[f'{n}_cold_ms']:.3f}" for n in names)
         print(f"| {r['k']} | {cells} | {hot:.3f} / {cold:.3f} |")
+    for r in rows:
+        r["sources_vs_numpy_cold"] = r["sources_cold_ms"] / r["sources_numpy_cold_ms"]
+        print(f"k = {r['k']}: sources cold {r['sources_cold_ms']:.3f} ms, "
+              f"{r['sources_vs_numpy_cold']:.2f}x its NumPy baseline ({r['sources_numpy_cold_ms']:.3f} ms)")
     result = {"device": torch.cuda.get_device_name() if device.type == "cuda" else host,
               "command": "python " + " ".join(sys.argv), "python_ref_ms": ref, "reps": args.reps, "rows": rows}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)

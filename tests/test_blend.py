@@ -160,6 +160,8 @@ def test_slots_follow_the_block_table(block_size, block_ids, data):
     assert slots.dtype.name == "int64"
     assert slots.tolist() == [block_ids[p // block_size] * block_size + p % block_size for p in range(start, end)]
     assert blocks_for(block_ids, block_size, start, end) == {s // block_size for s in slots.tolist()}
+    with pytest.raises(IndexError):  # past the block table
+        slots_for(block_ids, block_size, start, len(block_ids) * block_size + 1)
 
 
 def test_key_scale_multiplies_only_the_facts_keys(disk):
@@ -206,13 +208,14 @@ def test_loader_never_writes_another_version_of_the_memory(disk):
         loader.load(scheduled, num_layers=2, head_size=8)
 
 
+@pytest.mark.own_process
 def test_fused_sources_follow_a_new_instruction_prefix(disk):
     """The loader looks the prefix up once per version of it: a request scheduled after the
     prefix changed reads the new prefix's K/V, one scheduled before it is refused once the old
     prefix is gone."""
     import ctypes
 
-    from inferscale.connector.fused_write import K_ADDR
+    from inferscale.connector.sources import K_ADDR
 
     order = ["a"]
     loader = _loader(disk)
@@ -228,13 +231,14 @@ def test_fused_sources_follow_a_new_instruction_prefix(disk):
         loader.sources(before, num_layers=2, head_size=8)
 
 
+@pytest.mark.own_process
 def test_fused_sources_point_at_the_segments_stored_rows(disk):
     """What the fused kernel reads (raw addresses into the store's blocks) is the segment's
     pre-RoPE K/V, token for token, layer for layer; and it is checked as load() is."""
     import ctypes
 
     from inferscale.compose.segment import gather_segment
-    from inferscale.connector.fused_write import K_ADDR, LAYER_STRIDE, POSITION, SCALE, V_ADDR
+    from inferscale.connector.sources import K_ADDR, LAYER_STRIDE, POSITION, SCALE, V_ADDR
 
     order = ["a", "b", "c"]
     loader = _loader(disk)

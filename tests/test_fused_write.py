@@ -43,7 +43,8 @@ def check(case: int, device: str = "cpu", pinned: bool = False, via: str = "laun
     "counted" (one launch over a table of larger capacity whose columns past the count point at
     other slots), "graph" (replays of a CUDA graph, :class:`WriteGraphs`) or "graph-groups" (two
     groups of layers replayed from one graph, each with its own event)."""
-    from inferscale.connector.fused_write import CacheViews, Sources, token_sources, write_tokens
+    from inferscale.connector.fused_write import CacheViews, write_tokens
+    from inferscale.connector.sources import Sources, segment_sources
     from inferscale.storage.blocks import HeldBlocks
 
     style, fraction, src_dtype, dst_dtype, heads, scale = CASES[case]
@@ -61,7 +62,8 @@ def check(case: int, device: str = "cpu", pinned: bool = False, via: str = "laun
         total = sum(lengths)
         mine = slots[used:used + total - start]
         used += total - start
-        parts.append(token_sources(HeldBlocks.of(blocks), start, total, mine.tolist(), key_scale, lengths[0]))
+        parts.append(segment_sources(HeldBlocks.of(blocks[:1]), HeldBlocks.of(blocks[1:]), start, total, mine.tolist(),
+                                     key_scale)[0])
         stacked = torch.cat(blocks, dim=2).to(device)
         keys = rope.rotate_range(stacked[0][:, start:, heads], start)
         keys[:, lengths[0] - start:] *= key_scale
@@ -92,7 +94,8 @@ def check(case: int, device: str = "cpu", pinned: bool = False, via: str = "laun
 def write_counted_with_decoys(views, sources, free_slots, cos, sin, head0, rotary, neox) -> None:
     """:func:`write_counted` from a table of capacity count + 5 whose five extra columns are
     copies of real ones aimed at ``free_slots``: a kernel that ignored the count would write them."""
-    from inferscale.connector.fused_write import SLOT, write_counted
+    from inferscale.connector.fused_write import write_counted
+    from inferscale.connector.sources import SLOT
 
     count = sources.num_tokens
     capacity = count + 5
@@ -108,7 +111,7 @@ def write_through_graphs(views, parts, caches, expected, cos, sin, head0, rotary
     """Graph replays: both requests; then, into zeroed caches, the second alone (the staging
     buffer still holds more columns: the count must stop them); then both again, from the
     same graph and from one captured for a new rotary table (the same values)."""
-    from inferscale.connector.fused_write import Sources
+    from inferscale.connector.sources import Sources
     from inferscale.connector.write_graphs import WriteGraphs
 
     graphs = WriteGraphs(views, head0, rotary, neox, capacities=(64,))
@@ -134,7 +137,7 @@ def write_through_grouped_graphs(views, parts, caches, cos, sin, head0, rotary, 
     """One graph replays the write in two groups of layers, 3 programs per layer; the replay is
     queued behind a long sleep, and a second stream that waits for the first group's event (which
     the graph records) still finds layer 0 written: the event marks that group's writes."""
-    from inferscale.connector.fused_write import Sources
+    from inferscale.connector.sources import Sources
     from inferscale.connector.write_graphs import WriteGraphs
 
     graphs = WriteGraphs(views, head0, rotary, neox, capacities=(64,))
@@ -217,35 +220,6 @@ def test_fused_write_replayed_from_cuda_graphs(case):
 def test_in_place_read_groups_replayed_from_one_cuda_graph(case):
     pytest.importorskip("triton")
     check(case, "cuda", pinned=True, via="graph-groups")
-
-
-def test_sources_point_at_each_tokens_rows():
-    from inferscale.connector.fused_write import K_ADDR, LAYER_STRIDE, POSITION, SCALE, SLOT, V_ADDR, Sources, token_sources
-    from inferscale.storage.blocks import HeldBlocks
-
-    blocks = [torch.zeros(2, 3, n, 2, 4) for n in (2, 5)]
-    held = HeldBlocks.of(blocks[:1]) + HeldBlocks.of(blocks[1:])  # as the loader joins prefix and facts
-    sources = token_sources(held, 1, 7, [40, 41, 7, 8, 9, 90], key_scale=0.5, scaled_from=2)
-    row = 2 * 4 * 4  # bytes of one token's heads
-    expected_k = [blocks[0].data_ptr() + row] + [blocks[1].data_ptr() + i * row for i in range(5)]
-    assert sources.table[K_ADDR].tolist() == expected_k
-    assert sources.table[LAYER_STRIDE].tolist() == [2 * 8] + [5 * 8] * 5
-    assert (sources.table[V_ADDR] - sources.table[K_ADDR]).tolist() == [3 * 2 * 8 * 4] + [3 * 5 * 8 * 4] * 5
-    assert sources.table[SLOT].tolist() == [40, 41, 7, 8, 9, 90]
-    assert sources.table[POSITION].tolist() == [1, 2, 3, 4, 5, 6]
-    assert sources.table[SCALE].to(torch.int32).view(torch.float32).tolist() == [1.0, 0.5, 0.5, 0.5, 0.5, 0.5]
-    joined = Sources.join([sources, token_sources(held, 0, 2, [3, 4])])
-    assert joined.table[SLOT].tolist() == [40, 41, 7, 8, 9, 90, 3, 4] and len(joined.blocks) == 4
-    with pytest.raises(ValueError, match="joined"):  # stored in another dtype
-        Sources.join([sources, token_sources(HeldBlocks.of([blocks[0].to(torch.bfloat16)]), 0, 2, [3, 4])])
-    with pytest.raises(ValueError):
-        token_sources(held, 1, 7, [1, 2])  # a slot per token
-    with pytest.raises(ValueError):  # not contiguous
-        HeldBlocks.of([blocks[0], torch.zeros(2, 3, 4, 2, 4).transpose(3, 4)])
-    with pytest.raises(ValueError):  # another layout
-        HeldBlocks.of([blocks[0], torch.zeros(2, 3, 4, 2, 8)])
-    with pytest.raises(ValueError):  # another layout, joined
-        held + HeldBlocks.of([torch.zeros(2, 3, 4, 2, 4, dtype=torch.bfloat16)])
 
 
 @settings(max_examples=200, deadline=None)

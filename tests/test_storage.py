@@ -9,6 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
@@ -226,9 +227,9 @@ def test_pinned_packs_each_user_into_one_buffer():
 
 
 @pytest.mark.parametrize("name", ["hbm", "pinned"])
-def test_held_blocks_are_the_facts_blocks_in_request_order(name, tmp_path):
-    """The fused write's view of a request's facts: the same blocks, addresses and lengths as
-    inspecting each block, in the request's order, and their token ids encoded for the salt;
+def test_held_rows_pick_the_facts_blocks_in_request_order(name, tmp_path):
+    """The fused write's view of a request's facts: the user's blocks, and rows among them that
+    pick the same blocks, addresses and lengths as inspecting each block, in the request's order;
     a put renews them (new blocks, new table)."""
     from inferscale.storage.blocks import HeldBlocks
 
@@ -236,19 +237,21 @@ def test_held_blocks_are_the_facts_blocks_in_request_order(name, tmp_path):
     facts = make_facts(6)
     store.put("alice", facts)
     order = ["f4", "f0", "f5", "f2"]
-    held = store.held_blocks("alice", order, "cpu")
+    held, rows = store.held_rows("alice", order, "cpu")
+    picked = held.select(rows)
     inspected = HeldBlocks.of(store.blocks("alice", order, "cpu"))
-    assert [b.data_ptr() for b in held.blocks] == held.addresses.tolist() == inspected.addresses.tolist()
-    assert held.lengths.tolist() == [facts[f].num_tokens for f in order] == inspected.lengths.tolist()
+    assert len(held.blocks) == 6 and rows.dtype == np.int64
+    assert [b.data_ptr() for b in picked.blocks] == picked.addresses.tolist() == inspected.addresses.tolist()
+    assert picked.lengths.tolist() == [facts[f].num_tokens for f in order] == inspected.lengths.tolist()
     assert held.layout == inspected.layout
-    for block, fact_id in zip(held.blocks, order):
+    for block, fact_id in zip(picked.blocks, order):
         assert torch.equal(block[0], facts[fact_id].keys) and torch.equal(block[1], facts[fact_id].values)
-    assert store.held_blocks("alice", [], "cpu").lengths.tolist() == []
-    with pytest.raises(MissingFactError):
-        store.held_blocks("alice", ["f0", "nope"], "cpu")
+    assert store.held_rows("alice", [], "cpu")[1].tolist() == []
+    with pytest.raises(MissingFactError, match="nope"):
+        store.held_rows("alice", ["f0", "nope"], "cpu")
     store.put("alice", {"f0": make_fact(4, seed=99)})
-    again = store.held_blocks("alice", ["f0"], "cpu")
-    assert torch.equal(again.blocks[0][0], make_fact(4, seed=99).keys) and again.lengths.tolist() == [4]
+    again, rows = store.held_rows("alice", ["f0"], "cpu")
+    assert torch.equal(again.blocks[rows[0]][0], make_fact(4, seed=99).keys) and again.lengths[rows].tolist() == [4]
 
 
 def test_get_survives_a_concurrent_repack():

@@ -9,8 +9,8 @@ whole-tensor ops (:meth:`SegmentLoader.load` + one backend write per layer)
 does in ~10 launches per layer and several full passes over the K/V, this
 does in one launch and one pass, for every request of the step at once.
 
-Sources are given per token (:func:`token_sources`, joined over requests with
-:meth:`Sources.join`): raw addresses, the token's position and key scale. A
+Sources are given per token (:mod:`inferscale.connector.sources`, joined over
+requests with :meth:`Sources.join`): raw addresses, the token's position and key scale. A
 block may lie in GPU memory or, under unified addressing, in pinned host memory
 (each element is read once, a rotary pair by the same program). By default
 (``Config.pinned_reads = "overlap"``) the connector reads pinned blocks in place,
@@ -34,10 +34,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 
-from inferscale.storage.blocks import HeldBlocks
+from inferscale.connector.sources import Sources
 
 try:
     import triton
@@ -83,87 +82,6 @@ class CacheViews:
     @property
     def num_layers(self) -> int:
         return self.bases.shape[1]
-
-
-#: rows of a :class:`Sources` table
-K_ADDR, V_ADDR, LAYER_STRIDE, SLOT, POSITION, SCALE = range(6)
-
-
-@dataclass(frozen=True)
-class Sources:
-    """Where each token's K/V lies and where it goes, packed in one int64 ``table`` so that it
-    reaches the device in one copy. Per token (one column): the address of its layer-0 key row
-    (row ``K_ADDR``) and value row (``V_ADDR``), the distance in elements from one layer's row to
-    the next (``LAYER_STRIDE``), its cache slot (``SLOT``), its position (``POSITION``) and the
-    float32 bits of its keys' scale (``SCALE``). ``blocks`` are the tensors the addresses point
-    into: the caller keeps them alive until the kernel has run."""
-
-    table: torch.Tensor
-    dtype: torch.dtype
-    num_heads: int
-    blocks: tuple[torch.Tensor, ...]
-
-    @property
-    def num_tokens(self) -> int:
-        return self.table.shape[1]
-
-    @property
-    def in_host_memory(self) -> bool:
-        """Whether the K/V it points at lies in (pinned) host memory."""
-        return bool(self.blocks) and self.blocks[0].device.type == "cpu"
-
-    @classmethod
-    def join(cls, parts: Sequence[Sources]) -> Sources:
-        """Several requests' sources as one (one table copy, one launch); they must share the
-        stored dtype and head count (every fact was encoded by the served model)."""
-        first = parts[0]
-        for part in parts[1:]:
-            if part.dtype != first.dtype or part.num_heads != first.num_heads:
-                raise ValueError(f"sources of {first.dtype} × {first.num_heads} heads and "
-                                 f"{part.dtype} × {part.num_heads} heads cannot be joined")
-        if len(parts) == 1:
-            return first
-        table = torch.from_numpy(np.concatenate([part.table.numpy() for part in parts], axis=1))
-        return cls(table, first.dtype, first.num_heads, tuple(b for part in parts for b in part.blocks))
-
-    def to(self, device: torch.device) -> Sources:
-        """On ``device``: one asynchronous copy of the table, no host sync. (From pageable memory:
-        CUDA stages the few kilobytes before the call returns, so the table may be freed at once;
-        pinning it first cost more host time than the copy.)"""
-        table = self.table.to(device, non_blocking=True) if device.type == "cuda" else self.table
-        return Sources(table, self.dtype, self.num_heads, self.blocks)
-
-
-def token_sources(held: HeldBlocks, start: int, end: int, slots: Sequence[int], key_scale: float = 1.0,
-                  scaled_from: int = 0) -> Sources:
-    """Sources of tokens ``start..end-1`` of the concatenation of ``held``'s blocks (a segment
-    at positions 0, 1, ...), to be written to cache ``slots`` (one per token); the keys of
-    tokens from index ``scaled_from`` on are multiplied by ``key_scale``.
-
-    The per-token arithmetic runs in NumPy over the blocks' addresses and lengths, in as few
-    calls as it takes: on the request's critical path each NumPy call costs microseconds, and
-    ten times that when the engine's work in between has left the CPU's caches cold
-    (``benchmarks/host_path.py``)."""
-    if len(slots) != end - start:
-        raise ValueError(f"{len(slots)} slots for {end - start} tokens")
-    layout, lengths = held.layout, held.lengths
-    row, size = layout.num_kv_heads * layout.head_size, layout.dtype.itemsize
-    which = np.repeat(np.arange(len(lengths)), lengths)[start:end]
-    # where each block's token 0 would lie if its tokens sat at their segment positions
-    base = held.addresses - (np.cumsum(lengths) - lengths) * (row * size)
-    table = np.empty((6, end - start), dtype=np.int64)
-    positions, keys, stride = table[POSITION], table[K_ADDR], table[LAYER_STRIDE]
-    positions[:] = np.arange(start, end)
-    np.multiply(lengths[which], row, out=stride)
-    np.multiply(positions, row * size, out=keys)
-    keys += base[which]
-    np.multiply(stride, layout.num_layers * size, out=table[V_ADDR])
-    table[V_ADDR] += keys
-    table[SLOT] = slots
-    table[SCALE] = np.float32(1.0).view(np.int32)
-    if key_scale != 1.0:
-        table[SCALE, max(0, scaled_from - start):] = np.float32(key_scale).view(np.int32)
-    return Sources(torch.from_numpy(table), layout.dtype, layout.num_kv_heads, held.blocks)
 
 
 #: runtime arguments are never specialized on their values or alignment: one compiled kernel per

@@ -15,7 +15,7 @@ import torch
 
 from inferscale.compose.rope import RotaryEmbedding
 from inferscale.compose.segment import PREFIX_FACT, SYSTEM_USER, Segment, gather_segment
-from inferscale.connector.fused_write import Sources, token_sources
+from inferscale.connector.sources import Sources, segment_sources
 from inferscale.compose.request import SegmentRequest
 from inferscale.errors import MissingFactError, ModelMismatchError
 from inferscale.kv import KVBatch
@@ -116,10 +116,11 @@ class SegmentLoader:
         pinned host blocks where they lie (default :attr:`host_in_place`; never where that is
         false), else copy them to the device."""
         in_place = self.host_in_place if in_place is None else in_place and self.host_in_place
-        blocks, prefix_len, total = self._read(functools.partial(self._held, in_place=in_place), spec)
+        prefix, facts, rows = self._read(functools.partial(self._held, in_place=in_place), spec)
+        _check_model(prefix.layout.num_layers, prefix.layout.head_size, num_layers, head_size)
+        sources, total = segment_sources(prefix, facts, spec.start, spec.end, spec.slots, spec.key_scale, rows)
         _check_range(spec, total)
-        _check_model(blocks.layout.num_layers, blocks.layout.head_size, num_layers, head_size)
-        return token_sources(blocks, spec.start, spec.end, spec.slots, spec.key_scale, scaled_from=prefix_len)
+        return sources
 
     def _read(self, read, spec: LoadSpec):
         """``read(spec)``, once more after reloading the user when the memory tier turns out
@@ -133,19 +134,20 @@ class SegmentLoader:
             raise ValueError("stored facts changed since the request was scheduled (another version)")
         return found
 
-    def _held(self, spec: LoadSpec, in_place: bool) -> tuple[HeldBlocks, int, int] | None:
-        """(the segment's blocks, prefix tokens, segment tokens); None when the memory tier does
-        not hold the scheduled versions."""
+    def _held(self, spec: LoadSpec, in_place: bool) -> tuple[HeldBlocks, HeldBlocks, np.ndarray | None] | None:
+        """The segment's blocks: the prefix's, the user's and the rows of the request's facts among
+        them (None: all, in order; :meth:`_fact_blocks`); None when the memory tier does not hold
+        the scheduled versions."""
         self._hold(spec.user_id)
         if not self._holds_versions(spec):
             return None
         try:
-            blocks = self._prefix(in_place)
-            if spec.request.fact_ids:
-                blocks += self._held_blocks(spec.user_id, spec.request.fact_ids, in_place)
+            prefix = self._prefix(in_place)
+            if not spec.request.fact_ids:
+                return prefix, HeldBlocks.empty(prefix.layout), None
+            return prefix, *self._fact_blocks(spec.user_id, spec.request.fact_ids, in_place)
         except MissingFactError:
             return None
-        return blocks, int(blocks.lengths[0]), int(blocks.lengths.sum())
 
     def _prefix(self, in_place: bool) -> HeldBlocks:
         """The instruction prefix's blocks, looked up once per version of it and place (every
@@ -153,17 +155,20 @@ class SegmentLoader:
         generation = self.store.generation(SYSTEM_USER)
         held = self._prefix_held.get(in_place)
         if held is None or held[0] != generation:
-            held = self._prefix_held[in_place] = (generation, self._held_blocks(SYSTEM_USER, [PREFIX_FACT], in_place))
+            blocks, rows = self._fact_blocks(SYSTEM_USER, [PREFIX_FACT], in_place)
+            held = self._prefix_held[in_place] = (generation, blocks if rows is None else blocks.select(rows))
         return held[1]
 
-    def _held_blocks(self, user_id: str, fact_ids: Sequence[str], in_place: bool) -> HeldBlocks:
-        """The facts' blocks on the loader's device (pinned host blocks copied, one DMA each), or
-        where they lie when ``in_place``; through the store's table when it keeps one."""
+    def _fact_blocks(self, user_id: str, fact_ids: Sequence[str], in_place: bool
+                     ) -> tuple[HeldBlocks, np.ndarray | None]:
+        """Blocks that hold the facts on the loader's device (pinned host blocks copied, one DMA
+        each), or where they lie when ``in_place``, and the facts' rows among them (None: all, in
+        order); through the store's table of each user's blocks when it keeps one."""
         where = _HOST if in_place else self.device
-        held = getattr(self.store, "held_blocks", None)
+        held = getattr(self.store, "held_rows", None)
         if held is not None:
             return held(user_id, fact_ids, where)
-        return HeldBlocks.of(self.store.blocks(user_id, fact_ids, where))
+        return HeldBlocks.of(self.store.blocks(user_id, fact_ids, where)), None
 
     def _holds_versions(self, spec: LoadSpec) -> bool:
         """Whether the memory tier holds the prefix and the user's memory in the versions the

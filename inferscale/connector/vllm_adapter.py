@@ -38,6 +38,7 @@ from inferscale.connector.loader import LoadSpec, SegmentLoader, blocks_for, kv_
 from inferscale.connector.metrics import InferScalePromMetrics, InferScaleStats, stats_or_none
 from inferscale.connector.planner import NO_MEMORY, Plan, plan_request
 from inferscale.connector.report import client_report
+from inferscale.connector.sources import Sources, warm_up
 from inferscale.connector.stats import ConnectorStats, Fallback
 from inferscale.connector.write_graphs import WriteGraphs
 from inferscale.storage.disk import DiskStore
@@ -172,6 +173,8 @@ class InferScaleConnector(compat.KVConnectorBase_V1):
                                     host_in_place=self.config.pinned_reads == "overlap",
                                     in_place_from=int(self.config.pinned_copy_below_mib * 2**20))
         self.layer_loads = LayerLoads(first.device, len(self.layer_names))
+        if self.config.fused_write and fused_write.available():
+            warm_up()  # the sources table's compiled loop, not on the first request's path
         #: the launches of an in-place read of host memory (pinned_reads = "overlap"), a group of layers each
         self._host_groups = tuple(layer_groups(len(self.layer_names), self.config.pinned_read_launches))
 
@@ -218,7 +221,7 @@ class InferScaleConnector(compat.KVConnectorBase_V1):
         stream itself (nothing to synchronise; the forward's wait at layer 0 is then free). From
         host memory, a few launches of a group of layers each, on the side stream: each layer's
         attention waits for its group only."""
-        ready: list[tuple[LoadSpec, fused_write.Sources, str]] = []
+        ready: list[tuple[LoadSpec, Sources, str]] = []
         for spec in loads:
             try:
                 tier = self._tier(spec)
@@ -228,7 +231,7 @@ class InferScaleConnector(compat.KVConnectorBase_V1):
         keep, done = [], None  # done: an event recorded after the last work queued, if one was
         for group in _by_stored_kind(ready):  # one group unless facts were stored in two dtypes
             try:
-                sources = fused_write.Sources.join([part for _, part, _ in group])
+                sources = Sources.join([part for _, part, _ in group])
                 cos, sin = self.rope.table(self.loader.device, max(spec.end for spec, _, _ in group))
                 sources, done = self._launch_fused(sources, cos, sin)
             except Exception as exc:  # these requests are recomputed
@@ -243,8 +246,8 @@ class InferScaleConnector(compat.KVConnectorBase_V1):
         if keep:
             self.layer_loads.all_queued(keep, done)
 
-    def _launch_fused(self, sources: fused_write.Sources, cos: torch.Tensor, sin: torch.Tensor
-                      ) -> tuple[fused_write.Sources, torch.cuda.Event | None]:
+    def _launch_fused(self, sources: Sources, cos: torch.Tensor, sin: torch.Tensor
+                      ) -> tuple[Sources, torch.cuda.Event | None]:
         """From GPU memory: one replay of a CUDA graph (``Config.write_graphs``), else one launch,
         on the current stream. From host memory: a launch per group of layers, each group's event
         recorded, all replayed from one graph with ``Config.pinned_read_graphs``. Returns the

@@ -8,7 +8,7 @@ CUDA graph: the table's copy from a pinned staging buffer into a device buffer
 of fixed capacity, then the kernel over that capacity
 (:func:`fused_write.write_counted`: programs past the number of tokens in use,
 which the table carries, do nothing). A step writes its table into the staging
-buffer (one NumPy copy) and replays the graph on the forward stream (an in-place
+buffer (one NumPy copy into a view kept with the graph) and replays the graph on the forward stream (an in-place
 read of host memory: on the side stream, below).
 
 An in-place read of pinned host memory (``Config.pinned_reads = "overlap"``) is
@@ -34,9 +34,11 @@ import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from inferscale.connector import fused_write
+from inferscale.connector.sources import Sources
 
 logger = logging.getLogger(__name__)
 
@@ -47,6 +49,8 @@ CAPACITIES = tuple(64 << i for i in range(9))
 @dataclass
 class _Graph:
     staging: torch.Tensor  # pinned host, 6 * capacity + 1 int64
+    rows: np.ndarray  # the staging buffer's six rows of a Sources table (a NumPy view of it)
+    count: np.ndarray  # its last element: the number of tokens in use
     table: torch.Tensor  # the same on the device
     graph: torch.cuda.CUDAGraph
     done: torch.cuda.Event  # recorded after each replay: once it has run, the staging buffer may be written again
@@ -67,7 +71,7 @@ class WriteGraphs:
         self._rotary: tuple[torch.Tensor, torch.Tensor] | None = None  # the cos/sin the graphs read
         self.enabled = self.device.type == "cuda" and fused_write.available()
 
-    def write(self, sources: fused_write.Sources, cos: torch.Tensor, sin: torch.Tensor,
+    def write(self, sources: Sources, cos: torch.Tensor, sin: torch.Tensor,
               groups: Sequence[range] | None = None, programs: int | None = None
               ) -> list[tuple[range, torch.cuda.Event]] | None:
         """Queue the write of ``sources`` (its table on the host) on the current stream: one launch
@@ -94,9 +98,8 @@ class WriteGraphs:
                 return None
         elif not graph.done.query():  # an earlier replay has not read the staging buffer yet
             return None
-        rows = graph.staging.numpy()
-        rows[:6 * capacity].reshape(6, capacity)[:, :count] = sources.table.numpy()
-        rows[6 * capacity] = count
+        graph.rows[:, :count] = sources.table.numpy()
+        graph.count[0] = count
         graph.graph.replay()
         graph.done.record()
         return graph.groups
@@ -148,4 +151,6 @@ class WriteGraphs:
         done = torch.cuda.Event()
         done.record(forward)
         spans = list(groups) if groups else [range(self.cache.num_layers)]
-        return _Graph(staging, table, graph, done, self._rotary, list(zip(spans, [*marks, done])))
+        view = staging.numpy()
+        return _Graph(staging, view[:6 * capacity].reshape(6, capacity), view[6 * capacity:], table, graph, done,
+                      self._rotary, list(zip(spans, [*marks, done])))

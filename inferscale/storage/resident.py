@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from functools import cached_property
 from typing import Any
 
+import numpy as np
 import torch
 
 from inferscale.devices import auto_device, check_device, resolve_device, runtime_device
@@ -158,20 +159,24 @@ class ResidentStore(KVStore):
             return held
         return move_blocks(held, target)
 
-    def held_blocks(self, user_id: str, fact_ids: Sequence[str], device: torch.device | str | None = None
-                    ) -> HeldBlocks:
-        """:meth:`blocks` with their addresses (for the fused cache write); blocks held on
-        ``device`` are picked from the user's table without looking at each one."""
+    def held_rows(self, user_id: str, fact_ids: Sequence[str], device: torch.device | str | None = None
+                  ) -> tuple[HeldBlocks, np.ndarray | None]:
+        """For the fused cache write: the user's blocks with their addresses, where they lie on
+        ``device``, and the rows of ``fact_ids`` among them (int64), looked up in the user's table
+        without inspecting a block; facts wanted on another device: copies of their blocks there,
+        in order (rows None)."""
         target = resolve_device(device, self.device)
         user = self._require(user_id, self._users.get(user_id))
-        require_facts(user_id, fact_ids, user.blocks)
-        if not fact_ids:
-            return HeldBlocks.empty(user.layout)
-        if user.device != target:  # (a pinned store's blocks wanted on a GPU: copies, no table needed)
-            return HeldBlocks.of(self.blocks(user_id, fact_ids, target))
+        if user.device != target:  # (a pinned store's blocks wanted on a GPU)
+            return HeldBlocks.of(self.blocks(user_id, fact_ids, target)), None
+        row_of, held = user.held
+        try:
+            rows = np.fromiter(map(row_of.__getitem__, fact_ids), np.int64, len(fact_ids))
+        except KeyError:
+            require_facts(user_id, fact_ids, row_of)
+            raise
         self._order.touch(user_id)
-        rows, held = user.held
-        return held.select([rows[f] for f in fact_ids])
+        return held, rows
 
     def token_ids(self, user_id: str, fact_ids: Sequence[str]) -> list[tuple[int, ...]]:
         user = self._require(user_id, self._users.get(user_id))

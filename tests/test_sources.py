@@ -1,0 +1,92 @@
+"""The fused write's sources table: each token's stored rows, slot, position and key scale."""
+
+from __future__ import annotations
+
+import struct
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from inferscale.connector.sources import K_ADDR, LAYER_STRIDE, POSITION, SCALE, SLOT, V_ADDR, Sources, segment_sources
+from inferscale.storage.blocks import HeldBlocks
+
+pytestmark = pytest.mark.own_process  # Numba (conftest.py)
+
+
+def test_sources_point_at_each_tokens_rows():
+    blocks = [torch.zeros(2, 3, n, 2, 4) for n in (2, 5)]
+    prefix, facts = HeldBlocks.of(blocks[:1]), HeldBlocks.of(blocks[1:])
+    sources, total = segment_sources(prefix, facts, 1, 7, [40, 41, 7, 8, 9, 90], key_scale=0.5)
+    assert total == 7
+    row = 2 * 4 * 4  # bytes of one token's heads
+    expected_k = [blocks[0].data_ptr() + row] + [blocks[1].data_ptr() + i * row for i in range(5)]
+    assert sources.table[K_ADDR].tolist() == expected_k
+    assert sources.table[LAYER_STRIDE].tolist() == [2 * 8] + [5 * 8] * 5
+    assert (sources.table[V_ADDR] - sources.table[K_ADDR]).tolist() == [3 * 2 * 8 * 4] + [3 * 5 * 8 * 4] * 5
+    assert sources.table[SLOT].tolist() == [40, 41, 7, 8, 9, 90]
+    assert sources.table[POSITION].tolist() == [1, 2, 3, 4, 5, 6]
+    assert sources.table[SCALE].to(torch.int32).view(torch.float32).tolist() == [1.0, 0.5, 0.5, 0.5, 0.5, 0.5]
+    joined = Sources.join([sources, segment_sources(prefix, facts, 0, 2, [3, 4])[0]])
+    assert joined.table[SLOT].tolist() == [40, 41, 7, 8, 9, 90, 3, 4] and len(joined.blocks) == 4
+    with pytest.raises(ValueError, match="joined"):  # stored in another dtype
+        other = HeldBlocks.of([blocks[0].to(torch.bfloat16)])
+        Sources.join([sources, segment_sources(other, HeldBlocks.empty(other.layout), 0, 2, [3, 4])[0]])
+    with pytest.raises(ValueError):
+        segment_sources(prefix, facts, 1, 7, [1, 2])  # a slot per token
+    with pytest.raises(ValueError):  # not contiguous
+        HeldBlocks.of([blocks[0], torch.zeros(2, 3, 4, 2, 4).transpose(3, 4)])
+    with pytest.raises(ValueError):  # another layout
+        HeldBlocks.of([blocks[0], torch.zeros(2, 3, 4, 2, 8)])
+    with pytest.raises(ValueError, match="two layouts"):  # facts of another layout than the prefix
+        segment_sources(prefix, HeldBlocks.of([torch.zeros(2, 3, 4, 2, 4, dtype=torch.bfloat16)]), 0, 2, [3, 4])
+
+
+def reference(blocks: list[torch.Tensor], start: int, end: int, slots, key_scale: float) -> list[list[int]]:
+    """The table's columns, token by token, from the blocks' tensors themselves (the first block
+    is the prefix: its keys unscaled)."""
+    columns, position = [], 0
+    for index, block in enumerate(blocks):
+        row = block.shape[3] * block.shape[4]
+        for token in range(block.shape[2]):
+            if start <= position < end:
+                scale = key_scale if index > 0 else 1.0
+                columns.append([block[0, 0, token].data_ptr(), block[1, 0, token].data_ptr(), block.shape[2] * row,
+                                slots[position - start], position, struct.unpack("<i", struct.pack("<f", scale))[0]])
+            position += 1
+    return columns
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.integers(1, 9), st.lists(st.integers(1, 9), max_size=8), st.data(),
+       st.sampled_from([torch.float32, torch.bfloat16]), st.sampled_from([1.0, 0.5, 1.25, 3.0]))
+def test_sources_match_each_tokens_stored_rows(prefix_len, lengths, data, dtype, key_scale):
+    """Any facts, picked in any order among a user's blocks or given as they are, any range of
+    the segment, any slots: every column names the token's own key and value rows in its block,
+    its slot, its position and its scale."""
+    prefix = torch.zeros(2, 3, prefix_len, 2, 4, dtype=dtype)
+    held = [torch.zeros(2, 3, n, 2, 4, dtype=dtype) for n in lengths]
+    rows = data.draw(st.none() | st.permutations(range(len(held))).flatmap(
+        lambda order: st.integers(0, len(order)).map(lambda n: order[:n])))
+    picked = held if rows is None else [held[r] for r in rows]
+    facts = HeldBlocks.of(held) if held else HeldBlocks.empty(HeldBlocks.of([prefix]).layout)
+    total = prefix_len + sum(b.shape[2] for b in picked)
+    start = data.draw(st.integers(0, total))
+    end = data.draw(st.integers(start, total))
+    slots = data.draw(st.lists(st.integers(0, 1 << 40), min_size=end - start, max_size=end - start))
+    sources, length = segment_sources(HeldBlocks.of([prefix]), facts, start, end, np.asarray(slots, dtype=np.int64),
+                                      key_scale, None if rows is None else np.asarray(rows, dtype=np.int64))
+    assert length == total and sources.table.shape == (6, end - start)
+    assert sources.table.T.tolist() == reference([prefix, *picked], start, end, slots, key_scale)
+    assert {b.data_ptr() for b in [prefix, *picked]} <= {b.data_ptr() for b in sources.blocks}
+
+
+def test_sources_refuse_tokens_past_the_segment():
+    prefix = HeldBlocks.of([torch.zeros(2, 3, 4, 2, 4)])
+    facts = HeldBlocks.empty(prefix.layout)
+    with pytest.raises(ValueError, match="outside a segment of 4 tokens"):
+        segment_sources(prefix, facts, 2, 6, [0, 1, 2, 3])
+    with pytest.raises(ValueError, match="outside"):
+        segment_sources(prefix, facts, 5, 6, [0])
