@@ -158,10 +158,11 @@ class Config:
     #: with pinned_reads = "overlap": a step that loads fewer MiB than this copies them to the GPU
     #: first, as "copy" does (one DMA per fact, then the write on the forward stream). An in-place
     #: read costs about the same fixed host time at any size (its launch, the forward's waits):
-    #: on an H200, 1 fact read in place added 1.6-2.6 ms to TTFT, copied first 0.8-0.9 ms, while
-    #: at 50 facts (125 MiB) the in-place read was the faster (benchmarks/results/README.md);
-    #: 0 reads every step in place
-    pinned_copy_below_mib: float = 32.0
+    #: on an H200 (benchmarks/results/README.md), in the same run, 1 / 10 / 25 facts of 20 tokens
+    #: (2.5 / 25 / 62.5 MiB) added 1.1 / 1.4 / 1.8 ms to TTFT copied first, 1.9 / 2.3 / 2.2-2.4 ms
+    #: read in place; at 50 facts (125 MiB) both added 2.7-3.0 ms, and earlier runs found the
+    #: in-place read the faster there. 0 reads every step in place
+    pinned_copy_below_mib: float = 96.0
     #: the server secret that keys cache salts (created, mode 0600, on first use); "" = <data_dir>/secret
     secret_file: str = ""
 

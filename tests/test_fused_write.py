@@ -279,10 +279,10 @@ def test_a_loader_off_the_gpu_never_reads_in_place():
 
 
 @pytest.mark.parametrize("tokens, token_bytes, from_bytes, expected", [
-    (52, 131072, 32 << 20, False), (232, 131072, 32 << 20, False), (256, 131072, 32 << 20, True),
-    (1032, 131072, 32 << 20, True), (1, 1, 0, True), (0, 131072, 1, False)])
+    (52, 131072, 96 << 20, False), (532, 131072, 96 << 20, False), (768, 131072, 96 << 20, True),
+    (1032, 131072, 96 << 20, True), (1, 1, 0, True), (0, 131072, 1, False)])
 def test_only_reads_past_the_threshold_go_in_place(tokens, token_bytes, from_bytes, expected):
-    """Config.pinned_copy_below_mib: Llama-3.1-8B's 128 KiB a token, 32 MiB: 1 or 10 facts of 20
+    """Config.pinned_copy_below_mib: Llama-3.1-8B's 128 KiB a token, 96 MiB: 1 or 25 facts of 20
     tokens (and the 32-token prefix) are copied first, 50 are read in place; 0 reads all in place."""
     from inferscale.connector.loader import reads_in_place
 
