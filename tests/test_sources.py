@@ -90,3 +90,7 @@ def test_sources_refuse_tokens_past_the_segment():
         segment_sources(prefix, facts, 2, 6, [0, 1, 2, 3])
     with pytest.raises(ValueError, match="outside"):
         segment_sources(prefix, facts, 5, 6, [0])
+    held = HeldBlocks.of([torch.zeros(2, 3, 2, 2, 4)])
+    for row in (1, -1):  # never an address read off the end of the table
+        with pytest.raises(ValueError, match="past the 1 blocks"):
+            segment_sources(prefix, held, 0, 4, [0, 1, 2, 3], rows=np.array([0, row], dtype=np.int64))

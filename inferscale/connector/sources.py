@@ -95,8 +95,10 @@ def segment_sources(prefix: HeldBlocks, facts: HeldBlocks, start: int, end: int,
     table = np.empty((6, end - start), dtype=np.int64)
     picked = _ALL if rows is None else rows
     written, total = _compiled()(table, prefix.addresses, prefix.lengths, facts.addresses, facts.lengths, picked,
-                           rows is not None, start, slots, layout.num_kv_heads * layout.head_size,
-                           layout.dtype.itemsize, layout.num_layers, _float_bits(key_scale))
+                                 rows is not None, start, slots, layout.num_kv_heads * layout.head_size,
+                                 layout.dtype.itemsize, layout.num_layers, _float_bits(key_scale))
+    if written < 0:
+        raise ValueError(f"a row past the {len(facts.lengths)} blocks held")
     if written != end - start:
         raise ValueError(f"tokens {start}..{end - 1} outside a segment of {total} tokens")
     return Sources(torch.from_numpy(table), layout.dtype, layout.num_kv_heads, prefix.blocks + facts.blocks), total
@@ -125,7 +127,8 @@ def _fill(table, prefix_addresses, prefix_lengths, fact_addresses, fact_lengths,
     ``by_row``). A block of ``T`` tokens at address ``A`` is ``[2, L, T, H, D]``: a token's
     layer-0 key row lies ``row`` elements after the one before, a layer's rows ``T * row`` after
     the layer before's, the values ``L * T * row`` after the keys. Returns the number of columns
-    written (fewer than asked when the segment is shorter) and the segment's length."""
+    written (fewer than asked when the segment is shorter) and the segment's length; -1, -1 for a
+    row past the facts' blocks."""
     end = start + table.shape[1]
     num_prefix = prefix_lengths.shape[0]
     num_blocks = num_prefix + (rows.shape[0] if by_row else fact_lengths.shape[0])
@@ -135,6 +138,8 @@ def _fill(table, prefix_addresses, prefix_lengths, fact_addresses, fact_lengths,
             address, length, scale = prefix_addresses[block], prefix_lengths[block], ONE_BITS
         else:
             fact = rows[block - num_prefix] if by_row else block - num_prefix
+            if fact < 0 or fact >= fact_lengths.shape[0]:  # (compiled code checks no bounds)
+                return -1, -1
             address, length, scale = fact_addresses[fact], fact_lengths[fact], scale_bits
         stride = length * row
         base = address - first * row * size  # where its token 0 would lie at its segment position
