@@ -94,3 +94,21 @@ def test_sources_refuse_tokens_past_the_segment():
     for row in (1, -1):  # never an address read off the end of the table
         with pytest.raises(ValueError, match="past the 1 blocks"):
             segment_sources(prefix, held, 0, 4, [0, 1, 2, 3], rows=np.array([0, row], dtype=np.int64))
+
+
+def test_a_table_that_cannot_compile_turns_the_fused_write_off(monkeypatch, caplog):
+    """Where Numba is missing or cannot compile the loop, ready() says so once, with the reason,
+    and the connector writes each layer through the backend's op instead of failing to start."""
+    from inferscale.connector import sources
+
+    def missing():  # the fault: no Numba in this environment
+        raise ImportError("No module named 'numba'")
+
+    monkeypatch.setattr(sources, "_compiled", missing)
+    sources.ready.cache_clear()
+    with caplog.at_level("WARNING", logger="inferscale.connector.sources"):
+        assert sources.ready() is False and sources.ready() is False
+    assert caplog.text.count("fused cache write is off") == 1 and "No module named 'numba'" in caplog.text
+    monkeypatch.undo()
+    sources.ready.cache_clear()
+    assert sources.ready() is True

@@ -8,7 +8,7 @@ blocks a store holds (:class:`~inferscale.storage.blocks.HeldBlocks`) for every 
 It runs on the engine's critical path once per injected request, after vLLM's own work has left
 the CPU's caches cold; there each NumPy call costs 10-15 µs whatever its size, and the table took a
 dozen of them (~0.15-0.2 ms). The table is therefore filled by one loop compiled with Numba (a
-dependency of vLLM itself): one call, ~0.03 ms cold (``benchmarks/host_path.py``). :func:`warm_up`
+dependency of vLLM itself): one call, ~0.03 ms cold (``benchmarks/host_path.py``). :func:`ready`
 compiles it ahead of the first request.
 
 Numba is imported on first use only, which on an engine is the worker of a build with the fused
@@ -19,6 +19,7 @@ on one of llvmlite's once Numba is imported in its process, and that build never
 from __future__ import annotations
 
 import functools
+import logging
 import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -27,6 +28,8 @@ import numpy as np
 import torch
 
 from inferscale.storage.blocks import HeldBlocks
+
+logger = logging.getLogger(__name__)
 
 #: rows of a :class:`Sources` table
 K_ADDR, V_ADDR, LAYER_STRIDE, SLOT, POSITION, SCALE = range(6)
@@ -156,7 +159,17 @@ def _fill(table, prefix_addresses, prefix_lengths, fact_addresses, fact_lengths,
     return column, first
 
 
-def warm_up() -> None:
-    """Compile :func:`_fill` now (a fraction of a second), not on the first request's path."""
+@functools.cache
+def ready() -> bool:
+    """Whether the table can be built here: :func:`_fill` compiled now (a fraction of a second, once
+    per process), not on the first request's path. False, with the reason logged, where Numba is
+    missing or cannot compile it: the connector then writes each layer through the backend's op
+    instead of the fused write."""
     one = np.ones(1, dtype=np.int64)
-    _compiled()(np.empty((6, 1), dtype=np.int64), one, one, one, one, _ALL, False, 0, one, 1, 2, 1, ONE_BITS)
+    try:
+        _compiled()(np.empty((6, 1), dtype=np.int64), one, one, one, one, _ALL, False, 0, one, 1, 2, 1, ONE_BITS)
+    except Exception as exc:
+        logger.warning("inferscale: the fused cache write is off: its sources table does not compile "
+                       "(%s: %s)", type(exc).__name__, exc)
+        return False
+    return True

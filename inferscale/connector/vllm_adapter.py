@@ -38,7 +38,8 @@ from inferscale.connector.loader import LoadSpec, SegmentLoader, blocks_for, kv_
 from inferscale.connector.metrics import InferScalePromMetrics, InferScaleStats, stats_or_none
 from inferscale.connector.planner import NO_MEMORY, Plan, plan_request
 from inferscale.connector.report import client_report
-from inferscale.connector.sources import Sources, warm_up
+from inferscale.connector import sources as sources_table
+from inferscale.connector.sources import Sources
 from inferscale.connector.stats import ConnectorStats, Fallback
 from inferscale.connector.write_graphs import WriteGraphs
 from inferscale.storage.disk import DiskStore
@@ -174,7 +175,7 @@ class InferScaleConnector(compat.KVConnectorBase_V1):
                                     in_place_from=int(self.config.pinned_copy_below_mib * 2**20))
         self.layer_loads = LayerLoads(first.device, len(self.layer_names))
         if self.config.fused_write and fused_write.available():
-            warm_up()  # the sources table's compiled loop, not on the first request's path
+            sources_table.ready()  # its loop compiled now, not on the first request's path
         #: the launches of an in-place read of host memory (pinned_reads = "overlap"), a group of layers each
         self._host_groups = tuple(layer_groups(len(self.layer_names), self.config.pinned_read_launches))
 
@@ -203,13 +204,14 @@ class InferScaleConnector(compat.KVConnectorBase_V1):
     def _fused_views(self, forward_context) -> fused_write.CacheViews | None:
         """The paged caches as the fused kernel addresses them; None when it is off
         (``Config.fused_write``) or cannot run (no Triton, the CPU, a store that cannot hand
-        out its blocks, a cache layout or dtype it does not know): then each layer is
-        written through the backend's op."""
+        out its blocks, a cache layout or dtype it does not know, no Numba to build its
+        sources table): then each layer is written through the backend's op."""
         if self._cache_views is None:
             self._cache_views = False
             views = [compat.kv_cache_views(forward_context.no_compile_layers[name], forward_context)
                      for name in self.layer_names]
-            if self.config.fused_write and fused_write.available() and hasattr(self.store, "blocks") and all(views):
+            if self.config.fused_write and fused_write.available() and hasattr(self.store, "blocks") and all(views) \
+                    and sources_table.ready():
                 self._cache_views = fused_write.CacheViews.of(views)
                 if self.config.write_graphs and self._cache_views.bases.device.type == "cuda":
                     self._write_graphs = WriteGraphs(self._cache_views, self.heads.start, self.rope.rotary_dim,
