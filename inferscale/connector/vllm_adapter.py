@@ -32,13 +32,13 @@ from inferscale.compose.rope import RotaryEmbedding
 from inferscale.compose.salt import CacheSalts
 from inferscale.config import Config, build
 from inferscale.connector import compat, fused_write
+from inferscale.connector import sources as sources_table
 from inferscale.compose.segment import Segment
 from inferscale.connector.layer_loads import LayerLoads, layer_groups
 from inferscale.connector.loader import LoadSpec, SegmentLoader, blocks_for, kv_head_range, slots_for
 from inferscale.connector.metrics import InferScalePromMetrics, InferScaleStats, stats_or_none
 from inferscale.connector.planner import NO_MEMORY, Plan, plan_request
 from inferscale.connector.report import client_report
-from inferscale.connector import sources as sources_table
 from inferscale.connector.sources import Sources
 from inferscale.connector.stats import ConnectorStats, Fallback
 from inferscale.connector.write_graphs import WriteGraphs
@@ -163,6 +163,7 @@ class InferScaleConnector(compat.KVConnectorBase_V1):
         self.loader: SegmentLoader | None = None
         self.layer_loads: LayerLoads | None = None
         self._cache_views: fused_write.CacheViews | bool | None = None  # None: not looked at yet
+        self._fused_allowed = False  # (set with the caches: register_kv_caches)
         self._write_graphs: WriteGraphs | None = None
         self._load_errors: set[int] = set()
 
@@ -174,8 +175,9 @@ class InferScaleConnector(compat.KVConnectorBase_V1):
                                     host_in_place=self.config.pinned_reads == "overlap",
                                     in_place_from=int(self.config.pinned_copy_below_mib * 2**20))
         self.layer_loads = LayerLoads(first.device, len(self.layer_names))
-        if self.config.fused_write and fused_write.available():
-            sources_table.ready()  # its loop compiled now, not on the first request's path
+        #: whether the fused write may run here (its sources table's loop compiled now, not on the
+        #: first request's path); whether it can, the cache layout decides (:meth:`_fused_views`)
+        self._fused_allowed = self.config.fused_write and fused_write.available() and sources_table.ready()
         #: the launches of an in-place read of host memory (pinned_reads = "overlap"), a group of layers each
         self._host_groups = tuple(layer_groups(len(self.layer_names), self.config.pinned_read_launches))
 
@@ -210,8 +212,7 @@ class InferScaleConnector(compat.KVConnectorBase_V1):
             self._cache_views = False
             views = [compat.kv_cache_views(forward_context.no_compile_layers[name], forward_context)
                      for name in self.layer_names]
-            if self.config.fused_write and fused_write.available() and hasattr(self.store, "blocks") and all(views) \
-                    and sources_table.ready():
+            if self._fused_allowed and hasattr(self.store, "blocks") and all(views):
                 self._cache_views = fused_write.CacheViews.of(views)
                 if self.config.write_graphs and self._cache_views.bases.device.type == "cuda":
                     self._write_graphs = WriteGraphs(self._cache_views, self.heads.start, self.rope.rotary_dim,

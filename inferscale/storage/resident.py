@@ -168,7 +168,8 @@ class ResidentStore(KVStore):
         target = resolve_device(device, self.device)
         user = self._require(user_id, self._users.get(user_id))
         if user.device != target:  # (a pinned store's blocks wanted on a GPU)
-            return HeldBlocks.of(self.blocks(user_id, fact_ids, target)), None
+            copies = self.blocks(user_id, fact_ids, target)
+            return (HeldBlocks.of(copies) if copies else HeldBlocks.empty(user.layout)), None
         row_of, held = user.held
         try:
             rows = np.fromiter(map(row_of.__getitem__, fact_ids), np.int64, len(fact_ids))
