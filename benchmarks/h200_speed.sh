@@ -18,7 +18,7 @@ FUSED=${FUSED:-}
 # of the profile step, PROFILE_STORE=pinned:graphs (a store as in TTFT_STORES; default hbm) and
 # PROFILE_TAG (appended to its file names); of the tests step, TEST_KV_STORE=hbm, PINNED_READS,
 # PINNED_READ_PROGRAMS=n, PINNED_READ_GRAPHS=0/1 (default: Config's), TEST_BLOCK_SIZE=n,
-# PINNED_COPY_BELOW_MIB=x (default 0: the tiny test model's reads go in place; Config's 32 would copy them all)
+# PINNED_COPY_BELOW_MIB=x (default 0: the tiny test model's reads go in place; Config's 96 would copy them all)
 source benchmarks/gpu_block.sh
 NOW=/tmp/site:$PWD BEFORE=/tmp/site:$PWD/.gpu/before
 if [[ -d .gpu/wheels ]] && ! PYTHONPATH=$NOW python3 -c 'import faiss' 2>/dev/null; then
