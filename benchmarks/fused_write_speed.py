@@ -83,11 +83,12 @@ def host_ms(work, reps: int) -> float:
 
 @dataclass
 class Memory:
-    """A prefix and k facts of random K/V in pinned host memory, their cache slots, the rotary table."""
+    """A prefix and k facts of random K/V in pinned host memory, the paged cache's blocks they go
+    to (random ones, as a block table hands them out), the rotary table."""
 
     lengths: list[int]
     host: list[torch.Tensor]
-    slots: list[int]
+    cache_blocks: list[int]
     cos: torch.Tensor
     sin: torch.Tensor
 
@@ -95,13 +96,13 @@ class Memory:
     def make(cls, k: int, args, rope: RotaryEmbedding) -> Memory:
         lengths = [args.prefix_tokens] + [args.fact_tokens] * k
         host = [torch.randn(2, LAYERS, n, HEADS, HEAD_SIZE).to(torch.bfloat16).pin_memory() for n in lengths]
-        slots = torch.randperm(args.cache_blocks * BLOCK)[:sum(lengths)].tolist()
-        return cls(lengths, host, slots, *rope.table(torch.device("cuda"), sum(lengths)))
+        cache_blocks = torch.randperm(args.cache_blocks)[:-(-sum(lengths) // BLOCK)].tolist()
+        return cls(lengths, host, cache_blocks, *rope.table(torch.device("cuda"), sum(lengths)))
 
     def sources(self, blocks: list[torch.Tensor]) -> Sources:
         """The fused write's sources of ``blocks`` (these facts, wherever they lie), table on the GPU."""
         return segment_sources(HeldBlocks.of(blocks[:1]), HeldBlocks.of(blocks[1:]), 0, sum(self.lengths),
-                               self.slots)[0].to(torch.device("cuda"))
+                               self.cache_blocks, BLOCK)[0].to(torch.device("cuda"))
 
 
 def row(k: int, args, cache: CacheViews, rope: RotaryEmbedding) -> dict:

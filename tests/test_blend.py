@@ -11,7 +11,7 @@ from inferscale.compose.blend import AUTO_RECOMPUTE_TOKENS, Blend, injected_leng
 from inferscale.compose.rope import RotaryEmbedding
 from inferscale.compose.segment import PREFIX_FACT, SYSTEM_USER
 from inferscale.config import Config
-from inferscale.connector.loader import LoadSpec, SegmentLoader, blocks_for, kv_head_range, slots_for
+from inferscale.connector.loader import LoadSpec, SegmentLoader, kv_head_range, load_blocks, slots_in
 from inferscale.compose.request import SegmentRequest, make_params
 from inferscale.compose.salt import CacheSalts
 from inferscale.connector.planner import plan_request
@@ -147,7 +147,8 @@ def _spec(disk, order, start, end, key_scale=1.0, recompute=None) -> LoadSpec:
     segment = _segment(disk, order)
     memory = SegmentRequest("ann", tuple(order), recompute, None)
     versions = (disk.generation(SYSTEM_USER), disk.generation("ann"))
-    return LoadSpec("r1", memory, start, end, len(segment), tuple(range(start, end)), versions, key_scale)
+    blocks = load_blocks(range(len(segment) // 4 + 1), 4, start, end)  # slot = position
+    return LoadSpec("r1", memory, start, end, len(segment), blocks, 4, versions, key_scale)
 
 
 @settings(max_examples=200, deadline=None)
@@ -156,12 +157,14 @@ def test_slots_follow_the_block_table(block_size, block_ids, data):
     """Token position p of the request lands in slot block_ids[p // block_size] * block_size + p % block_size."""
     end = data.draw(st.integers(0, len(block_ids) * block_size))
     start = data.draw(st.integers(0, end))
-    slots = slots_for(block_ids, block_size, start, end)
+    blocks = load_blocks(block_ids, block_size, start, end)
+    slots = slots_in(blocks, block_size, start, end)
     assert slots.dtype.name == "int64"
     assert slots.tolist() == [block_ids[p // block_size] * block_size + p % block_size for p in range(start, end)]
-    assert blocks_for(block_ids, block_size, start, end) == {s // block_size for s in slots.tolist()}
+    assert set(blocks) == {s // block_size for s in slots.tolist()}
+    past = len(block_ids) * block_size + 1
     with pytest.raises(IndexError):  # past the block table
-        slots_for(block_ids, block_size, start, len(block_ids) * block_size + 1)
+        slots_in(load_blocks(block_ids, block_size, start, past), block_size, start, past)
 
 
 def test_key_scale_multiplies_only_the_facts_keys(disk):
@@ -262,6 +265,7 @@ def test_fused_sources_point_at_the_segments_stored_rows(disk):
             assert torch.equal(read(int(sources.table[V_ADDR][t]) + step), batch.values[layer, 6 + t])
     with pytest.raises(ValueError):
         loader.sources(_spec(disk, order, 0, 19), num_layers=2, head_size=8)
-    forged = LoadSpec("r1", spec.request, 6, 18, spec.segment_len, spec.slots, (spec.versions[0], "other"), 1.25)
+    forged = LoadSpec("r1", spec.request, 6, 18, spec.segment_len, spec.blocks, spec.block_size,
+                      (spec.versions[0], "other"), 1.25)
     with pytest.raises(ValueError, match="changed since"):
         loader.sources(forged, num_layers=2, head_size=8)

@@ -10,7 +10,7 @@ from inferscale.compose.request import SegmentRequest
 from inferscale.compose.rope import RotaryEmbedding
 from inferscale.compose.segment import PREFIX_FACT, SYSTEM_USER
 from inferscale.config import BackendSpec, build
-from inferscale.connector.loader import LoadSpec, SegmentLoader, kv_head_range
+from inferscale.connector.loader import LoadSpec, SegmentLoader, kv_head_range, load_blocks
 from inferscale.errors import CapacityError, ConfigError
 from inferscale.storage.disk import DiskStore
 from inferscale.storage.hbm import HBMStore
@@ -40,7 +40,8 @@ def load(loader: SegmentLoader, disk: DiskStore, user: str) -> None:
     segment = [t for ids in disk.token_ids(SYSTEM_USER, [PREFIX_FACT]) + disk.token_ids(user, request.fact_ids)
                for t in ids]
     versions = (disk.generation(SYSTEM_USER), disk.generation(user))
-    spec = LoadSpec("r", request, 0, len(segment), len(segment), tuple(range(len(segment))), versions)
+    spec = LoadSpec("r", request, 0, len(segment), len(segment), load_blocks(range(len(segment)), 1, 0, len(segment)),
+                    1, versions)
     loader.load(spec, num_layers=2, head_size=8)
 
 

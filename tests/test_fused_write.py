@@ -12,7 +12,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings
@@ -44,6 +43,7 @@ def check(case: int, device: str = "cpu", pinned: bool = False, via: str = "laun
     other slots), "graph" (replays of a CUDA graph, :class:`WriteGraphs`) or "graph-groups" (two
     groups of layers replayed from one graph, each with its own event)."""
     from inferscale.connector.fused_write import CacheViews, write_tokens
+    from inferscale.connector.loader import slots_in
     from inferscale.connector.sources import Sources, segment_sources
     from inferscale.storage.blocks import HeldBlocks
 
@@ -54,16 +54,18 @@ def check(case: int, device: str = "cpu", pinned: bool = False, via: str = "laun
     inv_freq = 1.0 / (10000 ** (torch.arange(0, rotary, 2, dtype=torch.float32) / rotary))
     rope = RotaryEmbedding(inv_freq, head_size, style=style, attention_scaling=1.1)
     rank_heads = heads.stop - heads.start
-    slots = torch.randperm(num_blocks * block_size, generator=gen)
-    parts, expected, used = [], [], 0
+    order = torch.randperm(num_blocks, generator=gen).tolist()  # the cache blocks, as a block table hands them out
+    parts, expected, written, taken = [], [], [], 0
     for lengths, start, key_scale in (([7, 3, 12, 5], 4, scale), ([5, 9], 2, 2 * scale)):  # prefix first
         blocks = [torch.randn(2, layers, n, num_heads, head_size, generator=gen).to(src_dtype) for n in lengths]
         blocks = [b.pin_memory() if pinned else b.to(device) for b in blocks]
         total = sum(lengths)
-        mine = slots[used:used + total - start]
-        used += total - start
-        parts.append(segment_sources(HeldBlocks.of(blocks[:1]), HeldBlocks.of(blocks[1:]), start, total, mine.tolist(),
-                                     key_scale)[0])
+        spanned = (total - 1) // block_size - start // block_size + 1
+        table, taken = order[taken:taken + spanned], taken + spanned
+        mine = torch.from_numpy(slots_in(table, block_size, start, total))
+        written.append(mine)
+        parts.append(segment_sources(HeldBlocks.of(blocks[:1]), HeldBlocks.of(blocks[1:]), start, total, table,
+                                     block_size, key_scale)[0])
         stacked = torch.cat(blocks, dim=2).to(device)
         keys = rope.rotate_range(stacked[0][:, start:, heads], start)
         keys[:, lengths[0] - start:] *= key_scale
@@ -83,12 +85,13 @@ def check(case: int, device: str = "cpu", pinned: bool = False, via: str = "laun
             write_tokens(views, sources, cos, sin, heads.start, rotary, style == "neox", part,
                          programs=3 if via == "capped" else None)
     elif via == "counted":
-        write_counted_with_decoys(views, sources, slots[used:], cos, sin, heads.start, rotary, style == "neox")
+        free = torch.from_numpy(slots_in(order[taken:], block_size, 0, (num_blocks - taken) * block_size))
+        write_counted_with_decoys(views, sources, free, cos, sin, heads.start, rotary, style == "neox")
     elif via == "graph-groups":
         write_through_grouped_graphs(views, parts, caches, cos, sin, heads.start, rotary, style == "neox")
     else:
         write_through_graphs(views, parts, caches, expected, cos, sin, heads.start, rotary, style == "neox")
-    verify(caches, expected, slots[:used], block_size, src_dtype, dst_dtype)
+    verify(caches, expected, torch.cat(written), block_size, src_dtype, dst_dtype)
 
 
 def write_counted_with_decoys(views, sources, free_slots, cos, sin, head0, rotary, neox) -> None:
@@ -248,7 +251,7 @@ def test_loader_reads_pinned_blocks_in_place_when_asked():
     store = PinnedHostStore()
     store.put(SYSTEM_USER, {PREFIX_FACT: FactKV((7, 8, 9), torch.randn(2, 3, 1, 8), torch.randn(2, 3, 1, 8))})
     store.put("ann", {f"f{i}": FactKV((i, i + 1), torch.randn(2, 2, 1, 8), torch.randn(2, 2, 1, 8)) for i in range(3)})
-    spec = LoadSpec("r", SegmentRequest("ann", ("f2", "f0")), 0, 7, 7, np.arange(7),
+    spec = LoadSpec("r", SegmentRequest("ann", ("f2", "f0")), 0, 7, 7, [0, 1], 4,
                     (store.generation(SYSTEM_USER), store.generation("ann")))
     own = {b.data_ptr() for b in store.blocks("ann", ["f2", "f0"], "cpu")}
     for host_in_place in (True, False):
@@ -274,7 +277,7 @@ def test_a_loader_off_the_gpu_never_reads_in_place():
     from inferscale.storage.pinned import PinnedHostStore
 
     loader = SegmentLoader(PinnedHostStore(), None, None, slice(0, 1), "cpu", torch.float32, host_in_place=True)
-    spec = LoadSpec("r", SegmentRequest("ann", ("f0",)), 0, 7, 7, np.arange(7), ("", ""))
+    spec = LoadSpec("r", SegmentRequest("ann", ("f0",)), 0, 7, 7, [0, 1], 4, ("", ""))
     assert not loader.host_in_place and loader.step_in_place([spec], 2, 8) is False
 
 

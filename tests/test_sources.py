@@ -19,32 +19,35 @@ pytestmark = pytest.mark.own_process  # Numba (conftest.py)
 def test_sources_point_at_each_tokens_rows():
     blocks = [torch.zeros(2, 3, n, 2, 4) for n in (2, 5)]
     prefix, facts = HeldBlocks.of(blocks[:1]), HeldBlocks.of(blocks[1:])
-    sources, total = segment_sources(prefix, facts, 1, 7, [40, 41, 7, 8, 9, 90], key_scale=0.5)
+    # blocks of 4 slots: positions 1-3 in block 10 (slots 41-43), 4-6 in block 2 (slots 8-10)
+    sources, total = segment_sources(prefix, facts, 1, 7, [10, 2], 4, key_scale=0.5)
     assert total == 7
     row = 2 * 4 * 4  # bytes of one token's heads
     expected_k = [blocks[0].data_ptr() + row] + [blocks[1].data_ptr() + i * row for i in range(5)]
     assert sources.table[K_ADDR].tolist() == expected_k
     assert sources.table[LAYER_STRIDE].tolist() == [2 * 8] + [5 * 8] * 5
     assert (sources.table[V_ADDR] - sources.table[K_ADDR]).tolist() == [3 * 2 * 8 * 4] + [3 * 5 * 8 * 4] * 5
-    assert sources.table[SLOT].tolist() == [40, 41, 7, 8, 9, 90]
+    assert sources.table[SLOT].tolist() == [41, 42, 43, 8, 9, 10]
     assert sources.table[POSITION].tolist() == [1, 2, 3, 4, 5, 6]
     assert sources.table[SCALE].to(torch.int32).view(torch.float32).tolist() == [1.0, 0.5, 0.5, 0.5, 0.5, 0.5]
-    joined = Sources.join([sources, segment_sources(prefix, facts, 0, 2, [3, 4])[0]])
-    assert joined.table[SLOT].tolist() == [40, 41, 7, 8, 9, 90, 3, 4] and len(joined.blocks) == 4
+    joined = Sources.join([sources, segment_sources(prefix, facts, 0, 2, [3], 2)[0]])
+    assert joined.table[SLOT].tolist() == [41, 42, 43, 8, 9, 10, 6, 7] and len(joined.blocks) == 4
     with pytest.raises(ValueError, match="joined"):  # stored in another dtype
         other = HeldBlocks.of([blocks[0].to(torch.bfloat16)])
-        Sources.join([sources, segment_sources(other, HeldBlocks.empty(other.layout), 0, 2, [3, 4])[0]])
-    with pytest.raises(ValueError):
-        segment_sources(prefix, facts, 1, 7, [1, 2])  # a slot per token
+        Sources.join([sources, segment_sources(other, HeldBlocks.empty(other.layout), 0, 2, [3], 2)[0]])
+    for table, size in (([1], 4), ([1, 2, 3], 4), ([1, 2], 0), ([[1, 2]], 4)):  # tokens 1..6 span 2 of 4
+        with pytest.raises(ValueError, match="cache blocks"):
+            segment_sources(prefix, facts, 1, 7, table, size)
     with pytest.raises(ValueError):  # not contiguous
         HeldBlocks.of([blocks[0], torch.zeros(2, 3, 4, 2, 4).transpose(3, 4)])
     with pytest.raises(ValueError):  # another layout
         HeldBlocks.of([blocks[0], torch.zeros(2, 3, 4, 2, 8)])
     with pytest.raises(ValueError, match="two layouts"):  # facts of another layout than the prefix
-        segment_sources(prefix, HeldBlocks.of([torch.zeros(2, 3, 4, 2, 4, dtype=torch.bfloat16)]), 0, 2, [3, 4])
+        segment_sources(prefix, HeldBlocks.of([torch.zeros(2, 3, 4, 2, 4, dtype=torch.bfloat16)]), 0, 2, [3], 2)
 
 
-def reference(blocks: list[torch.Tensor], start: int, end: int, slots, key_scale: float) -> list[list[int]]:
+def reference(blocks: list[torch.Tensor], start: int, end: int, slots: list[int], key_scale: float
+              ) -> list[list[int]]:
     """The table's columns, token by token, from the blocks' tensors themselves (the first block
     is the prefix: its keys unscaled)."""
     columns, position = [], 0
@@ -64,8 +67,8 @@ def reference(blocks: list[torch.Tensor], start: int, end: int, slots, key_scale
        st.sampled_from([torch.float32, torch.bfloat16]), st.sampled_from([1.0, 0.5, 1.25, 3.0]))
 def test_sources_match_each_tokens_stored_rows(prefix_len, lengths, data, dtype, key_scale):
     """Any facts, picked in any order among a user's blocks or given as they are, any range of
-    the segment, any slots: every column names the token's own key and value rows in its block,
-    its slot, its position and its scale."""
+    the segment, any cache blocks: every column names the token's own key and value rows in its
+    block, its slot, its position and its scale."""
     prefix = torch.zeros(2, 3, prefix_len, 2, 4, dtype=dtype)
     held = [torch.zeros(2, 3, n, 2, 4, dtype=dtype) for n in lengths]
     rows = data.draw(st.none() | st.permutations(range(len(held))).flatmap(
@@ -75,8 +78,11 @@ def test_sources_match_each_tokens_stored_rows(prefix_len, lengths, data, dtype,
     total = prefix_len + sum(b.shape[2] for b in picked)
     start = data.draw(st.integers(0, total))
     end = data.draw(st.integers(start, total))
-    slots = data.draw(st.lists(st.integers(0, 1 << 40), min_size=end - start, max_size=end - start))
-    sources, length = segment_sources(HeldBlocks.of([prefix]), facts, start, end, np.asarray(slots, dtype=np.int64),
+    block_size = data.draw(st.sampled_from([1, 2, 3, 16]))
+    spanned = (end - 1) // block_size - start // block_size + 1 if end > start else 0
+    cache_blocks = data.draw(st.lists(st.integers(0, 1 << 36), min_size=spanned, max_size=spanned))
+    slots = [cache_blocks[p // block_size - start // block_size] * block_size + p % block_size for p in range(start, end)]
+    sources, length = segment_sources(HeldBlocks.of([prefix]), facts, start, end, cache_blocks, block_size,
                                       key_scale, None if rows is None else np.asarray(rows, dtype=np.int64))
     assert length == total and sources.table.shape == (6, end - start)
     assert sources.table.T.tolist() == reference([prefix, *picked], start, end, slots, key_scale)
@@ -87,13 +93,13 @@ def test_sources_refuse_tokens_past_the_segment():
     prefix = HeldBlocks.of([torch.zeros(2, 3, 4, 2, 4)])
     facts = HeldBlocks.empty(prefix.layout)
     with pytest.raises(ValueError, match="outside a segment of 4 tokens"):
-        segment_sources(prefix, facts, 2, 6, [0, 1, 2, 3])
+        segment_sources(prefix, facts, 2, 6, [0, 1], 4)
     with pytest.raises(ValueError, match="outside"):
-        segment_sources(prefix, facts, 5, 6, [0])
+        segment_sources(prefix, facts, 5, 6, [0], 4)
     held = HeldBlocks.of([torch.zeros(2, 3, 2, 2, 4)])
     for row in (1, -1):  # never an address read off the end of the table
         with pytest.raises(ValueError, match="past the 1 blocks"):
-            segment_sources(prefix, held, 0, 4, [0, 1, 2, 3], rows=np.array([0, row], dtype=np.int64))
+            segment_sources(prefix, held, 0, 4, [0], 4, rows=np.array([0, row], dtype=np.int64))
 
 
 def test_a_table_that_cannot_compile_turns_the_fused_write_off(monkeypatch, caplog):

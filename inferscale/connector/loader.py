@@ -15,7 +15,7 @@ import torch
 
 from inferscale.compose.rope import RotaryEmbedding
 from inferscale.compose.segment import PREFIX_FACT, SYSTEM_USER, Segment, gather_segment
-from inferscale.connector.sources import Sources, segment_sources
+from inferscale.connector.sources import Sources, blocks_spanned, segment_sources
 from inferscale.compose.request import SegmentRequest
 from inferscale.errors import MissingFactError, ModelMismatchError
 from inferscale.kv import KVBatch
@@ -28,8 +28,11 @@ from inferscale.storage.tiered import ensure_user
 class LoadSpec:
     """One request's load, as the scheduler sends it (picklable, no tensors).
 
-    Tokens ``start..end-1`` of the ``segment_len``-token segment go to
-    ``slots`` (one slot per token). ``versions`` are the epochs of the instruction
+    Tokens ``start..end-1`` of the ``segment_len``-token segment go to the
+    cache ``blocks`` of ``block_size`` slots each, as the request's block table
+    lays them out: token ``start`` in ``blocks[0]`` at slot ``start % block_size``
+    (:func:`load_blocks`; the worker derives each token's slot, :attr:`slots`,
+    so that a block id and not a slot per token crosses to it). ``versions`` are the epochs of the instruction
     prefix and of the user's memory whose token ids the scheduler matched the
     prompt (and the request's cache salt) against: the worker loads K/V only from
     those versions, so K/V is never written under other tokens or from another
@@ -43,7 +46,8 @@ class LoadSpec:
     start: int
     end: int
     segment_len: int
-    slots: Sequence[int]  # an int64 array from the scheduler (:func:`slots_for`)
+    blocks: Sequence[int]  # the cache blocks of tokens start..end-1 (:func:`load_blocks`)
+    block_size: int
     versions: tuple[str, str]
     key_scale: float = 1.0
 
@@ -51,9 +55,10 @@ class LoadSpec:
     def user_id(self) -> str:
         return self.request.user_id
 
-    def block_ids(self, block_size: int) -> set[int]:
-        """The cache blocks this load writes into."""
-        return set((np.asarray(self.slots, dtype=np.int64) // block_size).tolist())
+    @property
+    def slots(self) -> np.ndarray:
+        """Each token's cache slot (int64)."""
+        return slots_in(self.blocks, self.block_size, self.start, self.end)
 
 
 def kv_head_range(num_kv_heads: int, tp_size: int, tp_rank: int) -> slice:
@@ -118,7 +123,8 @@ class SegmentLoader:
         in_place = self.host_in_place if in_place is None else in_place and self.host_in_place
         prefix, facts, rows = self._read(functools.partial(self._held, in_place=in_place), spec)
         _check_model(prefix.layout.num_layers, prefix.layout.head_size, num_layers, head_size)
-        sources, total = segment_sources(prefix, facts, spec.start, spec.end, spec.slots, spec.key_scale, rows)
+        sources, total = segment_sources(prefix, facts, spec.start, spec.end, spec.blocks, spec.block_size,
+                                        spec.key_scale, rows)
         _check_range(spec, total)
         return sources
 
@@ -177,7 +183,7 @@ class SegmentLoader:
 
     def slot_mapping(self, spec: LoadSpec) -> torch.Tensor:
         """The spec's cache slots on the loader's device, copied without a host sync."""
-        slots = torch.as_tensor(np.asarray(spec.slots, dtype=np.int64))
+        slots = torch.from_numpy(spec.slots)
         if self.device.type != "cuda":
             return slots.to(self.device)
         return slots.pin_memory().to(self.device, non_blocking=True)
@@ -215,9 +221,12 @@ def reads_in_place(num_tokens: int, token_bytes: int, in_place_from: int) -> boo
 
 
 def _check_range(spec: LoadSpec, segment_len: int) -> None:
-    if segment_len != spec.segment_len or not 0 <= spec.start <= spec.end <= spec.segment_len \
-            or len(spec.slots) != spec.end - spec.start:
+    if segment_len != spec.segment_len or not 0 <= spec.start <= spec.end <= spec.segment_len:
         raise ValueError(f"segment has {segment_len} tokens, request expects {spec.segment_len}")
+    if not isinstance(spec.block_size, int) or spec.block_size < 1 \
+            or len(spec.blocks) != blocks_spanned(spec.start, spec.end, spec.block_size):
+        raise ValueError(f"{len(spec.blocks)} cache blocks of {spec.block_size!r} slots for tokens "
+                         f"{spec.start}..{spec.end - 1}")
 
 
 def _check_model(stored_layers: int, stored_head_size: int, num_layers: int, head_size: int) -> None:
@@ -228,13 +237,14 @@ def _check_model(stored_layers: int, stored_head_size: int, num_layers: int, hea
         )
 
 
-def slots_for(block_ids: Sequence[int], block_size: int, start: int, end: int) -> np.ndarray:
-    """Cache slots (int64) of token positions ``start..end-1`` given the request's block table."""
+def load_blocks(block_ids: Sequence[int], block_size: int, start: int, end: int) -> list[int]:
+    """The cache blocks of token positions ``start..end-1``, read off the request's block table
+    (the first holds position ``start``)."""
+    return list(block_ids[start // block_size:(end - 1) // block_size + 1]) if end > start else []
+
+
+def slots_in(blocks: Sequence[int], block_size: int, start: int, end: int) -> np.ndarray:
+    """Cache slots (int64) of token positions ``start..end-1`` in ``blocks`` (:func:`load_blocks`)."""
     positions = np.arange(start, end, dtype=np.int64)
-    blocks = np.asarray(block_ids, dtype=np.int64)[positions // block_size]
-    return blocks * block_size + positions % block_size
-
-
-def blocks_for(block_ids: Sequence[int], block_size: int, start: int, end: int) -> set[int]:
-    """The cache blocks that :func:`slots_for` slots fall in, read off the block table."""
-    return set(block_ids[start // block_size:(end - 1) // block_size + 1]) if end > start else set()
+    return (np.asarray(blocks, dtype=np.int64)[positions // block_size - start // block_size] * block_size
+            + positions % block_size)

@@ -82,24 +82,29 @@ class Sources:
         return Sources(table, self.dtype, self.num_heads, self.blocks)
 
 
-def segment_sources(prefix: HeldBlocks, facts: HeldBlocks, start: int, end: int, slots: Sequence[int],
-                    key_scale: float = 1.0, rows: np.ndarray | None = None) -> tuple[Sources, int]:
+def segment_sources(prefix: HeldBlocks, facts: HeldBlocks, start: int, end: int, cache_blocks: Sequence[int],
+                    block_size: int, key_scale: float = 1.0, rows: np.ndarray | None = None
+                    ) -> tuple[Sources, int]:
     """Sources of tokens ``start..end-1`` of a segment (positions 0, 1, ...): every block of
     ``prefix``, then the blocks of ``facts`` at ``rows`` (an int64 array; None: all of them, in
-    order), whose keys are multiplied by ``key_scale``; to be written to cache ``slots`` (one per
-    token). Returns them and the segment's length. The blocks are picked by row, not gathered:
-    a store hands over all of a user's blocks and the rows of a request's facts among them."""
-    slots = np.asarray(slots, dtype=np.int64)
-    if slots.ndim != 1 or len(slots) != end - start or start < 0:
-        raise ValueError(f"{len(slots)} slots for tokens {start}..{end - 1}")
+    order), whose keys are multiplied by ``key_scale``; to be written to the paged cache's
+    ``cache_blocks`` of ``block_size`` slots each (token ``start`` in the first, at slot
+    ``start % block_size``, and so on as in a block table). Returns them and the segment's
+    length. The stored blocks are picked by row, not gathered: a store hands over all of a
+    user's blocks and the rows of a request's facts among them."""
+    cache_blocks = np.asarray(cache_blocks, dtype=np.int64)
+    if start < 0 or not isinstance(block_size, int) or block_size < 1 or cache_blocks.ndim != 1 \
+            or len(cache_blocks) != blocks_spanned(start, end, block_size):
+        raise ValueError(f"{len(cache_blocks)} cache blocks of {block_size!r} slots for tokens {start}..{end - 1}")
     layout = prefix.layout
     if facts.layout != layout or (facts.blocks and prefix.blocks[0].device != facts.blocks[0].device):
         raise ValueError(f"blocks of two layouts or devices: {layout.describe()} and {facts.layout.describe()}")
     table = np.empty((6, end - start), dtype=np.int64)
     picked = _ALL if rows is None else rows
     written, total = _compiled()(table, prefix.addresses, prefix.lengths, facts.addresses, facts.lengths, picked,
-                                 rows is not None, start, slots, layout.num_kv_heads * layout.head_size,
-                                 layout.dtype.itemsize, layout.num_layers, _float_bits(key_scale))
+                                 rows is not None, start, cache_blocks, block_size,
+                                 layout.num_kv_heads * layout.head_size, layout.dtype.itemsize, layout.num_layers,
+                                 _float_bits(key_scale))
     if written < 0:
         raise ValueError(f"a row past the {len(facts.lengths)} blocks held")
     if written != end - start:
@@ -108,6 +113,12 @@ def segment_sources(prefix: HeldBlocks, facts: HeldBlocks, start: int, end: int,
 
 
 _ALL = np.zeros(0, dtype=np.int64)
+
+
+def blocks_spanned(start: int, end: int, block_size: int) -> int:
+    """How many cache blocks of ``block_size`` slots tokens ``start..end-1`` span, laid out as in a
+    block table (token ``start`` at slot ``start % block_size`` of the first)."""
+    return (end - 1) // block_size - start // block_size + 1 if end > start else 0
 
 
 def _float_bits(value: float) -> int:
@@ -123,16 +134,18 @@ def _compiled():
     return numba.njit(nogil=True, cache=False)(_fill)
 
 
-def _fill(table, prefix_addresses, prefix_lengths, fact_addresses, fact_lengths, rows, by_row, start, slots, row,
-          size, num_layers, scale_bits):
+def _fill(table, prefix_addresses, prefix_lengths, fact_addresses, fact_lengths, rows, by_row, start, cache_blocks,
+          block_size, row, size, num_layers, scale_bits):
     """Columns ``0..`` of ``table`` for segment positions ``start..start + table.shape[1] - 1``
     (:func:`_compiled`). The segment's blocks: the prefix's, then the facts' (those at ``rows`` when
     ``by_row``). A block of ``T`` tokens at address ``A`` is ``[2, L, T, H, D]``: a token's
     layer-0 key row lies ``row`` elements after the one before, a layer's rows ``T * row`` after
-    the layer before's, the values ``L * T * row`` after the keys. Returns the number of columns
+    the layer before's, the values ``L * T * row`` after the keys. A token's slot is read off
+    ``cache_blocks`` (the first holds position ``start``). Returns the number of columns
     written (fewer than asked when the segment is shorter) and the segment's length; -1, -1 for a
     row past the facts' blocks."""
     end = start + table.shape[1]
+    first_block = start // block_size
     num_prefix = prefix_lengths.shape[0]
     num_blocks = num_prefix + (rows.shape[0] if by_row else fact_lengths.shape[0])
     column, first = 0, 0
@@ -151,7 +164,7 @@ def _fill(table, prefix_addresses, prefix_lengths, fact_addresses, fact_lengths,
             table[K_ADDR, column] = key
             table[V_ADDR, column] = key + stride * num_layers * size
             table[LAYER_STRIDE, column] = stride
-            table[SLOT, column] = slots[column]
+            table[SLOT, column] = cache_blocks[position // block_size - first_block] * block_size + position % block_size
             table[POSITION, column] = position
             table[SCALE, column] = scale
             column += 1
@@ -167,7 +180,7 @@ def ready() -> bool:
     instead of the fused write."""
     one = np.ones(1, dtype=np.int64)
     try:
-        _compiled()(np.empty((6, 1), dtype=np.int64), one, one, one, one, _ALL, False, 0, one, 1, 2, 1, ONE_BITS)
+        _compiled()(np.empty((6, 1), dtype=np.int64), one, one, one, one, _ALL, False, 0, one, 1, 1, 2, 1, ONE_BITS)
     except Exception as exc:
         logger.warning("inferscale: the fused cache write is off: its sources table does not compile "
                        "(%s: %s)", type(exc).__name__, exc)

@@ -35,7 +35,7 @@ from inferscale.connector import compat, fused_write
 from inferscale.connector import sources as sources_table
 from inferscale.compose.segment import Segment
 from inferscale.connector.layer_loads import LayerLoads, layer_groups
-from inferscale.connector.loader import LoadSpec, SegmentLoader, blocks_for, kv_head_range, slots_for
+from inferscale.connector.loader import LoadSpec, SegmentLoader, kv_head_range, load_blocks
 from inferscale.connector.metrics import InferScalePromMetrics, InferScaleStats, stats_or_none
 from inferscale.connector.planner import NO_MEMORY, Plan, plan_request
 from inferscale.connector.report import client_report
@@ -114,11 +114,10 @@ class InferScaleConnector(compat.KVConnectorBase_V1):
             if plan is None:
                 continue
             start = plan.claim_len - plan.num_external
-            slots = slots_for(block_ids, self.block_size, start, plan.claim_len)
-            spec = LoadSpec(req_id, plan.request, start, plan.claim_len, plan.segment_len, slots, plan.versions,
-                            plan.blend.key_scale)
-            meta.loads.append(spec)
-            self._loaded_blocks[req_id] = blocks_for(block_ids, self.block_size, start, plan.claim_len)
+            blocks = load_blocks(block_ids, self.block_size, start, plan.claim_len)
+            meta.loads.append(LoadSpec(req_id, plan.request, start, plan.claim_len, plan.segment_len, blocks,
+                                       self.block_size, plan.versions, plan.blend.key_scale))
+            self._loaded_blocks[req_id] = set(blocks)
         return meta
 
     def update_connector_output(self, connector_output) -> None:
@@ -316,7 +315,7 @@ class InferScaleConnector(compat.KVConnectorBase_V1):
     def _load_failed(self, spec: LoadSpec, exc: Exception) -> None:
         logger.warning("inferscale: loading memory for %s failed (%s: %s); it will be recomputed",
                        spec.req_id, type(exc).__name__, exc)
-        self._load_errors.update(spec.block_ids(self.block_size))
+        self._load_errors.update(spec.blocks)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         index = self._layer_of.get(layer_name)
