@@ -81,7 +81,8 @@ def test_sources_match_each_tokens_stored_rows(prefix_len, lengths, data, dtype,
     block_size = data.draw(st.sampled_from([1, 2, 3, 16]))
     spanned = (end - 1) // block_size - start // block_size + 1 if end > start else 0
     cache_blocks = data.draw(st.lists(st.integers(0, 1 << 36), min_size=spanned, max_size=spanned))
-    slots = [cache_blocks[p // block_size - start // block_size] * block_size + p % block_size for p in range(start, end)]
+    slots = [cache_blocks[p // block_size - start // block_size] * block_size + p % block_size
+             for p in range(start, end)]
     sources, length = segment_sources(HeldBlocks.of([prefix]), facts, start, end, cache_blocks, block_size,
                                       key_scale, None if rows is None else np.asarray(rows, dtype=np.int64))
     assert length == total and sources.table.shape == (6, end - start)

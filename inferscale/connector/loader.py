@@ -32,12 +32,12 @@ class LoadSpec:
     cache ``blocks`` of ``block_size`` slots each, as the request's block table
     lays them out: token ``start`` in ``blocks[0]`` at slot ``start % block_size``
     (:func:`load_blocks`; the worker derives each token's slot, :attr:`slots`,
-    so that a block id and not a slot per token crosses to it). ``versions`` are the epochs of the instruction
-    prefix and of the user's memory whose token ids the scheduler matched the
-    prompt (and the request's cache salt) against: the worker loads K/V only from
-    those versions, so K/V is never written under other tokens or from another
-    version of the user's memory (an epoch is never reused, so one version's token
-    ids never change). The facts' keys are multiplied by ``key_scale``
+    so that a block id and not a slot per token crosses to it). ``versions`` are
+    the epochs of the instruction prefix and of the user's memory whose token ids
+    the scheduler matched the prompt (and the request's cache salt) against: the
+    worker loads K/V only from those versions, so K/V is never written under other
+    tokens or from another version of the user's memory (an epoch is never reused,
+    so one version's token ids never change). The facts' keys are multiplied by ``key_scale``
     (:mod:`inferscale.compose.blend`).
     """
 

@@ -164,7 +164,8 @@ def _fill(table, prefix_addresses, prefix_lengths, fact_addresses, fact_lengths,
             table[K_ADDR, column] = key
             table[V_ADDR, column] = key + stride * num_layers * size
             table[LAYER_STRIDE, column] = stride
-            table[SLOT, column] = cache_blocks[position // block_size - first_block] * block_size + position % block_size
+            block = cache_blocks[position // block_size - first_block]
+            table[SLOT, column] = block * block_size + position % block_size
             table[POSITION, column] = position
             table[SCALE, column] = scale
             column += 1
