@@ -241,7 +241,7 @@ def test_fused_sources_point_at_the_segments_stored_rows(disk):
     import ctypes
 
     from inferscale.compose.segment import gather_segment
-    from inferscale.connector.sources import K_ADDR, LAYER_STRIDE, POSITION, SCALE, V_ADDR
+    from inferscale.connector.sources import K_ADDR, LAYER_STRIDE, POSITION, SCALE, SLOT, V_ADDR
 
     order = ["a", "b", "c"]
     loader = _loader(disk)
@@ -269,3 +269,9 @@ def test_fused_sources_point_at_the_segments_stored_rows(disk):
                       (spec.versions[0], "other"), 1.25)
     with pytest.raises(ValueError, match="changed since"):
         loader.sources(forged, num_layers=2, head_size=8)
+    assert sources.table[SLOT].tolist() == spec.slots.tolist() == list(range(6, 18))  # (slot = position here)
+    for blocks, size in ((spec.blocks[:-1], spec.block_size), ([*spec.blocks, 99], spec.block_size), (spec.blocks, 0)):
+        bad = LoadSpec("r1", spec.request, 6, 18, spec.segment_len, blocks, size, spec.versions, 1.25)
+        for read in (loader.sources, loader.load):  # never a slot guessed past the blocks the scheduler sent
+            with pytest.raises(ValueError, match="cache blocks"):
+                read(bad, num_layers=2, head_size=8)
