@@ -15,7 +15,7 @@ import torch
 
 from inferscale.compose.rope import RotaryEmbedding
 from inferscale.compose.segment import PREFIX_FACT, SYSTEM_USER, Segment, gather_segment
-from inferscale.connector.sources import Sources, blocks_spanned, segment_sources
+from inferscale.connector.sources import Sources, check_cache_blocks, segment_sources
 from inferscale.compose.request import SegmentRequest
 from inferscale.errors import MissingFactError, ModelMismatchError
 from inferscale.kv import KVBatch
@@ -97,6 +97,7 @@ class SegmentLoader:
         """
         batch = self._read(self._gather, spec)
         _check_range(spec, batch.num_tokens)
+        check_cache_blocks(spec.blocks, spec.block_size, spec.start, spec.end)  # (the sources' table checks its own)
         _check_model(batch.keys.shape[0], batch.keys.shape[-1], num_layers, head_size)
         keys = self.rope.rotate_range(batch.keys[:, spec.start:spec.end, self.heads], spec.start)
         if spec.key_scale != 1.0:
@@ -223,10 +224,6 @@ def reads_in_place(num_tokens: int, token_bytes: int, in_place_from: int) -> boo
 def _check_range(spec: LoadSpec, segment_len: int) -> None:
     if segment_len != spec.segment_len or not 0 <= spec.start <= spec.end <= spec.segment_len:
         raise ValueError(f"segment has {segment_len} tokens, request expects {spec.segment_len}")
-    if not isinstance(spec.block_size, int) or spec.block_size < 1 \
-            or len(spec.blocks) != blocks_spanned(spec.start, spec.end, spec.block_size):
-        raise ValueError(f"{len(spec.blocks)} cache blocks of {spec.block_size!r} slots for tokens "
-                         f"{spec.start}..{spec.end - 1}")
 
 
 def _check_model(stored_layers: int, stored_head_size: int, num_layers: int, head_size: int) -> None:

@@ -92,10 +92,7 @@ def segment_sources(prefix: HeldBlocks, facts: HeldBlocks, start: int, end: int,
     ``start % block_size``, and so on as in a block table). Returns them and the segment's
     length. The stored blocks are picked by row, not gathered: a store hands over all of a
     user's blocks and the rows of a request's facts among them."""
-    cache_blocks = np.asarray(cache_blocks, dtype=np.int64)
-    if start < 0 or not isinstance(block_size, int) or block_size < 1 or cache_blocks.ndim != 1 \
-            or len(cache_blocks) != blocks_spanned(start, end, block_size):
-        raise ValueError(f"{len(cache_blocks)} cache blocks of {block_size!r} slots for tokens {start}..{end - 1}")
+    cache_blocks = check_cache_blocks(cache_blocks, block_size, start, end)
     layout = prefix.layout
     if facts.layout != layout or (facts.blocks and prefix.blocks[0].device != facts.blocks[0].device):
         raise ValueError(f"blocks of two layouts or devices: {layout.describe()} and {facts.layout.describe()}")
@@ -115,10 +112,15 @@ def segment_sources(prefix: HeldBlocks, facts: HeldBlocks, start: int, end: int,
 _ALL = np.zeros(0, dtype=np.int64)
 
 
-def blocks_spanned(start: int, end: int, block_size: int) -> int:
-    """How many cache blocks of ``block_size`` slots tokens ``start..end-1`` span, laid out as in a
-    block table (token ``start`` at slot ``start % block_size`` of the first)."""
-    return (end - 1) // block_size - start // block_size + 1 if end > start else 0
+def check_cache_blocks(cache_blocks: Sequence[int], block_size: int, start: int, end: int) -> np.ndarray:
+    """``cache_blocks`` as int64, checked to be the blocks of ``block_size`` slots that tokens
+    ``start..end-1`` span, laid out as in a block table (token ``start`` at slot
+    ``start % block_size`` of the first); a ValueError otherwise (no slot is ever guessed)."""
+    blocks = np.asarray(cache_blocks, dtype=np.int64)
+    if start < 0 or not isinstance(block_size, int) or block_size < 1 or blocks.ndim != 1 \
+            or len(blocks) != ((end - 1) // block_size - start // block_size + 1 if end > start else 0):
+        raise ValueError(f"{len(blocks)} cache blocks of {block_size!r} slots for tokens {start}..{end - 1}")
+    return blocks
 
 
 def _float_bits(value: float) -> int:
