@@ -3,6 +3,7 @@ settings, chat parsing and reshaping."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import platform
 import socket
@@ -32,6 +33,19 @@ def test_the_engine_listens_on_loopback_with_the_connector_and_the_users_argumen
     assert cmd[cmd.index("--served-model-name") + 1] == "qwen" and cmd[cmd.index("--max-model-len") + 1] == "12288"
     gpu_cmd = launch.engine_command("/m", "qwen", Config(), 4321, None, [], "cuda")
     assert "--enforce-eager" not in gpu_cmd and "--max-model-len" not in gpu_cmd
+
+
+def test_the_users_no_enable_prefix_caching_turns_vllms_prefix_cache_off():
+    """The engine starts with the prefix cache on; a user's ``--no-enable-prefix-caching`` (docs/server.md)
+    comes later on the command line and wins under vLLM's own parser."""
+    from vllm.engine.arg_utils import EngineArgs
+
+    parser = EngineArgs.add_cli_args(argparse.ArgumentParser())
+    command = launch.engine_command("/m", "qwen", Config(), 4321, None, ["--no-enable-prefix-caching"], "cuda")
+    engine_args = command[command.index("--model"):]
+    assert parser.parse_known_args(engine_args)[0].enable_prefix_caching is False
+    default = launch.engine_command("/m", "qwen", Config(), 4321, None, [], "cuda")
+    assert parser.parse_known_args(default[default.index("--model"):])[0].enable_prefix_caching is True
 
 
 def test_the_engine_starts_with_the_host_memory_settings_where_the_environment_sets_none(monkeypatch):
