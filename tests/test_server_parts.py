@@ -41,11 +41,13 @@ def test_the_users_no_enable_prefix_caching_turns_vllms_prefix_cache_off():
     from vllm.engine.arg_utils import EngineArgs
 
     parser = EngineArgs.add_cli_args(argparse.ArgumentParser())
-    command = launch.engine_command("/m", "qwen", Config(), 4321, None, ["--no-enable-prefix-caching"], "cuda")
-    engine_args = command[command.index("--model"):]
-    assert parser.parse_known_args(engine_args)[0].enable_prefix_caching is False
-    default = launch.engine_command("/m", "qwen", Config(), 4321, None, [], "cuda")
-    assert parser.parse_known_args(default[default.index("--model"):])[0].enable_prefix_caching is True
+
+    def prefix_caching(user_args: list[str]) -> bool:
+        command = launch.engine_command("/m", "qwen", Config(), 4321, None, user_args, "cuda")
+        return parser.parse_known_args(command[command.index("--model"):])[0].enable_prefix_caching
+
+    assert prefix_caching(["--no-enable-prefix-caching"]) is False
+    assert prefix_caching([]) is True
 
 
 def test_the_engine_starts_with_the_host_memory_settings_where_the_environment_sets_none(monkeypatch):
