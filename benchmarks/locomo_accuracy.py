@@ -93,10 +93,11 @@ class Method:
     closing: str = "none"
     recompute_tokens: int = 0
     key_scale: float = 1.0
+    neighbours: int = 0  # > 0: the "neighbours" policy, each fact behind its nearest facts (window unused)
 
     @property
-    def encoding(self) -> tuple[int, str]:
-        return self.window, self.style
+    def encoding(self) -> tuple[int, str, int]:
+        return (0 if self.neighbours else self.window), self.style, self.neighbours
 
 
 def _kv(**kw) -> Method:
@@ -126,7 +127,20 @@ def method_sets() -> dict[str, list[Method]]:
         "smoke": [_prompt(), _kv(), _kv(**fw), _kv(**fw, recompute_tokens=64)],
         # the product's defaults on a GPU (facts window 5, closing line, B = 256) vs the same prompt
         "default": [_prompt(closing="answer"), _kv(**fw, closing="answer", recompute_tokens=256)],
+        # offline context that matches the serving context (nearest facts), small tails, key scales
+        "neighbours": neighbour_grid(),
     }
+
+
+def neighbour_grid() -> list[Method]:
+    """The neighbours policy against the facts window, B = 0 ... 256, and key scales; every
+    method with the closing line, as the product serves. The anchors come first."""
+    close = dict(closing="answer")
+    anchors = [_prompt(**close), _kv(window=-5, **close), _kv(window=-5, **close, recompute_tokens=256)]
+    windows = [_kv(neighbours=n, **close) for n in (5, 10, 20)] + [_kv(window=-20, **close)]
+    tails = [_kv(neighbours=10, **close, recompute_tokens=b) for b in (16, 32, 64)]
+    scales = [_kv(neighbours=10, **close, key_scale=c) for c in (1.05, 1.1)]
+    return anchors + windows + tails + scales
 
 
 def select_methods(spec: str) -> list[Method]:
@@ -216,18 +230,31 @@ def recall_at(items: list[Item], convs, ks) -> dict:
 # ---------------------------------------------------------------- encoding
 
 
-def user_of(conv: str, encoding: tuple[int, str]) -> str:
-    window, style = encoding
+def user_of(conv: str, encoding: tuple[int, str, int]) -> str:
+    window, style, neighbours = encoding
+    if neighbours:
+        return f"{conv}.n{neighbours}.{style}"
     return f"{conv}.w{window}.{style}" if window >= 0 else f"{conv}.f{-window}.{style}"
 
 
-def window_policy(window: int):
-    """``window`` turns before each fact, or (negative) the ``-window`` facts before it."""
+def window_policy(window: int, neighbours: int = 0):
+    """``window`` turns before each fact, (negative) the ``-window`` facts before it, or the
+    ``neighbours`` facts nearest to it."""
     from inferscale.config import BackendSpec, build
 
+    if neighbours:
+        return build("window", BackendSpec("neighbours", {"window": neighbours}))
     if window >= 0:
         return build("window", BackendSpec("turns", {"window": window}))
     return build("window", BackendSpec("facts", {"window": -window}))
+
+
+def fact_vectors(convs, embedder_name: str) -> dict:
+    """Each conversation's fact embeddings (the retrieval embedder), for the neighbours policy."""
+    from inferscale.config import BackendSpec, build
+
+    embedder = build("embedder", BackendSpec(embedder_name))
+    return {cid: embedder.embed([text for text, _ in conv.all_facts()]).float().cpu() for cid, conv in convs.items()}
 
 
 def needed_facts(items: list[Item], k: int) -> dict[str, list[int]]:
@@ -248,8 +275,11 @@ def encode_all(args, convs, needed, encodings, model_dir: str, data_dir: Path, p
     from inferscale.kv import FactKV
     from inferscale.storage.disk import DiskStore
 
+    from inferscale.encode.related import nearest
+
     disk = DiskStore(DiskStore.Options(root=str(data_dir / "kv")))
     device = "cuda" if torch.cuda.is_available() else "cpu"
+    vectors = fact_vectors(convs, args.embedder) if any(e[2] for e in encodings) else {}
     ids: dict = {}
     with FactEncoder.from_spec(model_dir, dtype="float32", batch_size=args.encode_batch) as encoder:
         encoder.model.to(device)
@@ -258,18 +288,21 @@ def encode_all(args, convs, needed, encodings, model_dir: str, data_dir: Path, p
             return FactKV(kv.token_ids, kv.keys.to(kv_dtype), kv.values.to(kv_dtype))
 
         disk.put(SYSTEM_USER, {PREFIX_FACT: cast(encoder.encode_ids(prefix_ids))})
-        for window, style in encodings:
-            encoder.window = window_policy(window)
+        for encoding in encodings:
+            window, style, neighbours = encoding
+            encoder.window = window_policy(window, neighbours)
             encoder.fact_style = style
             start = time.perf_counter()
             for cid, indices in needed.items():
-                user, conv = user_of(cid, (window, style)), convs[cid]
+                user, conv = user_of(cid, encoding), convs[cid]
                 facts = [Fact(make_fact_id(user, text, src), user, text, src) for text, src in conv.all_facts()]
-                kvs = encoder.encode(facts, conv.turns, progress=False, prefix_ids=prefix_ids,
-                                     only={facts[j].fact_id for j in indices})
+                only = {facts[j].fact_id for j in indices}
+                related = nearest([f.fact_id for f in facts], vectors[cid], only, neighbours) if neighbours else None
+                kvs = encoder.encode(facts, conv.turns, progress=False, prefix_ids=prefix_ids, only=only,
+                                     related=related)
                 disk.put(user, {fid: cast(kv) for fid, kv in kvs.items()})
-                ids[(cid, (window, style))] = {j: facts[j].fact_id for j in indices}
-            print(f"encoded w={window} {style}: {sum(map(len, needed.values()))} facts "
+                ids[(cid, encoding)] = {j: facts[j].fact_id for j in indices}
+            print(f"encoded {user_of('', encoding).lstrip('.')}: {sum(map(len, needed.values()))} facts "
                   f"in {time.perf_counter() - start:.1f} s", flush=True)
     return ids
 
@@ -427,6 +460,8 @@ def parse_args(argv=None):
     parser.add_argument("--encode-batch", type=int, default=16)
     parser.add_argument("--cuda-graphs", action="store_true")
     parser.add_argument("--time-limit", type=float, default=0, help="stop starting new methods after this many s")
+    parser.add_argument("--default", default=None, help="the method the product serves by default (a name)")
+    parser.add_argument("--baseline", default=None, help="the prompt-injection method it is held against")
     parser.add_argument("--out", default="benchmarks/results/locomo_accuracy.json")
     return parser.parse_args(argv)
 
@@ -468,7 +503,8 @@ def main(argv=None) -> None:
             "dtype": args.dtype, "instruction": INSTRUCTION, "closings": CLOSINGS, "ks": ks,
             "questions": len(items), "facts": sum(len(c.all_facts()) for c in convs.values()),
             "conversations": sorted(convs), "sample": args.sample, "seed": args.seed,
-            "methods": [asdict(m) for m in methods], "encode_s": encode_s, "recall": recall_k}
+            "methods": [asdict(m) for m in methods], "encode_s": encode_s, "recall": recall_k,
+            "default": args.default, "baseline": args.baseline}
     began = time.perf_counter()
     for method in methods:
         if args.time_limit and time.perf_counter() - began > args.time_limit:
@@ -487,12 +523,27 @@ def main(argv=None) -> None:
     os._exit(0)  # vLLM's engine threads can keep the interpreter alive
 
 
+def gap_table(summary: dict, default: str | None, baseline: str | None, ks) -> str:
+    """The default's F1 minus the baseline's, per k: overall, multi-hop and temporal."""
+    if not default or not baseline or default not in summary or baseline not in summary:
+        return ""
+    lines = ["", f"{default} − {baseline} (F1):", "", "| k | all | multi-hop | temporal |", "|---|---|---|---|"]
+    for k in ks:
+        d, b = summary[default].get(str(k)), summary[baseline].get(str(k))
+        if d and b:
+            lines.append(f"| {k} | " + " | ".join(f"{d[f'f1.{c}'] - b[f'f1.{c}']:+.3f}" for c in ("all", "1", "2"))
+                         + " |")
+    return "\n".join(lines) + "\n"
+
+
 def write_results(out: Path, meta: dict, timing: dict, rows: list[dict], items: list[Item], methods, ks) -> str:
     """The JSON summary, the markdown table and the answers; rewritten after every method."""
     summary = summarize(rows, items)
     out.parent.mkdir(parents=True, exist_ok=True)
     table = markdown(summary, meta["recall"], methods, ks, len(items), f"{meta['model']} ({meta['dtype']}, "
                      f"{meta['device']})")
+    gaps = gap_table(summary, meta["default"], meta["baseline"], ks)
+    table += gaps
     out.write_text(json.dumps({**meta, "run_s": timing, "summary": summary}, indent=1))
     out.with_suffix(".md").write_text(table)
     with gzip.open(out.with_name(out.stem + "_answers.json.gz"), "wt") as fh:

@@ -27,7 +27,7 @@ import torch
 
 from inferscale.compose.rope import RotaryEmbedding
 from inferscale.config import ModelSpec, make_options
-from inferscale.encode import FactEncoder, FactsWindow, NoWindow, TokensWindow, Turn, TurnsWindow
+from inferscale.encode import FactEncoder, FactsWindow, NeighboursWindow, NoWindow, TokensWindow, Turn, TurnsWindow
 from inferscale.encode.encoder import _Row, attention_modules
 from inferscale.errors import ModelMismatchError
 from inferscale.facts import Fact, render_fact
@@ -275,6 +275,34 @@ def test_facts_window_reads_the_last_facts_and_only_encodes_what_is_asked(tiny_q
     assert torch.equal(alone.keys, full[last.fact_id].keys) and torch.equal(alone.values, full[last.fact_id].values)
 
 
+def test_neighbours_window_encodes_behind_the_related_facts(tiny_qwen3):
+    """Each fact's row is ``[prefix | its related facts, the most related last | fact]``: the same
+    K/V (up to float rounding: the CPU prefills shared prefixes once) as the fact alone behind that context."""
+    model, tokenizer = tiny_qwen3
+    encoder = FactEncoder(model, tokenizer, NeighboursWindow(NeighboursWindow.Options(window=2)), batch_size=1)
+    prefix = encoder.tokenize("Facts:\n")
+    ids = [f.fact_id for f in FACTS]
+    related = {ids[0]: [ids[3], ids[1], ids[2]], ids[1]: [ids[0]], ids[2]: []}
+    kvs = encoder.encode(FACTS, progress=False, prefix_ids=prefix, only=set(related), related=related)
+    assert set(kvs) == set(related)
+    for fid, context_facts in ((ids[0], FACTS[1:3]), (ids[1], FACTS[:1]), (ids[2], ())):
+        context = prefix + [t for f in context_facts for t in encoder.fact_token_ids(f)]
+        fact = next(f for f in FACTS if f.fact_id == fid)
+        alone = encoder.encode_ids(encoder.fact_token_ids(fact), context)
+        assert max_err(alone.keys, kvs[fid].keys) <= TOL and max_err(alone.values, kvs[fid].values) <= TOL
+
+
+def test_neighbours_window_needs_related_facts_among_those_given(tiny_qwen3):
+    model, tokenizer = tiny_qwen3
+    encoder = FactEncoder(model, tokenizer, NeighboursWindow(), batch_size=1)
+    with pytest.raises(ValueError, match="related="):
+        encoder.encode(FACTS, progress=False)
+    with pytest.raises(ValueError, match="not among the facts given"):
+        encoder.encode(FACTS[:2], progress=False, related={FACTS[0].fact_id: [FACTS[3].fact_id]})
+    plain = FactEncoder(model, tokenizer, FactsWindow(), batch_size=1)  # a policy that reads none ignores them
+    assert set(plain.encode(FACTS[:2], progress=False, related={"x": ["y"]})) == {f.fact_id for f in FACTS[:2]}
+
+
 def test_tokens_window_relocation(tiny_qwen3):
     model, tokenizer = tiny_qwen3
     window = TokensWindow(TokensWindow.Options(max_tokens=24))
@@ -396,13 +424,23 @@ def test_facts_window_takes_the_latest_facts():
     assert FactsWindow().context_ids(TURNS, 1, char_tokenize) == []
 
 
+def test_neighbours_window_takes_the_most_related_last():
+    related = [[1, 2], [3], [4, 5, 6]]
+    policy = NeighboursWindow(NeighboursWindow.Options(window=2))
+    assert policy.related == 2
+    assert policy.context_ids(TURNS, 1, char_tokenize, [[9]], related) == [3, 4, 5, 6]
+    assert NeighboursWindow(NeighboursWindow.Options(window=0)).context_ids(TURNS, 1, char_tokenize, [], related) == []
+    assert FactsWindow().related == 0 and TurnsWindow().related == 0
+
+
 def test_policies_registered_with_options():
     from inferscale.encode import plugin
 
     found = []
     plugin.register_windows(register=found.append)
     assert {cls.name: cls for cls in found} == {"facts": FactsWindow, "turns": TurnsWindow, "tokens": TokensWindow,
-                                               "none": NoWindow}
+                                               "none": NoWindow, "neighbours": NeighboursWindow}
+    assert make_options(NeighboursWindow, {}, "window").window == 5
     assert make_options(TurnsWindow, {}, "window").window == 2
     assert make_options(FactsWindow, {}, "window").window == 5
     policy = TokensWindow(make_options(TokensWindow, {"max_tokens": 7}, "window"))
@@ -487,3 +525,36 @@ def test_resolve_model_errors(tmp_path):
         tmp_path / "m.gguf",
         "bfloat16",
     )
+
+
+# ---------------------------------------------------------------- the memory side with the neighbours window
+
+
+def test_memory_encodes_new_facts_behind_their_nearest_stored_and_new_facts(tiny_model_dirs, tmp_path):
+    """``[window] name = "neighbours"``: an added fact's K/V are computed behind the facts nearest
+    to it under the retrieval embedder — stored ones (their saved embeddings) and ones added with it."""
+    from inferscale.api import Context, MemoryAPI
+    from inferscale.config import Config
+    from inferscale.encode.related import nearest
+
+    config = Config.from_dict({"model": str(tiny_model_dirs["qwen3"]), "data_dir": str(tmp_path),
+                               "window": {"name": "neighbours", "options": {"window": 2}}})
+    memory = MemoryAPI(Context(config))
+    first = ["Maya has a grey cat called Pixel.", "Maya's sister Ana lives in Porto.", "Maya is allergic to peanuts."]
+    memory.add_facts("maya", first)
+    memory.add_facts("maya", ["Maya's cat Pixel likes tuna.", "Maya's sister Ana is a nurse."])
+    facts = memory.list_facts("maya")
+    ids, vectors = memory.context.disk.embeddings("maya")
+    assert len(ids) == 5
+    last = facts[-1]
+    related = nearest(ids, vectors, {last.fact_id}, 2)[last.fact_id]
+    by_id = {f.fact_id: f for f in facts}
+    encoder = memory.encoder
+    context = memory.context.prefix_ids + [t for fid in related for t in encoder.fact_token_ids(by_id[fid])]
+    alone = encoder.encode_ids(list(last.token_ids), context)
+    kv = memory.context.disk.load_user("maya")[last.fact_id]
+    assert max_err(alone.keys, kv.keys) <= TOL and max_err(alone.values, kv.values) <= TOL
+    behind_previous = encoder.encode_ids(list(last.token_ids), memory.context.prefix_ids + [
+        t for f in facts[-3:-1] for t in encoder.fact_token_ids(f)])
+    assert related != [f.fact_id for f in facts[-3:-1]] and max_err(behind_previous.keys, kv.keys) > TOL
+    memory.close()

@@ -146,13 +146,32 @@ class MemoryAPI:
         # stored facts readable as text serve as context (files of format 1 have no text)
         known = [f for f in self.context.disk.facts(user_id).values() if f.text and f.fact_id not in given]
         prefix = self._ensure_prefix()
-        kvs = self.encoder.encode(known + fresh, turns, progress=progress, prefix_ids=prefix, only=given)
         vectors = self.context.embedder.embed([f.text for f in fresh])
+        related = self._related(user_id, known, fresh, vectors)
+        kvs = self.encoder.encode(known + fresh, turns, progress=progress, prefix_ids=prefix, only=given,
+                                  related=related)
         self.context.disk.put(user_id, kvs, {f.fact_id: f for f in fresh},
                               {f.fact_id: v for f, v in zip(fresh, vectors)}, drop=replaced)
         self.context.retriever.add(user_id, [f.fact_id for f in fresh], vectors)
         if replaced:
             self.context.retriever.delete(user_id, list(replaced))
+
+    def _related(self, user_id: str, known: Sequence[Fact], fresh: Sequence[Fact], vectors):
+        """Each new fact's related facts among the known and new ones, for a window policy that
+        reads them (None otherwise): the stored embeddings of the known, the new ones' own."""
+        count = self.encoder.window.related
+        if not count:
+            return None
+        import torch
+
+        from inferscale.encode.related import nearest
+
+        readable = {f.fact_id for f in known}
+        stored_ids, stored = self.context.disk.embeddings(user_id) if known else ([], None)
+        keep = [i for i, fid in enumerate(stored_ids) if fid in readable]
+        ids = [stored_ids[i] for i in keep] + [f.fact_id for f in fresh]
+        matrix = torch.cat([stored[keep].float(), vectors.float().cpu()]) if keep else vectors
+        return nearest(ids, matrix, {f.fact_id for f in fresh}, count)
 
     def _new_facts(self, user_id: str, facts: Sequence[FactInput]) -> list[Fact]:
         per_turn: dict[str | None, int] = defaultdict(int)

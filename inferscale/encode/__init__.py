@@ -1,12 +1,12 @@
-"""Fact encoding: facts → pre-RoPE K/V, behind the facts before them or a window of their conversation.
+"""Fact encoding: facts → pre-RoPE K/V, behind related facts, the facts before them or their conversation.
 
 ``FactEncoder`` (which runs a model) is imported lazily on first access.
 """
 
-from inferscale.encode.policies import FactsWindow, NoWindow, TokensWindow, TurnsWindow
+from inferscale.encode.policies import FactsWindow, NeighboursWindow, NoWindow, TokensWindow, TurnsWindow
 from inferscale.encode.window import Turn, WindowPolicy
 
-__all__ = ["FactEncoder", "FactsWindow", "NoWindow", "TokensWindow", "Turn", "TurnsWindow", "WindowPolicy"]
+__all__ = ["FactEncoder", "FactsWindow", "NeighboursWindow", "NoWindow", "TokensWindow", "Turn", "TurnsWindow", "WindowPolicy"]
 
 
 def __getattr__(name: str):

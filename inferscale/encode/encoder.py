@@ -35,7 +35,7 @@ by the model's device.
 from __future__ import annotations
 
 import gc
-from collections.abc import Collection, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -256,16 +256,19 @@ class FactEncoder:
         return ids
 
     def encode(self, facts: Sequence[Fact], turns: Sequence[Turn] = (), progress: bool = True,
-               prefix_ids: Sequence[int] = (), only: Collection[str] | None = None) -> dict[str, FactKV]:
+               prefix_ids: Sequence[int] = (), only: Collection[str] | None = None,
+               related: Mapping[str, Sequence[str]] | None = None) -> dict[str, FactKV]:
         """K/V of each fact, encoded behind ``prefix_ids`` and the context its window
-        policy picks (from ``turns`` or from the facts before it), by fact_id.
+        policy picks (from ``turns``, the facts before it or its related facts), by fact_id.
 
         ``prefix_ids`` (e.g. the instruction prefix the segment starts with) come
         first in every row, so a fact is encoded as it will be read: after the
         system prompt, not as the start of a sequence. ``facts`` are in the order
         they were given (the "facts" window reads the ones before each fact);
         with ``only``, just those fact_ids are encoded, the others still serving
-        as context.
+        as context. ``related`` maps a fact_id to the ids of the facts most related
+        to it (among ``facts``, the most related last; see :mod:`inferscale.encode.related`),
+        for a policy that reads them (``window.related > 0``).
         """
         self._live_model()
         unique = _unique_facts(facts)
@@ -273,7 +276,9 @@ class FactEncoder:
         rendered = [self.fact_token_ids(fact) for fact in unique]
         prefix = tuple(prefix_ids)
         chosen = [i for i, fact in enumerate(unique) if only is None or fact.fact_id in only]
-        rows = [self._fact_row(unique[i], turns, sources, prefix, rendered[:i], rendered[i]) for i in chosen]
+        near = _related_ids(unique, rendered, chosen, related, self.window.related)
+        rows = [self._fact_row(unique[i], turns, sources, prefix, rendered[:i], rendered[i], near[i])
+                for i in chosen]
         with tqdm(total=len(rows), desc="encoding facts", unit="fact", disable=not progress) as bar:
             kvs = self._encode_rows(rows, bar)
         return {unique[i].fact_id: kv for i, kv in zip(chosen, kvs)}
@@ -305,7 +310,7 @@ class FactEncoder:
         return self.model
 
     def _fact_row(self, fact: Fact, turns: Sequence[Turn], sources: dict[str, int], prefix: tuple[int, ...],
-                  previous: Sequence[Sequence[int]], ids: Sequence[int]) -> _Row:
+                  previous: Sequence[Sequence[int]], ids: Sequence[int], related: Sequence[Sequence[int]]) -> _Row:
         source = None
         if fact.source_turn is not None and turns:
             if fact.source_turn not in sources:
@@ -313,7 +318,7 @@ class FactEncoder:
                     f"fact {fact.fact_id!r}: source turn {fact.source_turn!r} is not among the {len(turns)} turns given"
                 )
             source = sources[fact.source_turn]
-        context = self.window.context_ids(turns, source, self.tokenize, previous)
+        context = self.window.context_ids(turns, source, self.tokenize, previous, related)
         return _Row(prefix + tuple(context), tuple(ids))
 
     def _encode_rows(self, rows: Sequence[_Row], bar=None) -> list[FactKV]:
@@ -431,6 +436,25 @@ def _unique_facts(facts: Sequence[Fact]) -> list[Fact]:
         if other.text != fact.text:
             raise ValueError(f"fact_id {fact.fact_id!r} is given twice with different texts")
     return list(seen.values())
+
+
+def _related_ids(facts: Sequence[Fact], rendered: Sequence[Sequence[int]], chosen: Sequence[int],
+                 related: Mapping[str, Sequence[str]] | None, wanted: int) -> dict[int, list[Sequence[int]]]:
+    """Per chosen fact (by index), the token ids of its related facts, the most related last;
+    empty lists when the policy reads none."""
+    if not wanted:
+        return {i: [] for i in chosen}
+    if related is None:
+        raise ValueError("this window policy encodes facts behind their related facts: pass related=")
+    position = {fact.fact_id: i for i, fact in enumerate(facts)}
+    out: dict[int, list[Sequence[int]]] = {}
+    for i in chosen:
+        ids = related.get(facts[i].fact_id, ())
+        unknown = [fid for fid in ids if fid not in position]
+        if unknown:
+            raise ValueError(f"fact {facts[i].fact_id!r}: related facts {unknown[:3]} are not among the facts given")
+        out[i] = [rendered[position[fid]] for fid in ids if fid != facts[i].fact_id]
+    return out
 
 
 def _source_index(turns: Sequence[Turn]) -> dict[str, int]:

@@ -1,4 +1,4 @@
-"""The built-in window policies: "facts", "turns", "tokens" and "none".
+"""The built-in window policies: "facts", "neighbours", "turns", "tokens" and "none".
 
 "facts" (the default) encodes each fact behind the facts stored before it, so
 the fact is encoded as it will be read: one item in a list of facts after the
@@ -60,7 +60,8 @@ class TurnsWindow(_CountedWindow):
     Options = _counted(2, "turns")
 
     def context_ids(self, turns: Sequence[Turn], source: int | None, tokenize: Tokenize,
-                    previous_facts: Sequence[Sequence[int]] = ()) -> list[int]:
+                    previous_facts: Sequence[Sequence[int]] = (),
+                    related_facts: Sequence[Sequence[int]] = ()) -> list[int]:
         if source is None or self.options.window == 0:
             return []
         first = max(0, source - self.options.window + 1)
@@ -91,7 +92,8 @@ class TokensWindow(WindowPolicy):
         self.options = options
 
     def context_ids(self, turns: Sequence[Turn], source: int | None, tokenize: Tokenize,
-                    previous_facts: Sequence[Sequence[int]] = ()) -> list[int]:
+                    previous_facts: Sequence[Sequence[int]] = (),
+                    related_facts: Sequence[Sequence[int]] = ()) -> list[int]:
         budget = self.options.max_tokens
         if source is None or budget == 0:
             return []
@@ -115,7 +117,8 @@ class NoWindow(WindowPolicy):
         self.options = options
 
     def context_ids(self, turns: Sequence[Turn], source: int | None, tokenize: Tokenize,
-                    previous_facts: Sequence[Sequence[int]] = ()) -> list[int]:
+                    previous_facts: Sequence[Sequence[int]] = (),
+                    related_facts: Sequence[Sequence[int]] = ()) -> list[int]:
         return []
 
 
@@ -132,10 +135,38 @@ class FactsWindow(_CountedWindow):
     Options = _counted(5, "facts")
 
     def context_ids(self, turns: Sequence[Turn], source: int | None, tokenize: Tokenize,
-                    previous_facts: Sequence[Sequence[int]] = ()) -> list[int]:
+                    previous_facts: Sequence[Sequence[int]] = (),
+                    related_facts: Sequence[Sequence[int]] = ()) -> list[int]:
         if self.options.window == 0:
             return []
         return [t for fact in previous_facts[-self.options.window:] for t in fact]
 
 
-BUILTIN_POLICIES = (FactsWindow, TurnsWindow, TokensWindow, NoWindow)
+class NeighboursWindow(_CountedWindow):
+    """The ``window`` facts most related to this one, the most related last.
+
+    At serving time a fact is read behind the other facts retrieved with it:
+    facts close to the question, and so to each other. Encoding each fact
+    behind its nearest neighbours under the retrieval embedder (rather than
+    behind the facts stored just before it) computes its K/V behind the facts
+    it will most likely be read with. The caller ranks the neighbours
+    (:func:`inferscale.encode.related.nearest`) among every fact of the user
+    known at encoding time.
+    """
+
+    name = "neighbours"
+    Options = _counted(5, "facts")
+
+    @property
+    def related(self) -> int:
+        return self.options.window
+
+    def context_ids(self, turns: Sequence[Turn], source: int | None, tokenize: Tokenize,
+                    previous_facts: Sequence[Sequence[int]] = (),
+                    related_facts: Sequence[Sequence[int]] = ()) -> list[int]:
+        if self.options.window == 0:
+            return []
+        return [t for fact in related_facts[-self.options.window:] for t in fact]
+
+
+BUILTIN_POLICIES = (FactsWindow, NeighboursWindow, TurnsWindow, TokensWindow, NoWindow)

@@ -2,7 +2,8 @@
 
 A fact's K/V depends on what the model saw before it. A policy picks that
 context: a window of the conversation the fact came from (the turns before
-it), or the facts stored before it, rendered as they are read in the memory
+it), the facts stored before it, or the facts most related to it (the ones it
+is most likely retrieved with), rendered as they are read in the memory
 segment (a list of facts after the instruction).
 """
 
@@ -35,11 +36,18 @@ class WindowPolicy(ABC):
     ``source`` is the index in ``turns`` of the turn the fact was extracted
     from (None when unknown). ``previous_facts`` are the token ids of the
     user's facts given before this one (oldest first), each as it reads in the
-    memory segment. The encoder puts the instruction prefix before the context.
+    memory segment. ``related_facts`` are those of the user's facts most
+    related to this one (the most related last), given only to a policy whose
+    ``related`` is the number it wants: the caller ranks them (by the
+    retrieval embedder). The encoder puts the instruction prefix before the
+    context.
     """
 
     name: ClassVar[str]
+    #: how many related facts the policy reads (0: none, and the caller ranks none)
+    related: int = 0
 
     @abstractmethod
     def context_ids(self, turns: Sequence[Turn], source: int | None, tokenize: Tokenize,
-                    previous_facts: Sequence[Sequence[int]] = ()) -> list[int]: ...
+                    previous_facts: Sequence[Sequence[int]] = (),
+                    related_facts: Sequence[Sequence[int]] = ()) -> list[int]: ...
