@@ -129,18 +129,26 @@ def method_sets() -> dict[str, list[Method]]:
         "default": [_prompt(closing="answer"), _kv(**fw, closing="answer", recompute_tokens=256)],
         # offline context that matches the serving context (nearest facts), small tails, key scales
         "neighbours": neighbour_grid(),
+        "neighbours05": neighbour_check(),
     }
 
 
 def neighbour_grid() -> list[Method]:
-    """The neighbours policy against the facts window, B = 0 ... 256, and key scales; every
-    method with the closing line, as the product serves. The anchors come first."""
+    """The neighbours policy against the facts window at B = 0, with key scales and small tails;
+    every method with the closing line, as the product serves. The anchors come first."""
     close = dict(closing="answer")
     anchors = [_prompt(**close), _kv(window=-5, **close), _kv(window=-5, **close, recompute_tokens=256)]
-    windows = [_kv(neighbours=n, **close) for n in (5, 10, 20)] + [_kv(window=-20, **close)]
-    tails = [_kv(neighbours=10, **close, recompute_tokens=b) for b in (16, 32, 64)]
-    scales = [_kv(neighbours=10, **close, key_scale=c) for c in (1.05, 1.1)]
-    return anchors + windows + tails + scales
+    windows = [_kv(neighbours=n, **close) for n in (10, 20)] + [_kv(window=-20, **close)]
+    scales = [_kv(neighbours=20, **close, key_scale=c) for c in (1.05, 1.1)]
+    tails = [_kv(neighbours=20, **close, recompute_tokens=b) for b in (64, 128)]
+    return anchors + windows + scales + tails
+
+
+def neighbour_check() -> list[Method]:
+    """The smaller model's share of :func:`neighbour_grid`: today's default and the candidates."""
+    close = dict(closing="answer")
+    return [_prompt(**close), _kv(window=-5, **close, recompute_tokens=256), _kv(window=-5, **close),
+            _kv(neighbours=10, **close), _kv(neighbours=20, **close), _kv(neighbours=20, **close, recompute_tokens=64)]
 
 
 def select_methods(spec: str) -> list[Method]:
@@ -249,12 +257,31 @@ def window_policy(window: int, neighbours: int = 0):
     return build("window", BackendSpec("facts", {"window": -window}))
 
 
-def fact_vectors(convs, embedder_name: str) -> dict:
-    """Each conversation's fact embeddings (the retrieval embedder), for the neighbours policy."""
+#: the most neighbours any method reads (the related cache keeps this many per fact)
+MAX_NEIGHBOURS = 20
+
+
+def related_ranks(convs, cache: Path | None, embedder_name: str) -> dict[str, list[list[int]]]:
+    """Per conversation, each fact's nearest facts (indices, the nearest first) under the retrieval
+    embedder, as :func:`inferscale.encode.related.nearest` ranks them; read from / written to ``cache``."""
+    if cache and cache.exists():
+        saved = json.loads(cache.read_text())
+        if saved["top"] >= MAX_NEIGHBOURS and set(convs) <= set(saved["related"]):
+            return saved["related"]
     from inferscale.config import BackendSpec, build
+    from inferscale.encode.related import nearest
 
     embedder = build("embedder", BackendSpec(embedder_name))
-    return {cid: embedder.embed([text for text, _ in conv.all_facts()]).float().cpu() for cid, conv in convs.items()}
+    out = {}
+    for cid, conv in convs.items():
+        names = [str(j) for j in range(len(conv.all_facts()))]
+        vectors = embedder.embed([text for text, _ in conv.all_facts()])
+        ranked = nearest(names, vectors, set(names), MAX_NEIGHBOURS)
+        out[cid] = [[int(j) for j in reversed(ranked[n])] for n in names]
+    if cache:
+        cache.parent.mkdir(parents=True, exist_ok=True)
+        cache.write_text(json.dumps({"top": MAX_NEIGHBOURS, "embedder": embedder_name, "related": out}))
+    return out
 
 
 def needed_facts(items: list[Item], k: int) -> dict[str, list[int]]:
@@ -275,11 +302,10 @@ def encode_all(args, convs, needed, encodings, model_dir: str, data_dir: Path, p
     from inferscale.kv import FactKV
     from inferscale.storage.disk import DiskStore
 
-    from inferscale.encode.related import nearest
-
     disk = DiskStore(DiskStore.Options(root=str(data_dir / "kv")))
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    vectors = fact_vectors(convs, args.embedder) if any(e[2] for e in encodings) else {}
+    ranks = related_ranks(convs, Path(args.related) if args.related else None, args.embedder) \
+        if any(e[2] for e in encodings) else {}
     ids: dict = {}
     with FactEncoder.from_spec(model_dir, dtype="float32", batch_size=args.encode_batch) as encoder:
         encoder.model.to(device)
@@ -297,7 +323,8 @@ def encode_all(args, convs, needed, encodings, model_dir: str, data_dir: Path, p
                 user, conv = user_of(cid, encoding), convs[cid]
                 facts = [Fact(make_fact_id(user, text, src), user, text, src) for text, src in conv.all_facts()]
                 only = {facts[j].fact_id for j in indices}
-                related = nearest([f.fact_id for f in facts], vectors[cid], only, neighbours) if neighbours else None
+                related = {facts[j].fact_id: [facts[r].fact_id for r in reversed(ranks[cid][j][:neighbours])]
+                           for j in indices} if neighbours else None
                 kvs = encoder.encode(facts, conv.turns, progress=False, prefix_ids=prefix_ids, only=only,
                                      related=related)
                 disk.put(user, {fid: cast(kv) for fid, kv in kvs.items()})
@@ -322,7 +349,7 @@ def build_engine(args, model_dir: str, data_dir: Path):
     config = Config.from_dict({"model": {"path": model_dir, "dtype": args.dtype}, "data_dir": str(data_dir),
                                "instruction": INSTRUCTION, "kv_store": "hbm" if gpu else "pinned",
                                "recompute_tokens": 0})
-    memory = {"gpu_memory_utilization": 0.6} if gpu else {"kv_cache_memory_bytes": 2 << 30}
+    memory = {"gpu_memory_utilization": args.gpu_memory_utilization} if gpu else {"kv_cache_memory_bytes": 2 << 30}
     return make_llm(model_dir, config, in_process=True, enforce_eager=not args.cuda_graphs, **memory)
 
 
@@ -456,9 +483,11 @@ def parse_args(argv=None):
     parser.add_argument("--dtype", default=None, help="serving dtype (default: bfloat16 on GPU, float32 on CPU)")
     parser.add_argument("--embedder", default="minilm")
     parser.add_argument("--retrieval", default=None, help="retrieval cache (JSON): read if present, else written")
+    parser.add_argument("--related", default=None, help="cache of each fact's nearest facts (JSON), as --retrieval")
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--encode-batch", type=int, default=16)
     parser.add_argument("--cuda-graphs", action="store_true")
+    parser.add_argument("--gpu-memory-utilization", type=float, default=0.6, help="the engine's share of the GPU")
     parser.add_argument("--time-limit", type=float, default=0, help="stop starting new methods after this many s")
     parser.add_argument("--default", default=None, help="the method the product serves by default (a name)")
     parser.add_argument("--baseline", default=None, help="the prompt-injection method it is held against")

@@ -126,3 +126,15 @@ def test_goal_needs_full_injection_and_a_floor():
     nan = float("nan")  # too few rounds for an interval: the run cannot tell
     assert ttft.goal(dict(row, kv_store="hbm", kv_vs_none_paired_ci=(nan, nan)), {})["verdict"] == "undecided"
     assert ttft.goal(dict(row, kv_store="hbm", kv_vs_none_paired_ci=(1.11, 1.2)), {})["verdict"] == "missed"
+
+
+def test_prefix_cache_goal_reads_the_interval_of_kv_minus_the_cached_head():
+    """KV injection within 1 ms of vLLM's own prefix-cache hit of the same head: met when the whole
+    95 % interval of the within-round difference is under 1 ms, missed when all of it is over."""
+    ttft = ttft_module()
+    row = {"k": 50, "cached_ms": 9.0}
+    assert ttft.prefix_cache_goal({**row, "kv_minus_cached_ci_ms": (0.6, 0.9)})["verdict"] == "met"
+    assert ttft.prefix_cache_goal({**row, "kv_minus_cached_ci_ms": (0.8, 1.2)})["verdict"] == "undecided"
+    assert ttft.prefix_cache_goal({**row, "kv_minus_cached_ci_ms": (1.1, 1.9)})["verdict"] == "missed"
+    assert ttft.prefix_cache_goal({**row, "k": 10, "kv_minus_cached_ci_ms": (0.1, 0.2)}) is None
+    assert ttft.prefix_cache_goal({"k": 50, "cached_ms": math.nan, "kv_minus_cached_ci_ms": (0.1, 0.2)}) is None

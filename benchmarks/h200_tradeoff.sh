@@ -1,0 +1,68 @@
+#!/usr/bin/env bash
+# The accuracy-against-throughput block on the H200: one run gives every method its LoCoMo F1 on
+# Qwen2.5-Coder-1.5B and 0.5B and the throughput of its recompute budget under load.
+#   RUN=/tmp/run STEPS="load ttft accuracy" bash benchmarks/h200_tradeoff.sh
+# Run from the repository root once /tmp/parts holds vLLM 0.26.0's site parts; the models' GGUF files
+# arrive in pieces while it runs (/tmp/parts/q05.NN, q15.NN, each set closed by q05.done / q15.done;
+# see benchmarks/results/README.md). .gpu/ holds zstd, the gguf wheel and .gpu/locomo (the data).
+#   load      vllm_serve_load.py (Qwen2.5-7B shape, 100 users × 200 facts, k = 50, 32-token answers,
+#             one API server, hbm store) at 100 users for every budget in BUDGETS
+#   ttft      ttft.py at k = 50 / 100 (Llama-3.1-8B shape, CUDA graphs) for budgets TTFT_BUDGETS
+#   accuracy  locomo_accuracy.py: the 1.5B's grid (METHODS15) beside the 0.5B's (METHODS05), concurrently
+# The GGUFs are assembled, checked and converted in the background while "load" runs.
+set -uo pipefail
+RUN=${RUN:-/tmp/run}
+STEPS=${STEPS:-load ttft accuracy}
+BUDGETS=${BUDGETS:-0,16,32,64,128,256}
+TTFT_BUDGETS=${TTFT_BUDGETS:-0,64}
+METHODS15=${METHODS15:-neighbours}
+METHODS05=${METHODS05:-neighbours05}
+source benchmarks/gpu_block.sh
+NOW=/tmp/site:$PWD
+python3 -m pip install -q --no-index --no-deps --target /tmp/site .gpu/gguf-*.whl 2>/dev/null
+mkdir -p ../shared/data && rm -rf ../shared/data/locomo && cp -r .gpu/locomo ../shared/data/locomo
+
+# a model's GGUF from its pieces, checked, converted to a bf16 directory: $1 = q05|q15, $2 = sha256, $3 = out
+convert() {
+  until [[ -f /tmp/parts/$1.done ]]; do sleep 2; done
+  cat /tmp/parts/$1.[0-9]* > /tmp/$1.gguf && echo "$2  /tmp/$1.gguf" | sha256sum -c - \
+    && OMP_NUM_THREADS=4 PYTHONPATH=$NOW nice python3 -m inferscale.cli convert /tmp/$1.gguf --out "$3" --dtype bfloat16
+}
+Q05=/tmp/qwen2.5-coder-0.5b-instruct-bfloat16 Q15=/tmp/qwen2.5-coder-1.5b-instruct-bfloat16
+( convert q05 1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32 $Q05 > "$RUN/convert05.log" 2>&1
+  convert q15 cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046 $Q15 > "$RUN/convert15.log" 2>&1
+  touch /tmp/converted ) &
+
+if has load; then
+  stamp "load through vllm serve: 100 users, 200 facts each, k = 50, 32-token answers, budgets $BUDGETS"
+  PYTHONPATH=$NOW timeout 900 python3 benchmarks/vllm_serve_load.py --shape qwen2.5-7b --cuda-graphs \
+    --gpu-memory-utilization 0.5 --seconds 10 --users 100 --budgets "$BUDGETS" \
+    --out "$RUN/vllm_serve_load_budgets_h200" 2>&1 | grep -v " INFO \| DEBUG "
+fi
+
+if has ttft; then
+  stamp "TTFT at k = 50/100, budgets $TTFT_BUDGETS, hbm + pinned, CUDA graphs, multiprocess engine"
+  PYTHONPATH=$NOW timeout 600 python3 benchmarks/ttft.py --cuda-graphs --shape llama-3.1-8b --kv-stores hbm,pinned \
+    --ks 50,100 --recompute "$TTFT_BUDGETS" --reps 30 --out "$RUN/ttft_budgets_h200.json" 2>&1 \
+    | grep -v " INFO \| DEBUG "
+fi
+
+if has accuracy; then
+  for i in $(seq 1 300); do [[ -f /tmp/converted ]] && break; sleep 2; done
+  tail -3 "$RUN/convert05.log" "$RUN/convert15.log"
+  stamp "LoCoMo, every question: 1.5B ($METHODS15) beside 0.5B ($METHODS05)"
+  export VLLM_ENABLE_V1_MULTIPROCESSING=0
+  common=(--ks 5,10,20,50 --retrieval benchmarks/results/locomo_retrieval_minilm.json
+          --related benchmarks/results/locomo_related_minilm.json --encode-batch 64
+          --default "${DEFAULT:-kv[neighbours=20,closing=answer]}" --baseline "prompt[closing=answer]")
+  PYTHONPATH=$NOW python3 benchmarks/locomo_accuracy.py --model $Q05 --methods "$METHODS05" "${common[@]}" \
+    --gpu-memory-utilization 0.22 --out "$RUN/locomo_qwen05_h200.json" > "$RUN/acc05.log" 2>&1 &
+  A05=$!
+  sleep 20  # the 0.5B's engine claims its memory first
+  PYTHONPATH=$NOW python3 benchmarks/locomo_accuracy.py --model $Q15 --methods "$METHODS15" "${common[@]}" \
+    --gpu-memory-utilization 0.5 --out "$RUN/locomo_qwen15_h200.json" 2>&1 | grep -v " INFO \| DEBUG "
+  wait $A05
+  grep -v " INFO \| DEBUG " "$RUN/acc05.log" | tail -40
+fi
+stamp done
+touch "$RUN/done"
