@@ -17,7 +17,7 @@
 
     python benchmarks/fact_corpus.py --facts 1000000 --people 20000 --model /models/Qwen2.5-7B-Instruct \\
         --out /data/fact-corpus                                        # the H200 run
-    python benchmarks/fact_corpus.py --facts 200 --people 8 --out /tmp/facts   # the 0.5B model, on a CPU
+    python benchmarks/fact_corpus.py --facts 200 --people 8 --dtype float32 --out /tmp/facts   # 0.5B, CPU
     python benchmarks/fact_corpus.py --facts 2000 --templates-only --out /tmp/facts-t
 
 The output directory must be outside the repository (the vectors are large and not kept).
@@ -223,9 +223,9 @@ def make_llm(args: argparse.Namespace):
     if not Path(model).expanduser().is_dir():
         from inferscale.encode.weights import model_dir
 
-        model = str(model_dir(model, "bfloat16"))
+        model = str(model_dir(model, args.dtype))
     memory = {"gpu_memory_utilization": 0.85} if torch.cuda.is_available() else {"kv_cache_memory_bytes": 2 << 30}
-    return LLM(model=model, seed=args.seed, max_model_len=1024, **memory)
+    return LLM(model=model, dtype=args.dtype, seed=args.seed, max_model_len=1024, **memory)
 
 
 def generate(llm, people: list[Person], args: argparse.Namespace, offset: int) -> list[dict]:
@@ -293,6 +293,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    f"at most {len(FIRST) * len(LAST)})")
     p.add_argument("--per-person", type=int, default=12, help="facts asked of the model per person")
     p.add_argument("--model", default=DEFAULT_MODEL, help="a Hugging Face directory or a known model name")
+    p.add_argument("--dtype", default="bfloat16", help="the model's dtype (float32 on CPUs without bf16)")
     p.add_argument("--temperature", type=float, default=0.9)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--parts", type=int, default=8, help="generation parts (each saved when done)")
