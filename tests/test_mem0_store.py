@@ -3,6 +3,10 @@ persistent store, restarted over the same data dir; the collection files on thei
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -137,3 +141,12 @@ def test_collection_files_round_trip(tmp_path):
     files.path("a/b%c").write_bytes(b"not a safetensors file")
     with pytest.raises(CorruptDataError, match="not a readable inferscale-mem0/1 file"):
         list(files.load())
+
+
+def test_importing_the_entry_point_does_not_import_mem0(tmp_path):
+    code = ("import sys, inferscale.mem0, inferscale.retrieval.mem0_store, inferscale.retrieval.mem0_config\n"
+            "assert 'mem0' not in sys.modules, 'imported mem0 before register()'\n"
+            "inferscale.mem0.register()\n"
+            "from mem0.utils.factory import VectorStoreFactory\n"
+            "assert VectorStoreFactory.provider_to_class['inferscale'] == inferscale.mem0.STORE_CLASS\n")
+    subprocess.run([sys.executable, "-c", code], check=True, env={**os.environ, "MEM0_TELEMETRY": "False", "MEM0_DIR": str(tmp_path)})
