@@ -150,3 +150,20 @@ def test_importing_the_entry_point_does_not_import_mem0(tmp_path):
             "from mem0.utils.factory import VectorStoreFactory\n"
             "assert VectorStoreFactory.provider_to_class['inferscale'] == inferscale.mem0.STORE_CLASS\n")
     subprocess.run([sys.executable, "-c", code], check=True, env={**os.environ, "MEM0_TELEMETRY": "False", "MEM0_DIR": str(tmp_path)})
+
+
+def test_a_reopened_collection_keeps_its_width_and_users(mem0_module, tmp_path):
+    from inferscale.retrieval.mem0_provider import InferScaleVectorStore
+
+    store = InferScaleVectorStore(data_dir=str(tmp_path), collection_name="c")
+    x = torch.nn.functional.normalize(torch.randn(3, 4, generator=torch.Generator().manual_seed(0)), dim=1)
+    store.insert(x.tolist(), [{"user_id": "alice"}, {"user_id": "bob"}, {}], ["m1", "m2", "m3"])
+    assert store.dim == 4  # fixed by the first vectors
+    again = InferScaleVectorStore(data_dir=str(tmp_path), collection_name="c", retriever="faiss")
+    assert again.dim == 4 and {again.retriever.count(u) for u in ("alice", "bob", "_shared")} == {1}
+    assert [r.id for r in again.search("q", x[1].tolist(), 3, {"user_id": "bob"})] == ["m2"]
+    assert again.list_cols() == ["c"] and again.col_info()["count"] == 3
+    with pytest.raises(ValueError, match="holds 8-d vectors, got 4-d"):
+        InferScaleVectorStore(data_dir=str(tmp_path), collection_name="c", embedding_model_dims=8)
+    with pytest.raises(ValueError, match="this store holds collection 'c'"):
+        again.create_col("other", 4, "cosine")
