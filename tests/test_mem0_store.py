@@ -149,7 +149,8 @@ def test_importing_the_entry_point_does_not_import_mem0(tmp_path):
             "inferscale.mem0.register()\n"
             "from mem0.utils.factory import VectorStoreFactory\n"
             "assert VectorStoreFactory.provider_to_class['inferscale'] == inferscale.mem0.STORE_CLASS\n")
-    subprocess.run([sys.executable, "-c", code], check=True, env={**os.environ, "MEM0_TELEMETRY": "False", "MEM0_DIR": str(tmp_path)})
+    env = {**os.environ, "MEM0_TELEMETRY": "False", "MEM0_DIR": str(tmp_path)}
+    subprocess.run([sys.executable, "-c", code], check=True, env=env)
 
 
 def test_a_reopened_collection_keeps_its_width_and_users(mem0_module, tmp_path):
@@ -167,3 +168,18 @@ def test_a_reopened_collection_keeps_its_width_and_users(mem0_module, tmp_path):
         InferScaleVectorStore(data_dir=str(tmp_path), collection_name="c", embedding_model_dims=8)
     with pytest.raises(ValueError, match="this store holds collection 'c'"):
         again.create_col("other", 4, "cosine")
+
+
+def test_a_memory_left_in_two_users_files_is_loaded_once(mem0_module, tmp_path):
+    """A crash between the two writes of a move leaves two copies; the later ``updated_at`` is the one kept."""
+    from inferscale.retrieval.mem0_provider import InferScaleVectorStore
+
+    files = CollectionFiles(tmp_path / "mem0" / "vectors" / "mem0")
+    x = torch.eye(4)
+    files.save(UserMemories("alice", ["m1", "m2"], x[:2], [{"user_id": "alice", "updated_at": "2026-01-01"},
+                                                   {"user_id": "alice"}]))
+    files.save(UserMemories("bob", ["m1"], x[2:3], [{"user_id": "bob", "updated_at": "2026-02-01"}]))
+    store = InferScaleVectorStore(data_dir=str(tmp_path))
+    assert store.retriever.count("alice") == 1 and store.retriever.count("bob") == 1
+    assert store.get("m1").payload["user_id"] == "bob"
+    assert [r.id for r in store.search("q", x[0].tolist(), 5, {"user_id": "alice"})] == ["m2"]

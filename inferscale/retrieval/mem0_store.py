@@ -176,11 +176,26 @@ class RetrieverVectorStore:
     def _load(self, user: UserMemories) -> None:
         """Index a user's stored memories (the file's vectors as they were written)."""
         self._checked(user.vectors, fix=True)
-        if user.ids:
-            self.retriever.add(user.user_id, user.ids, user.vectors)
-        for memory_id, vector, payload in zip(user.ids, user.vectors, user.payloads):
-            self._owner[memory_id], self._payloads[memory_id], self._vectors[memory_id] = user.user_id, payload, vector
+        rows = [i for i, (m, p) in enumerate(zip(user.ids, user.payloads)) if self._supersedes(m, p)]
+        if rows:
+            self.retriever.add(user.user_id, [user.ids[i] for i in rows], user.vectors[rows])
+        for i in rows:
+            memory_id = user.ids[i]
+            self._owner[memory_id], self._payloads[memory_id] = user.user_id, user.payloads[i]
+            self._vectors[memory_id] = user.vectors[i]
             self._members.setdefault(user.user_id, {})[memory_id] = None
+
+    def _supersedes(self, memory_id: str, payload: dict) -> bool:
+        """Whether a stored copy wins over one already loaded: two copies exist only when a crash
+        came between the two writes of a move to another user; the later ``updated_at`` wins."""
+        old = self._owner.get(memory_id)
+        if old is None:
+            return True
+        if str(payload.get("updated_at") or "") <= str(self._payloads[memory_id].get("updated_at") or ""):
+            return False
+        self.retriever.delete(old, [memory_id])
+        del self._members[old][memory_id]
+        return True
 
     def _save(self, users: set[str]) -> None:
         if self.files is None:
