@@ -3,8 +3,8 @@
 1. **generate**: one prompt per person (a seeded set of people: name, age, job, home town),
    asking for short third-person facts — family and where they live, dated events,
    preferences, habits, work, travel. vLLM samples each with temperature and its own fixed
-   seed; answers are cleaned (one sentence a line, naming the person) and saved in parts
-   (``<out>/parts/part-<i>.jsonl``), so a run can stop and go on where it stopped.
+   seed; the answers are saved in parts (``<out>/parts/part-<i>.jsonl``: person, answer), so a
+   run can stop and go on where it stopped, and cleaned into facts (sentences naming the person).
 2. **recombine**: each generated fact becomes a template (the person's full name, first name
    and a known city become slots) and is filled for other people and cities — people ×
    templates, visited in a seeded pseudo-random order — until ``--facts`` distinct facts
@@ -114,16 +114,18 @@ def prompt_for(person: Person, per_person: int, seed: int) -> str:
 # ---------------------------------------------------------------- cleaning and templates
 
 _BULLET = re.compile(r"^\s*(?:[-*•]+|\d+[.)]|\(\d+\))\s*")
+_SENTENCE_END = re.compile(r"(?<=[.!?])\s+(?=[A-Z\"])")
 
 
 def parse_facts(text: str, person: Person) -> list[str]:
-    """One fact per usable line: bullets and numbers stripped, 3-30 words, naming the person."""
+    """One fact per usable sentence (a line may hold several): bullets and numbers stripped,
+    3-30 words, naming the person."""
     facts = []
     for line in text.splitlines():
-        fact = _BULLET.sub("", line).strip().strip('"').strip()
-        if not 3 <= len(fact.split()) <= 30 or not re.search(rf"\b{re.escape(person.first)}\b", fact):
-            continue
-        facts.append(fact if fact[-1] in ".!?" else fact + ".")
+        for sentence in _SENTENCE_END.split(_BULLET.sub("", line).strip()):
+            fact = sentence.strip().strip('"').strip()
+            if 3 <= len(fact.split()) <= 30 and re.search(rf"\b{re.escape(person.first)}\b", fact):
+                facts.append(fact if fact[-1] in ".!?" else fact + ".")
     return facts
 
 
@@ -235,7 +237,7 @@ def generate(llm, people: list[Person], args: argparse.Namespace, offset: int) -
     params = [SamplingParams(temperature=args.temperature, top_p=0.95, max_tokens=40 * args.per_person,
                              seed=args.seed + offset + i) for i in range(len(people))]
     outputs = llm.chat(chats, params, use_tqdm=True)
-    return [{"person": asdict(p), "facts": parse_facts(o.outputs[0].text, p)} for p, o in zip(people, outputs)]
+    return [{"person": asdict(p), "text": o.outputs[0].text} for p, o in zip(people, outputs)]
 
 
 def write_part(path: Path, records: list[dict]) -> None:
@@ -245,11 +247,11 @@ def write_part(path: Path, records: list[dict]) -> None:
 
 
 def from_records(records: list[dict]) -> tuple[list[str], list[str]]:
-    """Generated facts (deduplicated) and their templates."""
+    """The facts in the model's answers (deduplicated) and their templates."""
     generated, templates = [], []
     for record in records:
         person = Person(**record["person"])
-        for fact in record["facts"]:
+        for fact in parse_facts(record["text"], person):
             generated.append(fact)
             template = to_template(fact, person)
             if template is not None:

@@ -31,6 +31,16 @@ def test_model_lines_become_facts_naming_the_person(corpus):
             "• Her cat is grey.\n2) \"Maya dislikes olives.\"\nMayan ruins fascinate everyone here today.")
     assert corpus.parse_facts(text, maya) == ["Maya Silva's sister lives in Porto.",
                                               "Maya started surfing in May 2023.", "Maya dislikes olives."]
+    paragraph = "Maya lives in Porto, near the river. She is a nurse. Maya's brother Liam moved to Oslo in 2021."
+    assert corpus.parse_facts(paragraph, maya) == ["Maya lives in Porto, near the river.",
+                                                   "Maya's brother Liam moved to Oslo in 2021."]
+
+
+def test_saved_answers_become_facts_and_templates(corpus):
+    record = {"person": {"name": "Maya Silva", "age": 31, "job": "nurse", "home": "Porto"},
+              "text": "1. Maya Silva was born in Lisbon.\n2. Maya likes tea. Maya likes tea!"}
+    assert corpus.from_records([record]) == (["Maya Silva was born in Lisbon.", "Maya likes tea."],
+                                             ["{name} was born in {place}.", "{first} likes tea.", "{first} likes tea!"])
 
 
 def test_a_fact_becomes_a_template_for_anyone(corpus):
