@@ -39,8 +39,9 @@ def test_model_lines_become_facts_naming_the_person(corpus):
 def test_saved_answers_become_facts_and_templates(corpus):
     record = {"person": {"name": "Maya Silva", "age": 31, "job": "nurse", "home": "Porto"},
               "text": "1. Maya Silva was born in Lisbon.\n2. Maya likes tea. Maya likes tea!"}
-    assert corpus.from_records([record]) == (["Maya Silva was born in Lisbon.", "Maya likes tea."],
-                                             ["{name} was born in {place}.", "{first} likes tea.", "{first} likes tea!"])
+    generated, templates = corpus.from_records([record])
+    assert generated == ["Maya Silva was born in Lisbon.", "Maya likes tea."]
+    assert templates == ["{name} was born in {place}.", "{first} likes tea.", "{first} likes tea!"]
 
 
 def test_a_fact_becomes_a_template_for_anyone(corpus):
