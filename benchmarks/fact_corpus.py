@@ -15,12 +15,14 @@
 
 ``--templates-only`` skips the model: built-in templates filled the same way (a CPU smoke run).
 
-    python benchmarks/fact_corpus.py --facts 1000000 --people 20000 --model /models/Qwen2.5-7B-Instruct \\
+    python benchmarks/fact_corpus.py --facts 1000000 --people 1536 --model qwen2.5-coder-1.5b-instruct \\
         --out /data/fact-corpus                                        # the H200 run
     python benchmarks/fact_corpus.py --facts 200 --people 8 --dtype float32 --out /tmp/facts   # 0.5B, CPU
     python benchmarks/fact_corpus.py --facts 2000 --templates-only --out /tmp/facts-t
 
 The output directory must be outside the repository (the vectors are large and not kept).
+Recombined facts keep the template's pronouns, so a fact may say "her" of a man: the
+corpus is for retrieval, where the name and the content carry the meaning.
 """
 
 from __future__ import annotations
