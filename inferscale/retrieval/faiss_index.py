@@ -9,9 +9,11 @@ Deletion: flat and IVF remove in place; HNSW cannot remove, so a delete (or a
 replace) rebuilds that user's HNSW from its stored vectors — O(n) per call.
 
 GPU: when faiss sees a GPU (a faiss-gpu build), flat and IVF users are searched
-through a GPU copy of their index, made lazily and dropped on every change; the
-CPU index stays the source of truth. HNSW has no faiss GPU version and stays on
-the CPU.
+through a GPU copy of their index (``GpuIndexFlatIP`` / ``GpuIndexIVFFlat``, on
+GPU 0 or the ``cuda:N`` of ``device``), made lazily and dropped on every change;
+the CPU index stays the source of truth. ``device="cuda"`` on a faiss without GPU
+support is an error, not a silent CPU run. HNSW has no faiss GPU version: it stays
+on the CPU, and ``kind="hnsw"`` with a ``cuda`` device is refused.
 """
 
 from __future__ import annotations
