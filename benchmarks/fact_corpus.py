@@ -181,19 +181,24 @@ def pair_order(n_templates: int, n_people: int, seed: int) -> Iterator[tuple[int
 
 
 def recombine(generated: Sequence[str], templates: Sequence[str], people: Sequence[Person], target: int,
-              seed: int) -> list[str]:
-    """``target`` distinct facts: the generated ones first, then templates × people; ValueError if too few."""
+              seed: int, rounds: int = 16) -> list[str]:
+    """``target`` distinct facts: the generated ones first, then templates × people, in up to ``rounds``
+    passes (each fills the other slots anew); ValueError if that gives too few."""
     facts = dedup(generated)[:target]
     seen = {normalise(f) for f in facts}
     templates = list(dict.fromkeys(templates))
-    for t, p in pair_order(len(templates), len(people), seed):
-        if len(facts) >= target:
+    for rnd in range(rounds):
+        before = len(facts)
+        for t, p in pair_order(len(templates), len(people), seed + rnd):
+            if len(facts) >= target:
+                return facts
+            fact = fill(templates[t], people[p], ((seed * rounds + rnd) * len(templates) + t) * len(people) + p)
+            key = normalise(fact)
+            if key not in seen:
+                seen.add(key)
+                facts.append(fact)
+        if len(facts) == before:
             break
-        fact = fill(templates[t], people[p], seed * 1_000_003 + t * len(people) + p)
-        key = normalise(fact)
-        if key not in seen:
-            seen.add(key)
-            facts.append(fact)
     if len(facts) < target:
         raise ValueError(f"{len(templates)} templates × {len(people)} people give {len(facts)} distinct facts, "
                          f"fewer than {target}: generate for more people (--people) or ask for fewer facts")

@@ -70,6 +70,8 @@ def test_recombination_reaches_the_target_without_duplicates(corpus):
     assert len({f.split()[0].split("'")[0] for f in facts[2:]}) > 20  # many people
     assert corpus.recombine(generated, corpus.TEMPLATES, people, 500, seed=1) == facts
     assert corpus.recombine(generated, corpus.TEMPLATES, people, 500, seed=2) != facts
+    visits = corpus.recombine([], ["{first} visited {place}."], people[:2], 12, seed=0)  # passes fill slots anew
+    assert len(set(visits)) == 12 and {v.split()[0] for v in visits} == {p.first for p in people[:2]}
     with pytest.raises(ValueError, match="2 templates × 3 people give 6 distinct facts, fewer than 7"):
         corpus.recombine([], ["{first} likes tea.", "{name} likes tea."], people[:3], 7, seed=0)
 
