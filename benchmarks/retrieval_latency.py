@@ -4,8 +4,8 @@ One user holds n unit vectors (dim 384, MiniLM's width): random (``--data``) or
 the first n rows of a seeded shuffle of an embedded corpus (``--corpus``, e.g.
 ``benchmarks/fact_corpus.py``'s ``vectors.npy``; queries are held-out rows).
 Each backend answers single queries (the serving case: one request, one user)
-and batches of ``--batch``. Reports build time, the memory the index took (host
-RSS, and GPU memory where there is one), p50/p90/p99 single-query latency,
+and batches of ``--batch``. Reports build time, the memory the index took (the
+growth of host RSS during the build, noisy below ~10 MiB, and of GPU memory in use), p50/p90/p99 single-query latency,
 p50/p99 batch latency and throughput, and recall@10 and @k against exact search.
 
     python benchmarks/retrieval_latency.py                      # n = 1k, 10k, 100k; k = 50
