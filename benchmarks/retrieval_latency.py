@@ -1,13 +1,17 @@
-"""Query latency of the retrievers (exact, faiss flat/HNSW/IVF, Jasper if importable).
+"""Query latency of the retrievers (exact, faiss flat/HNSW/IVF on the CPU or GPU, Jasper if importable).
 
-One user holds n random unit vectors (dim 384, MiniLM's width); each backend
-answers single queries (the serving case: one request, one user) and a batch.
-Reports build time, p50/p90 single-query latency, batch throughput and
-recall@k against the exact backend.
+One user holds n unit vectors (dim 384, MiniLM's width): random (``--data``) or
+the first n rows of a seeded shuffle of an embedded corpus (``--corpus``, e.g.
+``benchmarks/fact_corpus.py``'s ``vectors.npy``; queries are held-out rows).
+Each backend answers single queries (the serving case: one request, one user)
+and batches of ``--batch``. Reports build time, the memory the index took (the
+growth of host RSS during the build, noisy below ~10 MiB, and of GPU memory in use), p50/p90/p99 single-query latency,
+p50/p99 batch latency and throughput, and recall@10 and @k against exact search.
 
     python benchmarks/retrieval_latency.py                      # n = 1k, 10k, 100k; k = 50
     python benchmarks/retrieval_latency.py --sizes 1000,10000   # quicker
     python benchmarks/retrieval_latency.py --threads 1          # busy or 2-core CPU machines
+    python benchmarks/retrieval_latency.py --corpus /data/fact-corpus/vectors.npy --sizes 10000,100000,1000000
 
 On a loaded 2-core machine torch's and faiss's OpenMP pools with 2 threads ran
 10-40x slower than with 1 (threads wait for a core at every barrier): use
@@ -21,10 +25,10 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
+import math
 import os
 import platform
 import re
-import statistics
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -50,6 +54,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="uniform: i.i.d. unit vectors (no structure: the hardest case for a graph index); "
                         "clustered: a mixture of n/1000 Gaussian clusters, queries drawn from the same mixture "
                         "(closer to sentence embeddings, which cluster by topic)")
+    p.add_argument("--corpus", default=None, help="a float32 .npy of embeddings [rows, dim] (replaces --data)")
+    p.add_argument("--batches", type=int, default=10, help="timed batch searches per backend")
     p.add_argument("--threads", type=int, default=None, help="torch and faiss threads (default: leave as is)")
     p.add_argument("--out", default=None, help="JSON path (default: results/retrieval_latency_<device>.json)")
     return p.parse_args(argv)
@@ -64,20 +70,51 @@ def _jasper(beam_width: int) -> Callable[[], Retriever]:
     return make
 
 
+def _faiss(kind: str, device: str) -> Callable[[], Retriever]:
+    return lambda: FaissRetriever(FaissRetriever.Options(kind=kind, approx_min=1, device=device))
+
+
 #: name → factory; approximate kinds are used from the first fact on (approx_min=1).
 BACKENDS: dict[str, Callable[[], Retriever]] = {
     "exact": lambda: ExactRetriever(),
-    "faiss-flat": lambda: FaissRetriever(),
-    "faiss-hnsw": lambda: FaissRetriever(FaissRetriever.Options(kind="hnsw", approx_min=1)),
-    "faiss-ivf": lambda: FaissRetriever(FaissRetriever.Options(kind="ivf", approx_min=1)),
+    "faiss-flat": _faiss("flat", "cpu"),
+    "faiss-hnsw": _faiss("hnsw", "cpu"),
+    "faiss-ivf": _faiss("ivf", "cpu"),
+    "faiss-flat-gpu": _faiss("flat", "cuda"),
+    "faiss-ivf-gpu": _faiss("ivf", "cuda"),
     "jasper": _jasper(256),
     "jasper-wide": _jasper(1024),
 }
 
 
+def faiss_gpus() -> int:
+    if importlib.util.find_spec("faiss") is None:
+        return 0
+    import faiss
+
+    return faiss.get_num_gpus() if hasattr(faiss, "StandardGpuResources") else 0
+
+
 def available(names: list[str]) -> list[str]:
+    """The named backends that can run here (Jasper: importable and a GPU; faiss GPU: a faiss-gpu build)."""
     has_jasper = importlib.util.find_spec("jasper") is not None and torch.cuda.is_available()
-    return [n for n in names if not n.startswith("jasper") or has_jasper]
+    has_faiss_gpu = faiss_gpus() > 0
+    return [n for n in names if (has_jasper or not n.startswith("jasper"))
+            and (has_faiss_gpu or not n.endswith("-gpu"))]
+
+
+def load_corpus(path: str, n: int, queries: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``n`` rows to index and ``queries`` other rows to ask with, from a seeded shuffle of the corpus."""
+    import numpy as np
+
+    rows = np.load(path, mmap_mode="r")
+    if rows.ndim != 2 or n + queries > rows.shape[0]:
+        raise SystemExit(f"{path}: {rows.shape} rows, but {n:,} facts and {queries} held-out queries are asked for")
+    order = np.random.default_rng(seed).permutation(rows.shape[0])
+    pick = np.sort(order[:n])  # sorted reads of a memory-mapped file
+    x = torch.from_numpy(np.ascontiguousarray(rows[pick], dtype=np.float32))
+    q = torch.from_numpy(np.ascontiguousarray(rows[np.sort(order[-queries:])], dtype=np.float32))
+    return torch.nn.functional.normalize(x, dim=1), torch.nn.functional.normalize(q, dim=1)
 
 
 def device_slug() -> str:
@@ -104,71 +141,127 @@ def clustered(n: int, dim: int, seed: int, queries: int) -> tuple[torch.Tensor, 
     return draw(n), draw(queries)
 
 
-def measure(make: Callable[[], Retriever], x: torch.Tensor, q: torch.Tensor, batch: torch.Tensor, k: int) -> dict:
-    """Build, warm up (Jasper builds its graph on the first search), time ``q`` one by one and ``batch`` at once."""
+def measure(make: Callable[[], Retriever], x: torch.Tensor, q: torch.Tensor, batch: torch.Tensor, k: int,
+            batches: int) -> dict:
+    """Build, warm up (Jasper builds its graph on the first search), time ``q`` one by one and ``batch``
+    ``batches`` times."""
     ids = [f"f{i}" for i in range(x.shape[0])]
+    rss, gpu = rss_mib(), gpu_used_mib()
     t0 = time.perf_counter()
     r = make()
     r.add("u", ids, x)
     r.search("u", q[:1], k)
     build_s = time.perf_counter() - t0
+    memory = {"host_mib": rss_mib() - rss, "gpu_mib": None if gpu is None else gpu_used_mib() - gpu}
     for row in q[:5]:
         r.search("u", row[None], k)
-    lat = []
-    for row in q:
-        t = time.perf_counter()
-        r.search("u", row[None], k)
-        lat.append((time.perf_counter() - t) * 1e3)
-    t = time.perf_counter()
+    single = sorted(timed(lambda: r.search("u", row[None], k)) for row in q)
     hits = r.search("u", batch, k)
-    batch_s = time.perf_counter() - t
-    lat.sort()
+    in_batch = sorted(timed(lambda: r.search("u", batch, k)) for _ in range(batches))
     return {
-        "build_s": build_s,
-        "p50_ms": statistics.median(lat),
-        "p90_ms": lat[int(0.9 * (len(lat) - 1))],
-        "batch_qps": len(hits) / batch_s,
+        "build_s": build_s, **memory,
+        "p50_ms": percentile(single, 50), "p90_ms": percentile(single, 90), "p99_ms": percentile(single, 99),
+        "batch_p50_ms": percentile(in_batch, 50), "batch_p99_ms": percentile(in_batch, 99),
+        "batch_qps": len(hits) / (percentile(in_batch, 50) / 1e3),
         "ids": [[h.fact_id for h in row] for row in hits],
     }
 
 
+def timed(search: Callable[[], object]) -> float:
+    """Milliseconds one search took, waiting for the GPU where there is one."""
+    t = time.perf_counter()
+    search()
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    return (time.perf_counter() - t) * 1e3
+
+
+def percentile(sorted_ms: list[float], pct: float) -> float:
+    """Nearest-rank percentile of a sorted list (p50 of two values is the first)."""
+    return sorted_ms[min(len(sorted_ms) - 1, max(0, math.ceil(pct / 100 * len(sorted_ms)) - 1))]
+
+
+def rss_mib() -> float:
+    """This process's resident memory (Linux ``/proc/self/statm``)."""
+    with open("/proc/self/statm") as fh:
+        return int(fh.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+
+def gpu_used_mib() -> float | None:
+    """GPU memory in use on the current device (every allocator's, faiss's included), ``None`` without one."""
+    if not torch.cuda.is_available():
+        return None
+    torch.cuda.synchronize()
+    free, total = torch.cuda.mem_get_info()
+    return (total - free) / 2**20
+
+
+def recall(found: list[list[str]], truth: list[list[str]], k: int) -> float:
+    """Share of exact search's top-k that the backend's top-k holds, over all queries."""
+    hit = sum(len(set(f[:k]) & set(t[:k])) for f, t in zip(found, truth))
+    return hit / max(1, sum(len(t[:k]) for t in truth))
+
+
+def vectors_for(args: argparse.Namespace, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    queries = max(args.queries, args.batch)
+    if args.corpus:
+        return load_corpus(args.corpus, n, queries, seed=n)
+    if args.data == "clustered":
+        return clustered(n, args.dim, seed=n, queries=queries)
+    return unit(n, args.dim, seed=n), unit(queries, args.dim, seed=n + 1)
+
+
 def run(args: argparse.Namespace) -> dict:
-    names = available(args.backends.split(",") if args.backends else list(BACKENDS))
+    asked = args.backends.split(",") if args.backends else list(BACKENDS)
+    unknown = sorted(set(asked) - set(BACKENDS))
+    if unknown:
+        raise SystemExit(f"unknown backend(s) {', '.join(unknown)} — known: {', '.join(BACKENDS)}")
+    names = available(asked)
+    if len(names) < len(asked):
+        print(f"not available here: {', '.join(n for n in asked if n not in names)}", flush=True)
     rows = []
     for n in (int(s) for s in args.sizes.split(",")):
-        if args.data == "clustered":
-            x, q = clustered(n, args.dim, seed=n, queries=max(args.queries, args.batch))
-        else:
-            x, q = unit(n, args.dim, seed=n), unit(max(args.queries, args.batch), args.dim, seed=n + 1)
-        truth = None
+        x, q = vectors_for(args, n)
+        truth = exact_ids(x, q[: args.batch], args.k)
         for name in names:
-            m = measure(BACKENDS[name], x, q[: args.queries], q[: args.batch], args.k)
-            truth = truth or m["ids"]  # recall against the first backend (exact, when selected)
-            found = sum(len(set(a) & set(b)) for a, b in zip(m.pop("ids"), truth))
-            m["recall_vs_first"] = found / sum(len(t) for t in truth)
-            rows.append({"backend": name, "n": n, "data": args.data, **m})
-            print_row(rows[-1])
+            m = measure(BACKENDS[name], x, q[: args.queries], q[: args.batch], args.k, args.batches)
+            found = m.pop("ids")
+            m["recall_at_10"], m[f"recall_at_{args.k}"] = recall(found, truth, 10), recall(found, truth, args.k)
+            rows.append({"backend": name, "n": n, "data": data_name(args), **m})
+            print_row(rows[-1], args.k)
     return {
         "device": device_slug(),
         "machine": platform.processor() or platform.machine(),
         "torch_threads": torch.get_num_threads(),
         "load_average_1m": os.getloadavg()[0],
         "k": args.k,
-        "dim": args.dim,
-        "data": args.data,
+        "dim": int(x.shape[1]),
+        "data": data_name(args),
         "command": " ".join(["python", "benchmarks/retrieval_latency.py", *(argv_of(args))]),
         "rows": rows,
     }
+
+
+def exact_ids(x: torch.Tensor, q: torch.Tensor, k: int) -> list[list[str]]:
+    """The true top-k of each query (exact search on the CPU, float32)."""
+    exact = ExactRetriever(ExactRetriever.Options(device="cpu"))
+    exact.add("u", [f"f{i}" for i in range(x.shape[0])], x)
+    return [[h.fact_id for h in row] for row in exact.search("u", q, k)]
+
+
+def data_name(args: argparse.Namespace) -> str:
+    return f"corpus:{Path(args.corpus).name}" if args.corpus else args.data
 
 
 def argv_of(args: argparse.Namespace) -> list[str]:
     return [f"--{k.replace('_', '-')}={v}" for k, v in vars(args).items() if v is not None]
 
 
-def print_row(row: dict) -> None:
+def print_row(row: dict, k: int) -> None:
     print(
-        f"{row['backend']:>11} {row['n']:>8,} {row['build_s']:>8.2f} {row['p50_ms']:>8.3f} "
-        f"{row['p90_ms']:>8.3f} {row['batch_qps']:>10,.0f} {row['recall_vs_first']:>7.3f}",
+        f"{row['backend']:>14} {row['n']:>9,} {row['build_s']:>8.2f} {row['host_mib']:>8.0f} "
+        f"{row['p50_ms']:>8.3f} {row['p99_ms']:>8.3f} {row['batch_p50_ms']:>9.2f} {row['batch_p99_ms']:>9.2f} "
+        f"{row['recall_at_10']:>6.3f} {row[f'recall_at_{k}']:>6.3f}",
         flush=True,
     )
 
@@ -188,7 +281,8 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     set_threads(args.threads)
     print(f"k={args.k} dim={args.dim} device={device_slug()} torch threads={torch.get_num_threads()}")
-    print(f"{'backend':>11} {'n':>8} {'build s':>8} {'p50 ms':>8} {'p90 ms':>8} {'batch q/s':>10} {'recall':>7}")
+    print(f"{'backend':>14} {'n':>9} {'build s':>8} {'host MiB':>8} {'p50 ms':>8} {'p99 ms':>8} "
+          f"{'b p50 ms':>9} {'b p99 ms':>9} {'R@10':>6} {f'R@{args.k}':>6}")
     result = run(args)
     out = Path(args.out) if args.out else RESULTS / f"retrieval_latency_{result['device']}.json"
     out.parent.mkdir(parents=True, exist_ok=True)

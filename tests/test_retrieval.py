@@ -375,6 +375,46 @@ def test_faiss_options_are_validated():
             FaissRetriever(FaissRetriever.Options(device="cuda"))
 
 
+@pytest.mark.parametrize("device, error", [("gpu", "device must be None, 'cpu', 'cuda' or 'cuda:N'"),
+                                           ("cuda:x", "device must be None"), ("cuda:-1", "device must be None")])
+def test_faiss_device_spellings_are_checked(device, error):
+    with pytest.raises(ValueError, match=error):
+        FaissRetriever.Options(device=device)
+
+
+def test_faiss_hnsw_is_refused_on_a_gpu_and_runs_on_the_cpu():
+    with pytest.raises(ValueError, match="kind='hnsw' has no faiss GPU index"):
+        FaissRetriever.Options(kind="hnsw", device="cuda:0")
+    r = build("retriever", BackendSpec("faiss", {"kind": "hnsw", "device": "cpu", "approx_min": 4}))
+    x = unit(8, DIM, seed=9)
+    r.add("u", [f"f{i}" for i in range(8)], x)
+    assert not r.on_gpu and r.index_kind("u") == "hnsw" and ids_of(r.search("u", x[[3]], 1)[0]) == ["f3"]
+
+
+def test_faiss_gpu_numbers_beyond_what_faiss_sees_are_refused():
+    import faiss
+
+    gpus = faiss.get_num_gpus() if hasattr(faiss, "StandardGpuResources") else 0
+    with pytest.raises(RuntimeError, match=f"device='cuda:{gpus}' but this faiss build sees"):
+        FaissRetriever(FaissRetriever.Options(device=f"cuda:{gpus}"))
+    with pytest.raises(RuntimeError, match="but this faiss build sees"):
+        build("retriever", BackendSpec("faiss", {"kind": "ivf", "device": f"cuda:{gpus}"}))
+
+
+@pytest.mark.parametrize("kind", ["flat", "ivf"])
+def test_faiss_on_the_gpu_matches_exact(kind, random_corpus):
+    """Flat and IVF through faiss's GPU copy (runs only where faiss sees a GPU)."""
+    import faiss
+
+    if not hasattr(faiss, "StandardGpuResources") or faiss.get_num_gpus() == 0:
+        pytest.skip("this faiss build sees no GPU (faiss-cpu)")
+    x, q, ids, truth = random_corpus
+    r = FaissRetriever(FaissRetriever.Options(kind=kind, approx_min=1000, nlist=16, nprobe=16, device="cuda"))
+    r.add("u", ids, x)
+    assert r.on_gpu and r.index_kind("u") == kind
+    assert recall(r, q, truth) >= 0.99
+
+
 # ---------------------------------------------------------------- jasper specifics
 
 

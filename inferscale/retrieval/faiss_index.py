@@ -9,9 +9,11 @@ Deletion: flat and IVF remove in place; HNSW cannot remove, so a delete (or a
 replace) rebuilds that user's HNSW from its stored vectors — O(n) per call.
 
 GPU: when faiss sees a GPU (a faiss-gpu build), flat and IVF users are searched
-through a GPU copy of their index, made lazily and dropped on every change; the
-CPU index stays the source of truth. HNSW has no faiss GPU version and stays on
-the CPU.
+through a GPU copy of their index (``GpuIndexFlatIP`` / ``GpuIndexIVFFlat``, on
+GPU 0 or the ``cuda:N`` of ``device``), made lazily and dropped on every change;
+the CPU index stays the source of truth. ``device="cuda"`` on a faiss without GPU
+support is an error, not a silent CPU run. HNSW has no faiss GPU version: it stays
+on the CPU, and ``kind="hnsw"`` with a ``cuda`` device is refused.
 """
 
 from __future__ import annotations
@@ -62,7 +64,7 @@ class FaissRetriever(PerUserRetriever):
         #: IVF lists (``None``: about 4·√n, at most n/39) and lists probed per query.
         nlist: int | None = None
         nprobe: int = 16
-        #: ``None``: a GPU when faiss sees one; "cpu" or "cuda" to insist.
+        #: ``None``: a GPU when faiss sees one; "cpu", or "cuda" / "cuda:N" to insist (flat and ivf only).
         device: str | None = None
         #: Expected embedding width; ``None``: fixed by the first ``add``.
         dim: int | None = None
@@ -70,8 +72,10 @@ class FaissRetriever(PerUserRetriever):
         def __post_init__(self):
             if self.kind not in KINDS:
                 raise ValueError(f"kind must be one of {', '.join(KINDS)}, got {self.kind!r}")
-            if self.device not in (None, "cpu", "cuda"):
-                raise ValueError(f"device must be None, 'cpu' or 'cuda', got {self.device!r}")
+            gpu_number(self.device)  # checks the spelling
+            if self.kind == "hnsw" and self.device is not None and self.device.startswith("cuda"):
+                raise ValueError("kind='hnsw' has no faiss GPU index: use kind='flat' or 'ivf' on "
+                                 f"device={self.device!r}, or device='cpu'")
             for what in ("approx_min", "hnsw_m", "ef_construction", "ef_search", "nprobe"):
                 check_positive(getattr(self, what), what)
             if self.nlist is not None:
@@ -82,6 +86,7 @@ class FaissRetriever(PerUserRetriever):
         self.options = options or self.Options()
         self._faiss = import_faiss()
         self._gpu = _gpu_resources(self._faiss, self.options.device)
+        self._gpu_number = gpu_number(self.options.device) or 0
         super().__init__(self.options.dim)
 
     @property
@@ -95,7 +100,8 @@ class FaissRetriever(PerUserRetriever):
             if not ids:
                 return
             if user_id not in self._users:
-                self._users[user_id] = _UserIndex(self._faiss, self._dims.dim, self.options, self._gpu)
+                self._users[user_id] = _UserIndex(self._faiss, self._dims.dim, self.options,
+                                                  self._gpu, self._gpu_number)
             self._users[user_id].upsert(ids, _numpy(x))
 
     def search(self, user_id: str, queries: torch.Tensor, k: int) -> list[list[Hit]]:
@@ -117,8 +123,8 @@ class FaissRetriever(PerUserRetriever):
 class _UserIndex:
     """One user's faiss index and the ``fact_id`` ↔ int64 key maps."""
 
-    def __init__(self, faiss, dim: int, options: FaissRetriever.Options, gpu):
-        self.faiss, self.dim, self.opts, self.gpu = faiss, dim, options, gpu
+    def __init__(self, faiss, dim: int, options: FaissRetriever.Options, gpu, gpu_number: int = 0):
+        self.faiss, self.dim, self.opts, self.gpu, self.gpu_number = faiss, dim, options, gpu, gpu_number
         self.kind = "flat"
         self.index = self._new_index("flat", None)
         self.key_of: dict[str, int] = {}
@@ -184,9 +190,9 @@ class _UserIndex:
             faiss = self.faiss
             if self.kind == "flat":
                 keys = faiss.vector_to_array(self.index.id_map).astype(np.int64)
-                self._mirror = (faiss.index_cpu_to_gpu(self.gpu, 0, self.index.index), keys)
+                self._mirror = (faiss.index_cpu_to_gpu(self.gpu, self.gpu_number, self.index.index), keys)
             else:
-                self._mirror = (faiss.index_cpu_to_gpu(self.gpu, 0, self.index), None)
+                self._mirror = (faiss.index_cpu_to_gpu(self.gpu, self.gpu_number, self.index), None)
         return self._mirror
 
     def _rebuild(self, drop: np.ndarray) -> None:
@@ -249,12 +255,26 @@ def _nlist(requested: int | None, n: int) -> int:
     return max(1, min(int(4 * math.sqrt(n)), n // 39))
 
 
+def gpu_number(device: str | None) -> int | None:
+    """The GPU a ``device`` option names (``"cuda"`` is GPU 0), ``None`` for ``None``/``"cpu"``."""
+    if device in (None, "cpu"):
+        return None
+    if device == "cuda":
+        return 0
+    prefix, _, number = str(device).partition(":")
+    if prefix != "cuda" or not number.isdigit():
+        raise ValueError(f"device must be None, 'cpu', 'cuda' or 'cuda:N', got {device!r}")
+    return int(number)
+
+
 def _gpu_resources(faiss, device: str | None):
     """faiss GPU resources when a GPU is wanted and available, else ``None``."""
-    has_gpu = hasattr(faiss, "StandardGpuResources") and faiss.get_num_gpus() > 0
-    if device == "cuda" and not has_gpu:
-        raise RuntimeError("faiss retriever: device='cuda' but this faiss build sees no GPU (faiss-cpu?)")
-    if device == "cpu" or not has_gpu:
+    gpus = faiss.get_num_gpus() if hasattr(faiss, "StandardGpuResources") else 0
+    wanted = gpu_number(device)
+    if device is not None and wanted is not None and wanted >= gpus:
+        seen = f"sees {gpus} GPU(s)" if gpus else "sees no GPU (faiss-cpu? install a faiss-gpu build for your CUDA)"
+        raise RuntimeError(f"faiss retriever: device={device!r} but this faiss build {seen}")
+    if device == "cpu" or gpus == 0:
         return None
     return faiss.StandardGpuResources()
 
