@@ -17,6 +17,8 @@ from pathlib import Path
 from inferscale.compose.prompt import PromptFormat
 from inferscale.compose.salt import CacheSalts
 from inferscale.config import Config, build
+from inferscale.facts import fact_id_key
+from inferscale.secret import load_secret
 from inferscale.storage.disk import DiskStore
 
 
@@ -70,6 +72,11 @@ class Context:
     def salts(self) -> CacheSalts:
         """Cache salts keyed with the server secret (``config.secret_path``, created on first use)."""
         return CacheSalts.from_file(self.config.secret_path)
+
+    @cached_property
+    def fact_id_key(self) -> bytes:
+        """The key of new fact ids (:func:`make_fact_id`), derived from the server secret."""
+        return fact_id_key(load_secret(self.config.secret_path))
 
     @cached_property
     def embedder(self):

@@ -163,7 +163,7 @@ class MemoryAPI:
             per_turn[source] += 1
             if source is not None and per_turn[source] > self.config.max_facts_per_turn:
                 continue
-            fid = make_fact_id(user_id, text, source)
+            fid = make_fact_id(user_id, text, source, self.context.fact_id_key)
             records[fid] = Fact(fid, user_id, text, source, tuple(fact_token_ids(tokenizer, text, style)))
         return list(records.values())
 

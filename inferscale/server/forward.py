@@ -67,10 +67,11 @@ def sse(payload: dict[str, Any] | str) -> str:
     return f"data: {data}\n\n"
 
 
-async def proxy(request: Request, client: httpx.AsyncClient, body: bytes) -> Response:
-    """Pass a request through to the same path on the engine, streaming the answer back."""
+async def proxy(request: Request, client: httpx.AsyncClient, body: bytes, path: str) -> Response:
+    """Pass a request through to ``path`` on the engine (the allow-listed route the request's
+    path normalizes to), streaming the answer back."""
     headers = {k: v for k, v in request.headers.items() if k.lower() in REQUEST_HEADERS}
-    return await relay(client, client.build_request(request.method, request.url.path, params=request.query_params,
+    return await relay(client, client.build_request(request.method, path, params=request.query_params,
                                                     content=body, headers=headers))
 
 

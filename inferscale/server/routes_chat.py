@@ -29,9 +29,9 @@ from inferscale.api import PromptRequest
 from inferscale.compose.request import MAX_FACTS
 from inferscale.errors import MissingFactError
 from inferscale.server import forward
+from inferscale.server.bodies import read_json
 from inferscale.server.chat import ChatCall, completion_body, parse_chat, refuse_reserved
 from inferscale.server.convert import chat_chunk, chat_completion
-from inferscale.server.errors import json_body
 from inferscale.server.state import ServerState
 
 logger = logging.getLogger(__name__)
@@ -41,7 +41,7 @@ router = APIRouter()
 @router.post("/v1/chat/completions")
 async def chat_completions(request: Request) -> Response:
     state: ServerState = request.app.state.inferscale
-    body = json_body(await request.body())
+    body = await read_json(request)
     call = parse_chat(body, MAX_FACTS)
     state.metrics.chats.labels(call.mode).inc()
     if call.user_id is None:

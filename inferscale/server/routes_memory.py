@@ -20,17 +20,20 @@ import logging
 import time
 from typing import Any
 
-from fastapi import APIRouter, Query, Request
+from fastapi import APIRouter, Depends, Query, Request
 from fastapi.responses import JSONResponse
 
 from inferscale.encode.window import Turn
 from inferscale.errors import ConfigError, MissingFactError, UnknownUserError
+from inferscale.facts import MAX_USER_ID_CHARS
+from inferscale.server.bodies import model_body
 from inferscale.server.errors import APIError
 from inferscale.server.schemas import AddMemories, MessageIn, SearchMemories, UpdateMemory, fact_json, user_id_of
 from inferscale.server.state import ServerState
 
 logger = logging.getLogger(__name__)
 router = APIRouter()
+USER_QUERY = Query(..., max_length=MAX_USER_ID_CHARS)
 
 
 def _state(request: Request) -> ServerState:
@@ -45,7 +48,7 @@ def _user(user_id: str) -> str:
 
 
 @router.post("/v1/memories", status_code=201)
-def add_memories(body: AddMemories, request: Request) -> dict[str, Any]:
+def add_memories(request: Request, body: AddMemories = Depends(model_body(AddMemories))) -> dict[str, Any]:
     state = _state(request)
     if body.facts is None and body.messages is None:
         raise APIError(400, "give 'facts' to store, or 'messages' to extract facts from", "facts")
@@ -59,7 +62,7 @@ def add_memories(body: AddMemories, request: Request) -> dict[str, Any]:
 
 
 @router.get("/v1/memories")
-def list_memories(request: Request, user_id: str = Query(...)) -> dict[str, Any]:
+def list_memories(request: Request, user_id: str = USER_QUERY) -> dict[str, Any]:
     state, user_id = _state(request), _user(user_id)
     with state.metrics.timed(state.metrics.memory.labels("list")):
         facts = state.memory.list_facts(user_id)
@@ -69,7 +72,7 @@ def list_memories(request: Request, user_id: str = Query(...)) -> dict[str, Any]
 
 
 @router.get("/v1/memories/{fact_id}")
-def get_memory(fact_id: str, request: Request, user_id: str = Query(...)) -> dict[str, Any]:
+def get_memory(fact_id: str, request: Request, user_id: str = USER_QUERY) -> dict[str, Any]:
     state, user_id = _state(request), _user(user_id)
     facts = {f.fact_id: f for f in state.memory.list_facts(user_id)}
     if not facts:
@@ -80,7 +83,7 @@ def get_memory(fact_id: str, request: Request, user_id: str = Query(...)) -> dic
 
 
 @router.post("/v1/memories/search")
-def search_memories(body: SearchMemories, request: Request) -> dict[str, Any]:
+def search_memories(request: Request, body: SearchMemories = Depends(model_body(SearchMemories))) -> dict[str, Any]:
     state = _state(request)
     with state.metrics.timed(state.metrics.memory.labels("search")):
         found = state.memory.search(body.user_id, body.query, body.k)
@@ -88,7 +91,7 @@ def search_memories(body: SearchMemories, request: Request) -> dict[str, Any]:
 
 
 @router.put("/v1/memories/{fact_id}")
-def update_memory(fact_id: str, body: UpdateMemory, request: Request) -> dict[str, Any]:
+def update_memory(fact_id: str, request: Request, body: UpdateMemory = Depends(model_body(UpdateMemory))) -> dict[str, Any]:
     state = _state(request)
     with state.write_lock, state.metrics.timed(state.metrics.memory.labels("update")):
         new = state.memory.update_fact(body.user_id, fact_id, body.text)
@@ -97,7 +100,7 @@ def update_memory(fact_id: str, body: UpdateMemory, request: Request) -> dict[st
 
 
 @router.delete("/v1/memories/{fact_id}")
-def delete_memory(fact_id: str, request: Request, user_id: str = Query(...)) -> dict[str, Any]:
+def delete_memory(fact_id: str, request: Request, user_id: str = USER_QUERY) -> dict[str, Any]:
     state, user_id = _state(request), _user(user_id)
     with state.write_lock, state.metrics.timed(state.metrics.memory.labels("delete")):
         state.memory.delete_fact(user_id, fact_id)
@@ -106,7 +109,7 @@ def delete_memory(fact_id: str, request: Request, user_id: str = Query(...)) -> 
 
 
 @router.delete("/v1/memories")
-def forget_user(request: Request, user_id: str = Query(...)) -> JSONResponse:
+def forget_user(request: Request, user_id: str = USER_QUERY) -> JSONResponse:
     state, user_id = _state(request), _user(user_id)
     with state.write_lock, state.metrics.timed(state.metrics.memory.labels("forget")):
         gone = state.memory.delete_user(user_id)

@@ -12,7 +12,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from inferscale.compose.request import MAX_FACTS
-from inferscale.facts import Fact
+from inferscale.facts import MAX_USER_ID_CHARS, Fact, shown
 from inferscale.storage.layout import check_ids, is_internal
 
 MAX_FACT_CHARS = 2_000
@@ -27,7 +27,7 @@ def user_id_of(value: object) -> str:
     ``..``); ids starting with '_' are internal."""
     check_ids(value, ())
     if is_internal(value):
-        raise ValueError(f"user_id {value!r} is reserved (ids starting with '_' are internal)")
+        raise ValueError(f"user_id {shown(value)} is reserved (ids starting with '_' are internal)")
     return value
 
 
@@ -36,7 +36,7 @@ class _Body(BaseModel):
 
 
 class _UserBody(_Body):
-    user_id: str
+    user_id: str = Field(max_length=MAX_USER_ID_CHARS)  # checked before anything walks the id
 
     @field_validator("user_id")
     @classmethod
