@@ -53,6 +53,7 @@ async def _answer(state: ServerState, call: ChatCall, retried: str | None = None
     prompt, info = await run_in_threadpool(compose, state, call)
     if retried:
         info["retried"] = retried
+    call = dataclasses.replace(call, model=state.engine_model(call.model))
     upstream = completion_body(call, prompt.prompt, prompt.kv_transfer_params, state.served_model)
     if call.stream:
         return await _stream(state, call, upstream, info)
@@ -144,4 +145,6 @@ async def _plain_chat(state: ServerState, body: dict[str, Any]) -> Response:
     """No user: vLLM's own chat endpoint answers, exactly as ``vllm serve`` would."""
     refuse_reserved(body)
     body.pop("inferscale", None)
+    if "model" in body:
+        body["model"] = state.engine_model(body["model"])
     return await forward.relay(state.client, state.client.build_request("POST", "/v1/chat/completions", json=body))

@@ -29,6 +29,13 @@ class ServerState:
     #: memory writes run one at a time (one encoder, one Mem0 store)
     write_lock: threading.Lock = field(default_factory=threading.Lock)
     client: httpx.AsyncClient | None = None
+    #: other names a chat may give the served model (the model as named on the command line)
+    model_aliases: frozenset[str] = frozenset()
+
+    def engine_model(self, named: object) -> object:
+        """The model name to send the engine for the one a chat named."""
+        return self.served_model if named is None or (isinstance(named, str) and named in self.model_aliases) \
+            else named
 
     @classmethod
     def build(cls, context: Context, engine_url: str, served_model: str, api_key: str | None = None) -> ServerState:
