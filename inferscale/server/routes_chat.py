@@ -27,7 +27,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from inferscale.api import PromptRequest
 from inferscale.compose.request import MAX_FACTS
-from inferscale.errors import MissingFactError
+from inferscale.errors import CorruptDataError, MissingFactError
 from inferscale.server import forward
 from inferscale.server.bodies import read_json
 from inferscale.server.chat import ChatCall, completion_body, parse_chat, refuse_reserved
@@ -36,6 +36,8 @@ from inferscale.server.state import ServerState
 
 logger = logging.getLogger(__name__)
 router = APIRouter()
+#: ``inferscale.fallback`` of a chat answered without the user's memory, which could not be read
+UNREADABLE = "unreadable_memory"
 
 
 @router.post("/v1/chat/completions")
@@ -92,6 +94,10 @@ def compose(state: ServerState, call: ChatCall) -> tuple[PromptRequest, dict[str
         return _compose(state, call)
     except MissingFactError:  # a fact was deleted between retrieval and layout: once more
         return _compose(state, call)
+    except CorruptDataError as exc:  # this user's memory is unreadable: answer without it, log why
+        logger.error("inferscale: %s's memory is unreadable, answering without it: %s", call.user_id, exc)
+        prompt, info = _compose(state, dataclasses.replace(call, mode="none"))
+        return prompt, {**info, "fallback": UNREADABLE}
 
 
 def _compose(state: ServerState, call: ChatCall) -> tuple[PromptRequest, dict[str, Any]]:
