@@ -41,7 +41,8 @@ ENCODINGS = ("/v1/../{}", "/v1/%2e%2e/{}", "/v1/..%2F{}", "/v1/%2E%2E%2F{}", "/v
 def front(tmp_path_factory):
     model = tiny_models.tiny_model_dir("qwen2", "float32")
     data = tmp_path_factory.mktemp("exposed")
-    with inferscale_serve(model, data, "--max-model-len", "2048", "--enable-prompt-tokens-details") as front:
+    with inferscale_serve(model, data, "--forget-resets-prefix-cache", "--max-model-len", "2048",
+                          "--enable-prompt-tokens-details") as front:
         front.data, front.model = data, model
         added = httpx.post(f"{front.url}/v1/memories", json={"user_id": MAYA, "facts": FACTS}, timeout=300)
         assert added.status_code == 201, added.text
@@ -101,12 +102,13 @@ def test_metrics_do_not_tell_a_forged_requests_outcomes_apart_and_show_no_path(f
     /metrics move the same way for all three: one coarse reason."""
     maya = [f["id"] for f in httpx.get(f"{front.url}/v1/memories", params={"user_id": MAYA}).json()["results"]]
     engine = engine_url(front)
+    model = httpx.get(f"{engine}/v1/models").json()["data"][0]["id"]
     forged = {"unknown user": {"user_id": "nobody", "fact_ids": maya}, "unknown fact": {"user_id": MAYA,
               "fact_ids": ["f-0123456789abcdef"]}, "right facts": {"user_id": MAYA, "fact_ids": maya}}
     before = fallbacks(httpx.get(f"{front.url}/metrics").text)
     moved = {}
     for name, params in forged.items():
-        answer = httpx.post(f"{engine}/v1/completions", json={"model": front.model.name, "prompt": [1, 2, 3, 4],
+        answer = httpx.post(f"{engine}/v1/completions", json={"model": model, "prompt": [1, 2, 3, 4],
                             "max_tokens": 1, "kv_transfer_params": {"inferscale": params}}, timeout=60)
         assert answer.json()["kv_transfer_params"]["inferscale"]["fallback"] == "refused", name
         now = fallbacks(wait_for_metrics(front, sum(before.values()) + 1))
@@ -205,3 +207,116 @@ def test_no_fuzzed_memory_request_gets_a_5xx(front, body, path):
     body.pop("inferscale", None)
     answer = httpx.post(f"{front.url}/v1/{path}", json=body, timeout=120)
     assert answer.status_code < 500, (body, answer.text[:300])
+
+
+# ---------------------------------------------------------------- 4. limits that protect bystanders
+
+
+def test_a_huge_user_id_is_refused_at_once_and_others_are_not_held(front):
+    huge = "u" * (30 << 20)
+    slowest, stop = [0.0], threading.Event()
+
+    def bystander():
+        while not stop.is_set():
+            start = time.perf_counter()
+            assert httpx.get(f"{front.url}/v1/users", timeout=30).status_code == 200
+            slowest[0] = max(slowest[0], time.perf_counter() - start)
+
+    watcher = threading.Thread(target=bystander)
+    watcher.start()
+    try:
+        times = {}
+        for path, body in (("memories", {"user_id": huge, "facts": ["x"]}), ("chat/completions", chat_body(huge)),
+                           ("memories/search", {"user_id": huge, "query": "x"})):
+            start = time.perf_counter()
+            answer = httpx.post(f"{front.url}/v1/{path}", json=body, timeout=60)
+            times[path] = time.perf_counter() - start
+            assert answer.status_code == 400 and len(answer.content) < 2000, (path, answer.text[:200])
+    finally:
+        stop.set()
+        watcher.join()
+    assert max(times.values()) < 3.0, times  # 30 MB on the wire and parsed, nothing walked
+    assert slowest[0] < 1.0, slowest  # the event loop kept answering others
+
+
+def test_one_large_add_does_not_hold_another_users_small_add(front):
+    big = [f"Fact {i} of the long list: " + "a long memory of many words " * 70 for i in range(48)]
+    done: dict[str, float] = {}
+
+    def add(user: str, facts: list[str]) -> None:
+        answer = httpx.post(f"{front.url}/v1/memories", json={"user_id": user, "facts": facts}, timeout=600)
+        assert answer.status_code == 201, answer.text[:300]
+        done[user] = time.perf_counter()
+
+    start = time.perf_counter()
+    large = threading.Thread(target=add, args=("big-writer", big))
+    large.start()
+    time.sleep(1.0)  # the large add is under way
+    asked = time.perf_counter()
+    add("small-writer", ["Sam likes tea."])
+    large.join()
+    assert "big-writer" not in done or done["big-writer"] > done["small-writer"], "the large add ended first"
+    assert done["small-writer"] - asked < 5.0, done["small-writer"] - asked
+    assert done["big-writer"] - start > 2 * (done["small-writer"] - asked)  # the large add was the long one
+    listed = httpx.get(f"{front.url}/v1/memories", params={"user_id": "big-writer"}).json()["results"]
+    assert [f["text"] for f in listed] == big  # in its order, whole
+
+
+def test_a_call_over_the_fact_limits_is_refused(front):
+    for facts in (["x"] * 257, ["y" * 2001], ["z" * 2000] * 51):
+        answer = httpx.post(f"{front.url}/v1/memories", json={"user_id": "limits", "facts": facts})
+        assert answer.status_code == 400 and answer.json()["error"]["message"], answer.text[:200]
+
+
+# ---------------------------------------------------------------- 5. corrupt data
+
+
+def test_a_corrupt_index_costs_its_user_alone(front):
+    user = "broken"
+    assert httpx.post(f"{front.url}/v1/memories", json={"user_id": user, "facts": ["Bo has a dog."]},
+                      timeout=120).status_code == 201
+    (front.data / "kv" / "users" / user / "index.json").write_bytes(b"[" * 100_000 + b"]" * 100_000)
+    answer = httpx.post(f"{front.url}/v1/chat/completions", json=chat_body(user), timeout=120)
+    assert answer.status_code == 200 and answer.json()["inferscale"]["fallback"] == "unreadable_memory", answer.text
+    engine = engine_url(front)
+    model = httpx.get(f"{engine}/v1/models").json()["data"][0]["id"]
+    forged = httpx.post(f"{engine}/v1/completions", json={"model": model, "prompt": [1, 2, 3], "max_tokens": 1,
+                        "kv_transfer_params": {"inferscale": {"user_id": user, "fact_ids": ["f-0"]}}}, timeout=60)
+    assert forged.status_code == 200 and forged.json()["kv_transfer_params"]["inferscale"]["fallback"] == "refused"
+    assert httpx.get(f"{front.url}/health").status_code == 200  # the engine lives
+    maya = httpx.post(f"{front.url}/v1/chat/completions", json=chat_body(), timeout=120).json()["inferscale"]
+    assert maya["report"]["fallback"] is None and maya["report"]["injected_tokens"] > 0
+    gone = httpx.delete(f"{front.url}/v1/memories", params={"user_id": user})
+    assert gone.status_code == 200, gone.text
+    assert not (front.data / "kv" / "users" / user).exists()
+
+
+# ---------------------------------------------------------------- 6. erasure
+
+
+def test_a_forgotten_users_kv_is_not_served_from_vllms_prefix_cache(front):
+    """The server's own request for a user (token ids, salt, params), sent to the engine again
+    after the user is forgotten: nothing of it comes from the prefix cache any more."""
+    from inferscale.api import Context, GenerationAPI
+    from inferscale.config import Config
+
+    user = "erased@example.com"
+    facts = [f"Erin's note {i}: the locker code is {1000 + i}." for i in range(12)]
+    assert httpx.post(f"{front.url}/v1/memories", json={"user_id": user, "facts": facts}, timeout=300).status_code == 201
+    generation = GenerationAPI(Context(Config.from_dict({"model": str(front.model), "data_dir": str(front.data)})))
+    ids = [f.fact_id for f in generation.context.disk.facts(user).values()]
+    request = generation.prompt(user, "What is my locker code?", ids)
+    engine = engine_url(front)
+    model = httpx.get(f"{engine}/v1/models").json()["data"][0]["id"]
+    body = {"model": model, "prompt": request.prompt["prompt_token_ids"], "cache_salt": request.prompt["cache_salt"],
+            "kv_transfer_params": request.kv_transfer_params, "max_tokens": 1, "temperature": 0}
+
+    def cached_tokens() -> int:
+        usage = httpx.post(f"{engine}/v1/completions", json=body, timeout=120).json()["usage"]
+        return (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
+
+    cached_tokens()
+    assert cached_tokens() >= 16  # control: the second time, the memory's blocks come from the cache
+    gone = httpx.delete(f"{front.url}/v1/memories", params={"user_id": user}, timeout=60)
+    assert gone.status_code == 200 and gone.json()["prefix_cache_reset"] is True, gone.text
+    assert cached_tokens() == 0

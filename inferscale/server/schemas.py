@@ -17,6 +17,8 @@ from inferscale.storage.layout import check_ids, is_internal
 
 MAX_FACT_CHARS = 2_000
 MAX_FACTS_PER_CALL = 256
+#: the characters of one call's facts together (a call's encoding is bounded, whatever its facts)
+MAX_FACT_CHARS_PER_CALL = 100_000
 MAX_MESSAGES = 200
 MAX_MESSAGE_CHARS = 20_000
 MAX_QUERY_CHARS = 4_000
@@ -67,6 +69,10 @@ class AddMemories(_UserBody):
     def _facts(cls, value):
         if value is None:
             return value
+        total = sum(len(item if isinstance(item, str) else item.text) for item in value)
+        if total > MAX_FACT_CHARS_PER_CALL:
+            raise ValueError(f"the facts hold {total:,} characters together (at most {MAX_FACT_CHARS_PER_CALL:,} "
+                             f"per call: send more calls)")
         for item in value:
             if isinstance(item, str) and not 0 < len(item) <= MAX_FACT_CHARS:
                 raise ValueError(f"a fact must have 1..{MAX_FACT_CHARS} characters")

@@ -26,6 +26,7 @@ from inferscale.server import gpu, launch
 from inferscale.server.state import ServerState
 
 logger = logging.getLogger(__name__)
+DEV_MODE = "VLLM_SERVER_DEV_MODE"
 
 ENGINE_START_TIMEOUT_S = 1200.0
 
@@ -40,6 +41,8 @@ class ServeOptions:
     api_key: str | None = None
     encoder_device: str = "cpu"
     engine_timeout_s: float = ENGINE_START_TIMEOUT_S
+    #: forgetting a user empties vLLM's prefix cache (the engine then runs vLLM's dev routes, on loopback)
+    forget_resets_prefix_cache: bool = False
     vllm_args: Sequence[str] = field(default_factory=tuple)
 
 
@@ -65,6 +68,7 @@ def serve(options: ServeOptions) -> int:
         engine.start()
         state = ServerState.build(context, engine.url, served_name, options.api_key)
         state.model_aliases = frozenset(n for n in (options.served_name, str(context.model_dir)) if n)
+        state.forget_resets_prefix_cache = options.forget_resets_prefix_cache
         state.warm_up(encoder=True)
         _place_encoder(state, options.encoder_device)
         logger.info("engine ready in %.0f s", engine.wait_ready(options.engine_timeout_s))
@@ -91,7 +95,10 @@ def _engine(options: ServeOptions, context: Context, device_type: str) -> tuple[
         launch.context_length(options.config, max_positions(str(context.model_dir)))
     port = options.engine_port or launch.free_port()
     cmd = launch.engine_command(context.model_dir, served, options.config, port, max_len, args, device_type)
-    return launch.EngineProcess(cmd, port, _engine_environment(device_type)), served
+    environment = _engine_environment(device_type)
+    if options.forget_resets_prefix_cache:
+        environment[DEV_MODE] = "1"  # vLLM serves /reset_prefix_cache only then (on the loopback port)
+    return launch.EngineProcess(cmd, port, environment), served
 
 
 def model_name(model: str) -> str:
