@@ -90,7 +90,7 @@ def test_the_engines_admin_routes_are_not_reachable_through_the_front(front):
     assert not reached, reached
     assert raw_request(front, "GET", "/v1/models")[0] == 200  # the OpenAI API still passes
     assert raw_request(front, "GET", "/v1/./models")[0] == 200  # normalized, then matched
-    assert httpx.get(f"{engine_url(front)}/is_scaling_elastic_ep").status_code == 200  # the routes exist
+    assert httpx.get(f"{engine_url(front)}/load").status_code == 200  # the route exists, on the engine
 
 
 # ---------------------------------------------------------------- 2. /metrics
