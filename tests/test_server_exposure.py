@@ -116,9 +116,10 @@ def test_metrics_do_not_tell_a_forged_requests_outcomes_apart_and_show_no_path(f
         before = now
     assert moved == {name: {"refused": 1} for name in forged}, moved
     text = httpx.get(f"{front.url}/metrics").text
-    labels = re.findall(r'="([^"]*)"', text)
-    assert not [v for v in labels if "/" in v], sorted({v for v in labels if "/" in v})[:5]
-    assert str(front.data) not in text and str(front.model) not in text
+    names = set(re.findall(r'model_name="([^"]*)"', text))
+    assert names == {front.model.name}, names  # the directory's name, not its path
+    paths = {v for k, v in re.findall(r'(\w+)="(/[^"]*)"', text) if k != "handler"}  # handler: an HTTP route
+    assert not paths and str(front.model.parent) not in text and str(front.data) not in text, sorted(paths)[:5]
 
 
 def fallbacks(text: str) -> dict[str, float]:
@@ -240,7 +241,7 @@ def test_a_huge_user_id_is_refused_at_once_and_others_are_not_held(front):
 
 
 def test_one_large_add_does_not_hold_another_users_small_add(front):
-    big = [f"Fact {i} of the long list: " + "a long memory of many words " * 70 for i in range(48)]
+    big = [f"Fact {i} of the long list: " + "a long memory of many words " * 70 for i in range(24)]
     done: dict[str, float] = {}
 
     def add(user: str, facts: list[str]) -> None:
@@ -285,7 +286,7 @@ def test_a_corrupt_index_costs_its_user_alone(front):
     assert forged.status_code == 200 and forged.json()["kv_transfer_params"]["inferscale"]["fallback"] == "refused"
     assert httpx.get(f"{front.url}/health").status_code == 200  # the engine lives
     maya = httpx.post(f"{front.url}/v1/chat/completions", json=chat_body(), timeout=120).json()["inferscale"]
-    assert maya["report"]["fallback"] is None and maya["report"]["injected_tokens"] > 0
+    assert maya["report"]["fallback"] is None and maya["memory_tokens"] > 0  # injected, or cached from before
     gone = httpx.delete(f"{front.url}/v1/memories", params={"user_id": user})
     assert gone.status_code == 200, gone.text
     assert not (front.data / "kv" / "users" / user).exists()
@@ -302,7 +303,8 @@ def test_a_forgotten_users_kv_is_not_served_from_vllms_prefix_cache(front):
 
     user = "erased@example.com"
     facts = [f"Erin's note {i}: the locker code is {1000 + i}." for i in range(12)]
-    assert httpx.post(f"{front.url}/v1/memories", json={"user_id": user, "facts": facts}, timeout=300).status_code == 201
+    added = httpx.post(f"{front.url}/v1/memories", json={"user_id": user, "facts": facts}, timeout=300)
+    assert added.status_code == 201, added.text
     generation = GenerationAPI(Context(Config.from_dict({"model": str(front.model), "data_dir": str(front.data)})))
     ids = [f.fact_id for f in generation.context.disk.facts(user).values()]
     request = generation.prompt(user, "What is my locker code?", ids)
