@@ -241,7 +241,7 @@ def test_a_huge_user_id_is_refused_at_once_and_others_are_not_held(front):
 
 
 def test_one_large_add_does_not_hold_another_users_small_add(front):
-    big = [f"Fact {i} of the long list: " + "a long memory of many words " * 70 for i in range(24)]
+    big = [f"Fact {i} of the long list: " + "a long memory of many words " * 70 for i in range(12)]
     done: dict[str, float] = {}
 
     def add(user: str, facts: list[str]) -> None:
