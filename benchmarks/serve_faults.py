@@ -40,7 +40,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from served import REPO, Server, free_port, resolve_model  # noqa: E402
 
 sys.path.insert(0, str(REPO))
-from inferscale.facts import make_fact_id  # noqa: E402
+from inferscale.facts import fact_id_key, make_fact_id  # noqa: E402
+from inferscale.secret import load_secret  # noqa: E402
 from inferscale.storage.disk import DiskStore  # noqa: E402
 
 DEFAULT_OUT = REPO / "benchmarks" / "results" / "serve_faults_cpu"
@@ -56,6 +57,11 @@ class UserState:
     #: the write that got no answer: (kind, facts it would add, fact ids it would remove)
     in_flight: tuple[str, dict[str, str], set[str]] | None = None
     forgotten: bool = False  # the last committed write forgot the user
+    #: the server's key of fact ids (from its secret), to name the facts of a write that got no answer
+    id_key: bytes | None = None
+
+    def fact_id(self, text: str) -> str:
+        return make_fact_id(self.uid, text, None, self.id_key)
 
 
 @dataclass
@@ -88,7 +94,7 @@ async def write(http: httpx.AsyncClient, user: UserState, rng: random.Random, co
         texts = [f"{user.uid.split('@')[0]} noted the {rng.choice(WORDS)} {rng.choice(WORDS)} #{counter[0] + i}."
                  for i in range(rng.randint(1, 3))]
         counter[0] += len(texts)
-        new = {make_fact_id(user.uid, t): t for t in texts}
+        new = {user.fact_id(t): t for t in texts}
         user.in_flight = ("add", new, set())
         response = await http.post("/v1/memories", json={"user_id": user.uid, "facts": texts})
         if response.status_code == 201:
@@ -103,7 +109,7 @@ async def write(http: httpx.AsyncClient, user: UserState, rng: random.Random, co
         fact_id = rng.choice(list(user.facts))
         text = user.facts[fact_id].rstrip(".") + f" (updated #{counter[0]})."
         counter[0] += 1
-        user.in_flight = ("update", {make_fact_id(user.uid, text): text}, {fact_id})
+        user.in_flight = ("update", {user.fact_id(text): text}, {fact_id})
         response = await http.put(f"/v1/memories/{fact_id}", json={"user_id": user.uid, "text": text})
         if response.status_code == 200:
             del user.facts[fact_id]
@@ -277,8 +283,10 @@ def run_round(server: Server, users: list[UserState], args, rnd: Round, rng: ran
 
 
 def seed_users(server: Server, users: list[UserState]) -> None:
+    key = fact_id_key(load_secret(server.data_dir / "secret"))  # the server made it as it started
     with httpx.Client(base_url=server.url, timeout=300) as http:
         for user in users:
+            user.id_key = key
             texts = [f"{user.uid.split('@')[0]} keeps a {w} notebook." for w in WORDS[:3]]
             response = http.post("/v1/memories", json={"user_id": user.uid, "facts": texts})
             response.raise_for_status()

@@ -38,7 +38,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from served import REPO, Server, free_port, resolve_model  # noqa: E402
 
 sys.path.insert(0, str(REPO))
-from inferscale.facts import make_fact_id  # noqa: E402
+from inferscale.facts import fact_id_key, make_fact_id  # noqa: E402
+from inferscale.secret import load_secret  # noqa: E402
 
 DEFAULT_OUT = REPO / "benchmarks" / "results" / "serve_load_cpu"
 FIRST = ["Ada", "Bruno", "Chiara", "Dmitri", "Elif", "Farah", "Goran", "Hana", "Ines", "Jonas", "Kaito", "Lena",
@@ -89,13 +90,15 @@ class Run:
     events: list[dict] = field(default_factory=list)
     memory: list[dict] = field(default_factory=list)
     t0: float = 0.0
+    #: the server's key of fact ids (from its secret, made as it started), to know each fact's owner
+    id_key: bytes | None = None
 
     def now(self) -> float:
         return time.monotonic() - self.t0
 
     def own(self, user: User, texts: list[str]) -> None:
         for text in texts:
-            self.owner[make_fact_id(user.uid, text)] = user.uid
+            self.owner[make_fact_id(user.uid, text, None, self.id_key)] = user.uid
 
 
 def make_users(n: int, facts: int, seed: int) -> list[User]:
@@ -449,6 +452,7 @@ def main(argv: list[str] | None = None) -> int:
     served = 0
     try:
         ready_s = server.start()
+        run.id_key = fact_id_key(load_secret(data / "secret"))
         phases = asyncio.run(load(run, server))
     finally:
         served = server.log.stat().st_size if server.log.exists() else 0  # what was logged while serving

@@ -135,6 +135,7 @@ def cmd_serve(args) -> int:
                            served_name=args.model or config.model.path,
                            api_key=args.api_key or os.environ.get("INFERSCALE_API_KEY") or None,
                            encoder_device=args.encoder_device, engine_timeout_s=args.engine_timeout,
+                           forget_resets_prefix_cache=args.forget_resets_prefix_cache,
                            vllm_args=tuple(args.vllm_args))
     return serve(options)
 
@@ -264,6 +265,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="where the fact encoder runs: cpu (default) or cuda[:N], which lowers the engine's "
                             "--gpu-memory-utilization to leave it room")
     serve.add_argument("--engine-timeout", type=float, default=1200.0, help="seconds to wait for the engine")
+    serve.add_argument("--forget-resets-prefix-cache", action="store_true",
+                       help="forgetting a user also empties vLLM's prefix cache, so none of their K/V can be served "
+                            "from it again (every user's cached prefixes go; see docs/server.md)")
     serve.set_defaults(func=cmd_serve, vllm_args=[])
 
     config_cmd = sub.add_parser("serve-config", help=cmd_serve_config.__doc__)

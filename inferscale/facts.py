@@ -7,6 +7,7 @@ retrieval), its token ids, and its K/V (stored by a KV store).
 from __future__ import annotations
 
 import hashlib
+import hmac
 import re
 import unicodedata
 from collections.abc import Sequence
@@ -19,6 +20,10 @@ _IDS_RE = re.compile(rf"(?:{_ID} )*{_ID}")  # ids joined by spaces (which no id 
 MAX_USER_ID_CHARS = 128
 #: a user's file name is its id, escaped (:func:`user_file_stem`), plus a suffix: at most this many bytes
 MAX_USER_FILE_STEM_BYTES = 200
+#: names that cannot be a file's: refused as user and fact ids
+DOT_NAMES = frozenset((".", ".."))
+#: characters of a refused value shown in its error message
+SHOWN_CHARS = 60
 #: in a user's file name, these characters are written as %XX ("%" first, so decoding is unique)
 _FILE_ESCAPES = {"%": "%25", "/": "%2F", "\\": "%5C"}
 
@@ -45,18 +50,40 @@ class Hit:
     score: float
 
 
-def make_fact_id(user_id: str, text: str, source_turn: str | None = None) -> str:
+def make_fact_id(user_id: str, text: str, source_turn: str | None = None, key: bytes | None = None) -> str:
     """A stable id: the same user, text and source turn always give the same id,
-    so re-adding a conversation is idempotent."""
-    digest = hashlib.sha256(f"{user_id}\x00{source_turn or ''}\x00{text}".encode()).hexdigest()
+    so re-adding a conversation is idempotent.
+
+    With ``key`` (the server's, :func:`fact_id_key`; what the server and :class:`MemoryAPI`
+    use) the id is an HMAC, so nobody without the secret can tell from an id, or test by
+    guessing one, what a fact says. Without it, a plain hash (ids for data sets and tests)."""
+    message = f"{user_id}\x00{source_turn or ''}\x00{text}".encode()
+    digest = hmac.digest(key, message, "sha256").hex() if key else hashlib.sha256(message).hexdigest()
     return f"f-{digest[:16]}"
+
+
+def fact_id_key(secret: bytes) -> bytes:
+    """The key of fact ids, derived from the server secret (never the secret itself)."""
+    return hmac.digest(secret, b"inferscale fact ids", "sha256")
 
 
 def check_id(value: object, what: str) -> str:
     """fact_ids (and other internal names) are short ASCII names: they become tensor names."""
-    if not isinstance(value, str) or not _ID_RE.fullmatch(value):
-        raise ValueError(f"{what} must match {_ID_RE.pattern}, got {value!r}")
+    if not isinstance(value, str) or len(value) > 128 or not _ID_RE.fullmatch(value):
+        raise ValueError(f"{what} must match {_ID_RE.pattern}, got {shown(value)}")
+    if value in DOT_NAMES:
+        raise ValueError(f"{what} {value!r} is not a usable name")
     return value
+
+
+def shown(value: object) -> str:
+    """``repr(value)``, cut to :data:`SHOWN_CHARS` characters (an error never echoes megabytes)."""
+    if isinstance(value, (str, bytes)):
+        text = repr(value[: SHOWN_CHARS + 1])
+        return text if len(text) <= SHOWN_CHARS else f"{text[:SHOWN_CHARS]}... ({len(value)} long)"
+    if value is None or isinstance(value, (bool, int, float)):
+        return repr(value)[:SHOWN_CHARS]
+    return f"a {type(value).__name__}"
 
 
 def check_id_list(values: Sequence[object], what: str) -> None:
@@ -64,8 +91,8 @@ def check_id_list(values: Sequence[object], what: str) -> None:
     facts, and this runs on the scheduler's critical path), each one apart to name a bad one."""
     if values and all(type(v) is str for v in values):
         joined = " ".join(values)
-        if joined.count(" ") == len(values) - 1 and _IDS_RE.fullmatch(joined):  # no space inside an id
-            return
+        if joined.count(" ") == len(values) - 1 and _IDS_RE.fullmatch(joined) and DOT_NAMES.isdisjoint(values):
+            return  # no space inside an id
     for value in values:
         check_id(value, what)
 
@@ -88,13 +115,15 @@ def check_user_id(value: object) -> str:
 
 def _check_user_id(value: object) -> str:
     if not isinstance(value, str) or not value:
-        raise ValueError(f"user_id must be a non-empty string, got {value!r}")
+        raise ValueError(f"user_id must be a non-empty string, got {shown(value)}")
+    if len(value) > MAX_USER_ID_CHARS:  # first: nothing below walks a long value
+        raise ValueError(f"user_id is {len(value)} characters long (at most {MAX_USER_ID_CHARS})")
+    if value in DOT_NAMES:
+        raise ValueError(f"user_id {value!r} is not a usable name")
     bad = next((c for c in value if c.isspace() or unicodedata.category(c).startswith(("C", "Z"))), None)
     if bad is not None:
         raise ValueError(f"user_id must not contain whitespace or control characters "
                          f"(found U+{ord(bad):04X}), got {value!r}")
-    if len(value) > MAX_USER_ID_CHARS:
-        raise ValueError(f"user_id is {len(value)} characters long (at most {MAX_USER_ID_CHARS})")
     size = len(user_file_stem(value, check=False).encode())
     if size > MAX_USER_FILE_STEM_BYTES:
         raise ValueError(f"user_id takes {size} bytes as a file name (at most {MAX_USER_FILE_STEM_BYTES})")

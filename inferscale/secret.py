@@ -48,6 +48,9 @@ def _create(path: Path) -> None:
 
 def _read(path: Path) -> bytes:
     mode = path.stat().st_mode
+    if not stat.S_ISREG(mode):
+        raise ConfigError(f"secret file {path} is not a regular file (a directory, or a device); "
+                          f"point secret_file at a file, or remove it to have one created")
     if mode & (stat.S_IRWXG | stat.S_IRWXO):
         raise ConfigError(f"secret file {path} is accessible to other users (mode {stat.S_IMODE(mode):o}); "
                           f"chmod 600 it")

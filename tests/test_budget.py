@@ -91,7 +91,24 @@ def test_budget_is_an_option():
     assert PinnedHostStore().max_bytes == 4 << 30
     store = build("kv_store", BackendSpec("pinned", {"max_bytes": 1 << 20}))
     assert store.max_bytes == 1 << 20
-    assert build("kv_store", BackendSpec("hbm", {"device": "cpu", "max_bytes": None})).max_bytes is None
+    unbounded = {"device": "cpu", "max_bytes": None, "unbounded": True}
+    assert build("kv_store", BackendSpec("hbm", unbounded)).max_bytes is None
+    with pytest.raises(ConfigError, match="unbounded = true"):  # no budget only when asked for by name
+        build("kv_store", BackendSpec("hbm", {"device": "cpu", "max_bytes": None}))
     for bad in (-1, 1.5, "1GB", True):
         with pytest.raises(ConfigError, match="max_bytes"):
             build("kv_store", BackendSpec("pinned", {"max_bytes": bad}))
+
+
+class NoUserReads(DiskStore):
+    """The disk store, with reading a user's K/V a fault: the budget check must come first."""
+
+    def read_user(self, user_id):
+        raise AssertionError(f"{user_id}'s K/V was read before the budget refused them")
+
+
+def test_a_user_larger_than_the_budget_is_refused_before_it_is_read(disk):
+    memory = PinnedHostStore(PinnedHostStore.Options(device="cpu", max_bytes=user_bytes(disk, "u0") - 1))
+    with pytest.raises(CapacityError, match="before it was read"):
+        ensure_user(memory, NoUserReads(DiskStore.Options(root=str(disk.root))), "u0")
+    assert memory.users() == []

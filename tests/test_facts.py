@@ -16,13 +16,24 @@ def test_fact_ids_are_stable_and_distinct():
                 make_fact_id("ann", "Ann has a dog.", "D1:2")}) == 4
 
 
-@pytest.mark.parametrize("bad", ["", "a/b", "../x", "x" * 200, "sp ace", None, 3])
+def test_keyed_fact_ids_cannot_be_told_from_the_text_without_the_key():
+    from inferscale.facts import fact_id_key
+
+    key = fact_id_key(b"s" * 32)
+    keyed = make_fact_id("ann", "Ann has a cat.", "D1:2", key)
+    assert keyed == make_fact_id("ann", "Ann has a cat.", "D1:2", key)  # stable under one secret
+    assert keyed != make_fact_id("ann", "Ann has a cat.", "D1:2")  # not the plain hash anyone can compute
+    assert keyed != make_fact_id("ann", "Ann has a cat.", "D1:2", fact_id_key(b"t" * 32))
+    assert keyed.startswith("f-") and len(keyed) == 18
+
+
+@pytest.mark.parametrize("bad", ["", "a/b", "../x", "x" * 200, "sp ace", None, 3, ".", ".."])
 def test_fact_ids_are_short_ascii_names(bad):
     with pytest.raises(ValueError):
         Fact(bad, "ann", "text")
 
 
-@pytest.mark.parametrize("good", ["alice@example.com", "a/b", "../x", "100%", "Zoë", "x" * 128, "user:42", "."])
+@pytest.mark.parametrize("good", ["alice@example.com", "a/b", "../x", "100%", "Zoë", "x" * 128, "user:42", "..."])
 def test_user_ids_are_what_mem0_accepts(good):
     assert Fact("f-1", good, "text").user_id == good
     stem = user_file_stem(good)
@@ -30,7 +41,7 @@ def test_user_ids_are_what_mem0_accepts(good):
 
 
 @pytest.mark.parametrize("bad", ["", "alice\n", "al ice", " alice", "alice\t", "a\x00b", "a\u200bb", "a\u202eb",
-                                 "x" * 129, "\u00e9" * 101, None, 3])
+                                 "x" * 129, "\u00e9" * 101, None, 3, ".", ".."])
 def test_user_ids_reject_whitespace_and_control_characters(bad):
     with pytest.raises(ValueError, match="user_id"):
         Fact("f-1", bad, "text")

@@ -59,7 +59,7 @@ def test_memory_round_trip(client):
     assert texts == ["Alice has a cat named Mochi."]
     assert USER in client.get("/v1/users").json()["users"]
     gone = client.delete("/v1/memories", params={"user_id": USER})
-    assert gone.json() == {"user_id": USER, "facts_deleted": 1, "mem0_memories_deleted": 0}
+    assert gone.json() == {"user_id": USER, "facts_deleted": 1, "mem0_memories_deleted": 0, "prefix_cache_reset": None}
     assert USER not in client.get("/v1/users").json()["users"]
     assert client.get("/v1/memories", params={"user_id": USER}).status_code == 404
 
@@ -74,7 +74,16 @@ def test_ids_with_slashes_stay_ids(client, state):
 
 @pytest.mark.parametrize("method, path, kwargs, status, needle", [
     ("post", "/v1/memories", {"content": b'{"user_id": "bob", "facts": [', "headers": JSON}, 400, "not valid JSON"),
-    ("post", "/v1/memories", {"content": b'{"user_id": "bob"}'}, 400, "must be a JSON object"),
+    ("post", "/v1/memories", {"content": b'{"user_id": "bob"}'}, 400, "give 'facts'"),  # JSON, whatever the type
+    ("post", "/v1/memories", {"content": b'[1]'}, 400, "must be a JSON object"),
+    ("post", "/v1/memories", {"content": b'{"user_id": "a", "user_id": "b", "facts": ["x"]}'}, 400, "twice"),
+    ("post", "/v1/memories", {"json": {"user_id": "u" * 129, "facts": ["x"]}}, 400, "at most 128"),
+    ("post", "/v1/memories", {"json": {"user_id": "bob", "facts": ["x" * 2000] * 51}}, 400, "100,000"),
+    ("post", "/v1/chat/completions", {"json": {"user": "bob", "vllm_xargs": {"kv_transfer_params": [1]},
+                                               "messages": [{"role": "user", "content": "hi"}]}}, 400, "vllm_xargs"),
+    ("post", "/v1/chat/completions", {"json": {"user": "bob", "inferscale": {"mode": ["kv"]},
+                                               "messages": [{"role": "user", "content": "hi"}]}}, 400, "mode"),
+    ("get", "/v1/../load", {}, 404, "no route"),
     ("post", "/v1/memories", {"json": {"user_id": "bob"}}, 400, "give 'facts'"),
     ("post", "/v1/memories", {"json": {"user_id": "bob\n", "facts": ["x"]}}, 400, "control characters"),
     ("post", "/v1/memories", {"json": {"user_id": "_system", "facts": ["x"]}}, 400, "reserved"),
@@ -115,7 +124,7 @@ def test_ids_with_slashes_stay_ids(client, state):
                                                  b'[{"role": "user", "content": "hi"}]}'}, 400, "NaN is not"),
     ("post", "/v1/chat/completions", {"content": b"[" * 100_000 + b"]" * 100_000}, 400, "nested too deeply"),
     ("post", "/v1/memories", {"content": b'{"user_id": "bob", "facts": ' + b"[" * 100_000 + b"]" * 100_000 + b"}",
-                              "headers": JSON}, 400, "parsing the body"),
+                              "headers": JSON}, 400, "nested too deeply"),
     ("post", "/v1/chat/completions", {"content": b'{"user": "bob", "messages": [{"role": "user", '
                                                  b'"content": "\\ud800"}]}'}, 400, "lone UTF-16 surrogate"),
     ("post", "/v1/memories", {"content": b'{"user_id": "bob", "facts": ["\\udc00"]}', "headers": JSON}, 400,

@@ -9,6 +9,7 @@ side each take one, so a server can run either alone or both over one context.
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Mapping
 from functools import cached_property
@@ -17,7 +18,12 @@ from pathlib import Path
 from inferscale.compose.prompt import PromptFormat
 from inferscale.compose.salt import CacheSalts
 from inferscale.config import Config, build
+from inferscale.errors import CorruptDataError
+from inferscale.facts import fact_id_key
+from inferscale.secret import load_secret
 from inferscale.storage.disk import DiskStore
+
+logger = logging.getLogger(__name__)
 
 
 def load_config(config: Config | Mapping | str | os.PathLike | None) -> Config:
@@ -72,6 +78,11 @@ class Context:
         return CacheSalts.from_file(self.config.secret_path)
 
     @cached_property
+    def fact_id_key(self) -> bytes:
+        """The key of new fact ids (:func:`make_fact_id`), derived from the server secret."""
+        return fact_id_key(load_secret(self.config.secret_path))
+
+    @cached_property
     def embedder(self):
         return build("embedder", self.config.embedder)
 
@@ -80,7 +91,11 @@ class Context:
         """The index, rebuilt from the stored embeddings of every user."""
         retriever = build("retriever", self.config.retriever)
         for user_id in self.disk.users():
-            ids, vectors = self.disk.embeddings(user_id)
+            try:
+                ids, vectors = self.disk.embeddings(user_id)
+            except CorruptDataError as exc:  # that user's memory is unreadable; everyone else's serves
+                logger.error("memory of %r left out of the index: %s", user_id, exc)
+                continue
             if ids:
                 retriever.add(user_id, ids, vectors)
         return retriever

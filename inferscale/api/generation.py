@@ -110,7 +110,7 @@ class GenerationAPI:
             salt = ctx.salts.text(user_id, epoch) + nonce
             return PromptRequest({"prompt_token_ids": ids, "cache_salt": salt}, None, order, len(segment))
         salt = ctx.salts.segment(user_id, epoch, segment, recompute_tokens, key_scale) + nonce
-        params = make_params(user_id, order, recompute_tokens, key_scale)
+        params = make_params(user_id, order, recompute_tokens, key_scale, epoch, len(segment))
         return PromptRequest({"prompt_token_ids": ids, "cache_salt": salt}, params, order, len(segment))
 
     def generate(self, user_id: str, query: str, k: int | None = None, mode: Mode = "kv",

@@ -19,7 +19,7 @@ from inferscale.compose.prompt import fact_token_ids
 from inferscale.compose.segment import PREFIX_FACT, SYSTEM_USER
 from inferscale.config import build
 from inferscale.encode.window import Turn
-from inferscale.errors import MissingFactError, UnknownUserError
+from inferscale.errors import CorruptDataError, MissingFactError, UnknownUserError
 from inferscale.facts import Fact, make_fact_id
 
 FactInput = str | tuple[str, str | None]
@@ -32,6 +32,8 @@ class Forgotten:
     user_id: str
     facts: int  # facts with their K/V and embeddings
     mem0_memories: int  # memories in Mem0's own store (their history and the session's messages too)
+    #: the user had memory stored (an unreadable one counts, with ``facts`` 0)
+    found: bool = True
 
 
 @dataclass(frozen=True)
@@ -91,10 +93,16 @@ class MemoryAPI:
         extraction kept (its memories, their history, the session's messages)."""
         from inferscale.encode.extract import forget_user
 
-        facts = len(self.context.disk.list(user_id))
-        self.context.disk.delete(user_id)
+        disk = self.context.disk
+        found = user_id in disk.users()
+        try:
+            facts = len(disk.list(user_id))
+        except CorruptDataError:  # unreadable: removed all the same
+            facts = 0
+        disk.delete(user_id)
         self.context.retriever.delete(user_id)
-        return Forgotten(user_id, facts, forget_user(self.config.mem0_path, user_id))
+        mem0 = forget_user(self.config.mem0_path, user_id)
+        return Forgotten(user_id, facts, mem0, found or mem0 > 0)
 
     def extract_facts(self, user_id: str, turns: Sequence[Turn], llm_base_url: str, progress: bool = True,
                       **options: Any) -> list[tuple[str, str]]:
@@ -182,7 +190,7 @@ class MemoryAPI:
             per_turn[source] += 1
             if source is not None and per_turn[source] > self.config.max_facts_per_turn:
                 continue
-            fid = make_fact_id(user_id, text, source)
+            fid = make_fact_id(user_id, text, source, self.context.fact_id_key)
             records[fid] = Fact(fid, user_id, text, source, tuple(fact_token_ids(tokenizer, text, style)))
         return list(records.values())
 

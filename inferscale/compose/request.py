@@ -3,12 +3,17 @@
 A request asks for memory with::
 
     {"inferscale": {"user_id": "alice", "fact_ids": ["f-1a2b...", ...],
-                    "recompute_tokens": 256, "key_scale": 1.0}}
+                    "recompute_tokens": 256, "key_scale": 1.0,
+                    "epoch": "...", "segment_tokens": 171}}
 
 ``fact_ids`` are in segment order (first right after the instruction prefix).
 ``recompute_tokens`` and ``key_scale`` are optional and override the
 connector's configured defaults for this request (see
-:mod:`inferscale.compose.blend`). Anything else — wrong types, too many facts,
+:mod:`inferscale.compose.blend`). ``epoch`` and ``segment_tokens`` (the user's
+epoch and the segment's length when the server made the request; the server
+always sends them) let the connector check the salt against the prompt's head
+before it looks the user or a fact up, so a forged request learns nothing from
+how it is refused. Anything else — wrong types, too many facts,
 duplicate or malformed ids, out-of-range values — is rejected with a reason;
 the request is then prefilled normally.
 
@@ -29,6 +34,8 @@ PARAMS_KEY = "inferscale"
 MAX_FACTS = 1024
 MAX_RECOMPUTE_TOKENS = 1 << 20
 KEY_SCALE_RANGE = (0.25, 4.0)
+MAX_EPOCH_CHARS = 64
+KEYS = frozenset(("user_id", "fact_ids", "recompute_tokens", "key_scale", "epoch", "segment_tokens"))
 
 
 class InvalidParams(ValueError):
@@ -41,6 +48,15 @@ class SegmentRequest:
     fact_ids: tuple[str, ...]
     recompute_tokens: int | None = None  # None: the connector's default
     key_scale: float | None = None  # None: the connector's default
+    epoch: str | None = None  # the user's epoch the server made the request at
+    segment_tokens: int | None = None  # the memory segment's length in tokens (with ``epoch``)
+
+    def salt_of_head(self, salts: CacheSalts, prompt_token_ids: Sequence[int]) -> str | None:
+        """The salt the prompt's first ``segment_tokens`` would have at ``epoch``, computed from
+        the request alone (no store read); None when the request does not carry them."""
+        if self.epoch is None or self.segment_tokens is None:
+            return None
+        return self.salt(salts, self.epoch, prompt_token_ids[: self.segment_tokens])
 
     def salt(self, salts: CacheSalts, epoch: str, segment_token_ids: Sequence[int]) -> str:
         """The cache salt this request must carry for a segment of these tokens,
@@ -62,9 +78,9 @@ def parse_params(params: Any) -> SegmentRequest | None:
         return None
     if not isinstance(body, dict):
         raise InvalidParams(f"{PARAMS_KEY!r} must be a dict, got {type(body).__name__}")
-    unknown = set(body) - {"user_id", "fact_ids", "recompute_tokens", "key_scale"}
+    unknown = set(body) - KEYS
     if unknown:
-        raise InvalidParams(f"unknown key(s) {sorted(map(str, unknown))}")
+        raise InvalidParams(f"unknown key(s) {sorted(str(k)[:40] for k in unknown)[:5]}")
     user_id, fact_ids = body.get("user_id"), body.get("fact_ids")
     try:
         check_user_id(user_id)
@@ -83,7 +99,18 @@ def parse_params(params: Any) -> SegmentRequest | None:
     if len(set(fact_ids)) != len(fact_ids):
         raise InvalidParams("fact_ids contains duplicates")
     budget, scale = body.get("recompute_tokens"), body.get("key_scale")
-    return SegmentRequest(user_id, tuple(fact_ids), _check_budget(budget), _check_scale(scale))
+    epoch, length = _check_version(body.get("epoch"), body.get("segment_tokens"))
+    return SegmentRequest(user_id, tuple(fact_ids), _check_budget(budget), _check_scale(scale), epoch, length)
+
+
+def _check_version(epoch: Any, length: Any) -> tuple[str | None, int | None]:
+    if epoch is None and length is None:
+        return None, None
+    if not isinstance(epoch, str) or not 0 < len(epoch) <= MAX_EPOCH_CHARS:
+        raise InvalidParams(f"epoch must be a string of 1..{MAX_EPOCH_CHARS} characters, with segment_tokens")
+    if isinstance(length, bool) or not isinstance(length, int) or not 0 < length <= MAX_RECOMPUTE_TOKENS:
+        raise InvalidParams(f"segment_tokens must be an integer in 1..{MAX_RECOMPUTE_TOKENS}, with epoch")
+    return epoch, length
 
 
 def _check_budget(value: Any) -> int | None:
@@ -104,9 +131,11 @@ def _check_scale(value: Any) -> float | None:
 
 
 def make_params(user_id: str, fact_ids: Sequence[str], recompute_tokens: int | None = None,
-                key_scale: float | None = None) -> dict:
+                key_scale: float | None = None, epoch: str | None = None, segment_tokens: int | None = None) -> dict:
     """The ``kv_transfer_params`` that ask for this memory (None: the connector's default)."""
     body: dict[str, Any] = {"user_id": user_id, "fact_ids": list(fact_ids)}
+    if epoch is not None:
+        body["epoch"], body["segment_tokens"] = epoch, segment_tokens
     if recompute_tokens is not None:
         body["recompute_tokens"] = recompute_tokens
     if key_scale is not None:

@@ -7,7 +7,9 @@ and there hands it to the metrics the connector class registered
 (``build_prom_metrics`` → :class:`InferScalePromMetrics`). Counters:
 
 - ``vllm:inferscale_injected_requests_total`` and ``vllm:inferscale_injected_tokens_total``
-- ``vllm:inferscale_fallbacks_total{reason}`` (every :class:`~inferscale.connector.stats.Fallback`)
+- ``vllm:inferscale_fallbacks_total{reason}``, by the coarse code a client is told
+  (:data:`~inferscale.connector.report.CLIENT_CODES`: ``invalid_params``, ``refused``,
+  ``load_error``); the precise reason goes to the server log only
 - ``vllm:inferscale_store_hits_total{tier}`` (where a load found the user's K/V)
 - ``vllm:inferscale_host_seconds_total{step}`` (host time on the request path: ``plan`` on the
   scheduler, ``load`` and ``wait`` on the worker; divided by ``plan_calls`` or
@@ -30,9 +32,9 @@ from inferscale.connector.stats import (
     INJECTED_REQUESTS,
     INJECTED_TOKENS,
     PLAN_CALLS,
-    Fallback,
     add_counts,
 )
+from inferscale.connector.report import CLIENT_CODES
 
 
 @dataclass
@@ -66,15 +68,15 @@ class InferScalePromMetrics(compat.KVConnectorPromMetrics):
         super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
         self.requests = self._counter("injected_requests", "Requests whose memory was injected as K/V.")
         self.tokens = self._counter("injected_tokens", "Memory tokens injected as K/V instead of prefilled.")
-        self.fallbacks = self._counter("fallbacks", "Requests whose memory was prefilled normally, by reason.",
-                                       "reason")
+        self.fallbacks = self._counter("fallbacks", "Requests whose memory was prefilled normally, by the coarse "
+                                       "code their report carries.", "reason")
         self.hits = self._counter("store_hits", "Loads of a user's K/V, by the store tier that held it.", "tier")
         self.host = self._counter("host_seconds", "Host time the connector spent on the request path, by step.",
                                   "step")
         self.plans = self._counter("plan_calls", "Times the scheduler matched a request against its memory.")
         for engine in self.per_engine_labelvalues:
-            for reason in Fallback:  # every reason shows, at 0 until it happens
-                self.fallbacks(engine, reason.value)
+            for code in CLIENT_CODES:  # every code shows, at 0 until it happens
+                self.fallbacks(engine, code)
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
         for key, value in transfer_stats_data.items():

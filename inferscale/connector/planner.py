@@ -9,7 +9,10 @@ token is left to compute. It claims the segment's head: the whole facts at
 the tail that fit in the recompute budget are left to vLLM
 (:mod:`inferscale.compose.blend`). Planning is side-effect free: vLLM may ask
 twice. Each refusal carries a reason for the server log; the client is told
-less (:mod:`inferscale.connector.report`).
+less (:mod:`inferscale.connector.report`). A request that carries its epoch and
+segment length (every request the server makes) has its salt checked against
+the prompt's head first, before the user or a fact is looked up: a forged one is
+refused the same way whether the user, the facts or neither exist.
 """
 
 from __future__ import annotations
@@ -75,6 +78,11 @@ def plan_request(
         return Plan(None, fallback=Fallback.INVALID_PARAMS, detail=str(exc))
     if request is None:
         return NO_MEMORY
+    prompt = prompt_token_ids if isinstance(prompt_token_ids, list) else list(prompt_token_ids)
+    head = request.salt_of_head(salts, prompt)
+    if head is not None and not salt_matches(cache_salt, head):  # before any lookup: nothing to tell apart
+        return Plan(request, fallback=Fallback.MISSING_CACHE_SALT,
+                    detail="request lacks the cache_salt of its prompt's head (not made by this server)")
     try:
         versions, parts = segment_parts(store, request.user_id, request.fact_ids)
     except UnknownUserError as exc:
@@ -88,7 +96,6 @@ def plan_request(
     blend = blend.override(request.recompute_tokens, request.key_scale)
     segment = list(chain.from_iterable(parts))
     salt = request.salt(salts, versions[1], segment)
-    prompt = prompt_token_ids if isinstance(prompt_token_ids, list) else list(prompt_token_ids)
     return _match(request, parts, segment, prompt, cache_salt, salt, versions, num_computed_tokens, blend)
 
 

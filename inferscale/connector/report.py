@@ -15,7 +15,7 @@ is told one coarse code, whatever the reason:
   (only a request carrying the right salt gets this far); vLLM recomputed it.
 
 The precise reason (:class:`~inferscale.connector.stats.Fallback`) and its
-detail go to the server log and the connector's counters.
+detail go to the server log only; the connector's counters count the coarse code.
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ from inferscale.connector.stats import Fallback
 INVALID_PARAMS = "invalid_params"
 REFUSED = "refused"
 LOAD_ERROR = "load_error"
+CLIENT_CODES = (INVALID_PARAMS, REFUSED, LOAD_ERROR)
 
 
 def client_code(fallback: Fallback) -> str:

@@ -52,7 +52,12 @@ class ConnectorStats:
         self._add({INJECTED_REQUESTS: 1, INJECTED_TOKENS: num_tokens})
 
     def record_fallback(self, reason: Fallback) -> None:
-        self._add({FALLBACK_PREFIX + reason.value: 1})
+        """Counted under the coarse code a client is told (:func:`report.client_code`), never the
+        precise reason: a forged request must not learn from ``/metrics`` whether a user or a
+        fact exists (the reason goes to the server log)."""
+        from inferscale.connector.report import client_code
+
+        self._add({FALLBACK_PREFIX + client_code(reason): 1})
 
     def record_hit(self, tier: str) -> None:
         """A load found the user's K/V in ``tier`` (a store name: "pinned", "hbm", "disk")."""

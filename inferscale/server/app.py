@@ -28,7 +28,8 @@ def create_app(state: ServerState) -> FastAPI:
         finally:
             await state.client.aclose()
 
-    app = FastAPI(title="InferScale", summary="vLLM's OpenAI API with per-user memory", lifespan=lifespan)
+    app = FastAPI(title="InferScale", summary="vLLM's OpenAI API with per-user memory", lifespan=lifespan,
+                  docs_url=None, redoc_url=None, openapi_url=None)  # the routes are documented in docs/server.md
     app.state.inferscale = state
     errors.install(app)
     app.add_middleware(limits.BodyLimit)  # inside the guard: its 413s are counted too

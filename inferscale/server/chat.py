@@ -16,6 +16,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from inferscale.facts import shown
 from inferscale.server.errors import APIError
 from inferscale.server.schemas import user_id_of
 
@@ -33,6 +34,10 @@ RESERVED = ("prompt", "prompt_embeds", "kv_transfer_params", "cache_salt")
 DROPPED = ("messages", "user", "inferscale", "max_completion_tokens", "max_tokens", "store", "metadata",
            "service_tier", "model")
 ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
+#: what only the server may ask the engine for, at the top of a body or in ``vllm_xargs``
+SERVER_ONLY = ("kv_transfer_params", "cache_salt")
+#: the text of a chat's messages, all together (a conversation must fit the served context anyway)
+MAX_CHAT_CHARS = 1 << 20
 
 
 @dataclass(frozen=True)
@@ -77,11 +82,20 @@ def completion_body(call: ChatCall, prompt: Mapping[str, Any], kv_transfer_param
 
 
 def refuse_reserved(body: Mapping[str, Any]) -> None:
-    """A client may not set what only the server sets (memory params, the salt)."""
-    for key in ("kv_transfer_params", "cache_salt"):
-        if body.get(key) is not None:
+    """A client may not set what only the server sets (memory params, the salt), neither at the
+    top of the body nor in ``vllm_xargs`` (vLLM's extra sampling arguments, which it merges)."""
+    for key in SERVER_ONLY:
+        if key in body:
             raise APIError(400, f"'{key}' is set by the server; name the user ('user' or "
                                 f"inferscale.user_id) to answer with memory", key)
+    extra = body.get("vllm_xargs")
+    if extra is None:
+        return
+    if not isinstance(extra, dict):
+        raise APIError(400, f"'vllm_xargs' must be an object, got {type(extra).__name__}", "vllm_xargs")
+    for key in SERVER_ONLY:
+        if key in extra:
+            raise APIError(400, f"'vllm_xargs.{key}' is set by the server, never by a client", "vllm_xargs")
 
 
 # ---------------------------------------------------------------- parts
@@ -100,7 +114,7 @@ def _options(body: Mapping[str, Any]) -> dict[str, Any]:
 def _user(body: Mapping[str, Any], options: Mapping[str, Any]) -> str | None:
     named, user = options.get("user_id"), body.get("user")
     if named is not None and user is not None and named != user:
-        raise APIError(400, f"'user' ({user!r}) and inferscale.user_id ({named!r}) differ", "user")
+        raise APIError(400, f"'user' ({shown(user)}) and inferscale.user_id ({shown(named)}) differ", "user")
     user_id = named if named is not None else user
     if user_id is None:
         return None
@@ -113,8 +127,9 @@ def _user(body: Mapping[str, Any], options: Mapping[str, Any]) -> str | None:
 def _mode(value: Any, user_id: str | None) -> str:
     if value is None:
         return "kv" if user_id is not None else "none"
-    if value not in MODES:
-        raise APIError(400, f"inferscale.mode must be one of {', '.join(MODES)}, got {value!r}", "inferscale.mode")
+    if not isinstance(value, str) or value not in MODES:
+        raise APIError(400, f"inferscale.mode must be one of {', '.join(MODES)}, got {shown(value)}",
+                       "inferscale.mode")
     if user_id is None and MODES[value] != "none":
         raise APIError(400, f"mode {value!r} needs a user: set 'user' or inferscale.user_id", "user")
     return MODES[value]
@@ -124,7 +139,7 @@ def _k(value: Any, max_k: int) -> int | None:
     if value is None:
         return None
     if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= max_k:
-        raise APIError(400, f"inferscale.k must be an integer in 1..{max_k}, got {value!r}", "inferscale.k")
+        raise APIError(400, f"inferscale.k must be an integer in 1..{max_k}, got {shown(value)}", "inferscale.k")
     return value
 
 
@@ -144,6 +159,8 @@ def _messages(value: Any) -> list[dict[str, str]]:
     if not isinstance(value, list) or not value:
         raise APIError(400, "'messages' must be a non-empty list", "messages")
     messages = [_message(m, i) for i, m in enumerate(value)]
+    if sum(len(m["content"]) for m in messages) > MAX_CHAT_CHARS:
+        raise APIError(400, f"the messages hold more than {MAX_CHAT_CHARS:,} characters", "messages")
     if messages[-1]["role"] != "user" or not messages[-1]["content"].strip():
         raise APIError(400, "the last message must be the user's, with text", "messages")
     return messages
@@ -151,7 +168,7 @@ def _messages(value: Any) -> list[dict[str, str]]:
 
 def _message(value: Any, index: int) -> dict[str, str]:
     where = f"messages[{index}]"
-    if not isinstance(value, dict) or value.get("role") not in ROLES:
+    if not isinstance(value, dict) or not isinstance(value.get("role"), str) or value["role"] not in ROLES:
         raise APIError(400, f"{where} needs a role in {', '.join(ROLES)}", where)
     if value.get("tool_calls") or value.get("function_call"):
         raise APIError(400, f"{where}: tool calls are not supported with memory", where)
@@ -167,7 +184,7 @@ def _text(content: Any, where: str) -> str:
         parts = []
         for part in content:
             if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
-                raise APIError(400, f"{where}: only text content is supported, got {str(part)[:80]}", where)
+                raise APIError(400, f"{where}: only text content is supported, got {shown(part)}", where)
             parts.append(part["text"])
         return "\n".join(parts)
     raise APIError(400, f"{where}: content must be text", where)

@@ -99,9 +99,10 @@ def validation_message(errors) -> str:
 
 def json_body(raw: bytes) -> dict:
     """A request body that must be a JSON object, of JSON as the standard has it: no NaN or
-    Infinity, no text that is not Unicode (a lone ``\\ud800``), nesting Python can parse."""
+    Infinity, no text that is not Unicode (a lone ``\\ud800``), nesting Python can parse, and
+    no key twice in one object (parsers disagree on which one wins)."""
     try:
-        body = json.loads(raw, parse_constant=_no_constant)
+        body = json.loads(raw, parse_constant=_no_constant, object_pairs_hook=_unique_keys)
         json.dumps(body, ensure_ascii=False).encode()  # what the engine will be sent
     except RecursionError:
         raise APIError(400, "the request body is not valid JSON (nested too deeply)") from None
@@ -112,6 +113,15 @@ def json_body(raw: bytes) -> dict:
         raise APIError(400, f"the request body is not valid JSON ({exc})") from None
     if not isinstance(body, dict):
         raise APIError(400, f"the request body must be a JSON object, got {type(body).__name__}")
+    return body
+
+
+def _unique_keys(pairs: list[tuple[str, object]]) -> dict:
+    body = dict(pairs)
+    if len(body) != len(pairs):
+        seen: set[str] = set()
+        twice = next(k for k, _ in pairs if k in seen or seen.add(k))
+        raise ValueError(f"the key {twice[:60]!r} appears twice in one object")
     return body
 
 

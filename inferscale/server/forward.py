@@ -7,6 +7,7 @@ around leaves this file alone.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 from collections.abc import AsyncIterator
@@ -67,10 +68,11 @@ def sse(payload: dict[str, Any] | str) -> str:
     return f"data: {data}\n\n"
 
 
-async def proxy(request: Request, client: httpx.AsyncClient, body: bytes) -> Response:
-    """Pass a request through to the same path on the engine, streaming the answer back."""
+async def proxy(request: Request, client: httpx.AsyncClient, body: bytes, path: str) -> Response:
+    """Pass a request through to ``path`` on the engine (the allow-listed route the request's
+    path normalizes to), streaming the answer back."""
     headers = {k: v for k, v in request.headers.items() if k.lower() in REQUEST_HEADERS}
-    return await relay(client, client.build_request(request.method, request.url.path, params=request.query_params,
+    return await relay(client, client.build_request(request.method, path, params=request.query_params,
                                                     content=body, headers=headers))
 
 
@@ -83,6 +85,27 @@ async def relay(client: httpx.AsyncClient, upstream: httpx.Request) -> Response:
     keep = {k: v for k, v in response.headers.items() if k.lower() in RESPONSE_HEADERS}
     return StreamingResponse(response.aiter_raw(), status_code=response.status_code, headers=keep,
                              background=BackgroundTask(response.aclose))
+
+
+async def reset_prefix_cache(client: httpx.AsyncClient, attempts: int = 25, pause_s: float = 0.2) -> bool:
+    """Empty the engine's prefix cache (vLLM's ``POST /reset_prefix_cache``, on loopback); True once
+    it did. vLLM refuses while running requests hold cached blocks, so this asks again a few
+    times (``attempts`` × ``pause_s``, 5 s by default)."""
+    for _ in range(attempts):
+        try:
+            response = await client.post("/reset_prefix_cache", timeout=10.0)
+        except httpx.HTTPError as exc:
+            logger.warning("the engine's prefix cache could not be reset: %s", type(exc).__name__)
+            return False
+        if response.status_code == 200 and _json(response.content).get("success", True) is not False:
+            return True
+        if response.status_code == 404:
+            logger.warning("the engine serves no /reset_prefix_cache (vLLM's dev routes are off)")
+            return False
+        await asyncio.sleep(pause_s)
+    logger.warning("the engine's prefix cache was not reset: requests held its blocks for %.0f s",
+                   attempts * pause_s)
+    return False
 
 
 def _json(content: bytes) -> Any:

@@ -27,21 +27,23 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from inferscale.api import PromptRequest
 from inferscale.compose.request import MAX_FACTS
-from inferscale.errors import MissingFactError
+from inferscale.errors import CorruptDataError, MissingFactError
 from inferscale.server import forward
+from inferscale.server.bodies import read_json
 from inferscale.server.chat import ChatCall, completion_body, parse_chat, refuse_reserved
 from inferscale.server.convert import chat_chunk, chat_completion
-from inferscale.server.errors import json_body
 from inferscale.server.state import ServerState
 
 logger = logging.getLogger(__name__)
 router = APIRouter()
+#: ``inferscale.fallback`` of a chat answered without the user's memory, which could not be read
+UNREADABLE = "unreadable_memory"
 
 
 @router.post("/v1/chat/completions")
 async def chat_completions(request: Request) -> Response:
     state: ServerState = request.app.state.inferscale
-    body = json_body(await request.body())
+    body = await read_json(request)
     call = parse_chat(body, MAX_FACTS)
     state.metrics.chats.labels(call.mode).inc()
     if call.user_id is None:
@@ -53,6 +55,7 @@ async def _answer(state: ServerState, call: ChatCall, retried: str | None = None
     prompt, info = await run_in_threadpool(compose, state, call)
     if retried:
         info["retried"] = retried
+    call = dataclasses.replace(call, model=state.engine_model(call.model))
     upstream = completion_body(call, prompt.prompt, prompt.kv_transfer_params, state.served_model)
     if call.stream:
         return await _stream(state, call, upstream, info)
@@ -91,6 +94,10 @@ def compose(state: ServerState, call: ChatCall) -> tuple[PromptRequest, dict[str
         return _compose(state, call)
     except MissingFactError:  # a fact was deleted between retrieval and layout: once more
         return _compose(state, call)
+    except CorruptDataError as exc:  # this user's memory is unreadable: answer without it, log why
+        logger.error("inferscale: %s's memory is unreadable, answering without it: %s", call.user_id, exc)
+        prompt, info = _compose(state, dataclasses.replace(call, mode="none"))
+        return prompt, {**info, "fallback": UNREADABLE}
 
 
 def _compose(state: ServerState, call: ChatCall) -> tuple[PromptRequest, dict[str, Any]]:
@@ -144,4 +151,6 @@ async def _plain_chat(state: ServerState, body: dict[str, Any]) -> Response:
     """No user: vLLM's own chat endpoint answers, exactly as ``vllm serve`` would."""
     refuse_reserved(body)
     body.pop("inferscale", None)
+    if "model" in body:
+        body["model"] = state.engine_model(body["model"])
     return await forward.relay(state.client, state.client.build_request("POST", "/v1/chat/completions", json=body))

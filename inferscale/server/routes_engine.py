@@ -2,14 +2,14 @@
 
 ``GET /health``: 200 when the engine answers its own ``/health``, else 503.
 ``GET /metrics``: the front's metrics, then the engine's (vLLM's and the connector's).
-``/v1/...``, ``/tokenize``, ``/detokenize``, ``/version``: passed to the engine as they are
-(``/v1/completions`` included), except that a client may not send ``kv_transfer_params``
-or a ``cache_salt``: memory is only ever asked for by the server, for the request's user.
+The engine routes of :data:`engine_routes.ALLOWED` (``/v1/models``, ``/v1/completions``,
+``/v1/embeddings``, ``/tokenize``, ``/detokenize``, ``/version``), matched after the path is
+decoded and its dot-segments resolved: passed to the engine, except that a client may not send
+``kv_transfer_params`` or a ``cache_salt`` (memory is only ever asked for by the server, for the
+request's user). Every other path is a 404 from the front itself.
 """
 
 from __future__ import annotations
-
-import json
 
 import httpx
 from fastapi import APIRouter, Request
@@ -17,11 +17,11 @@ from fastapi.responses import PlainTextResponse, Response
 
 from inferscale.server import forward
 from inferscale.server.chat import refuse_reserved
-from inferscale.server.errors import APIError
+from inferscale.server.engine_routes import allowed_route
+from inferscale.server.errors import APIError, json_body
 from inferscale.server.state import ServerState
 
 router = APIRouter()
-PASSED_THROUGH = ("v1/", "tokenize", "detokenize", "version")
 PROMETHEUS_TEXT = "text/plain; version=0.0.4; charset=utf-8"
 
 
@@ -52,14 +52,16 @@ async def metrics(request: Request) -> Response:
 @router.api_route("/{path:path}", methods=["GET", "POST", "PUT", "DELETE", "PATCH"], include_in_schema=False)
 async def passthrough(path: str, request: Request) -> Response:
     state: ServerState = request.app.state.inferscale
-    if not path.startswith(PASSED_THROUGH):
-        raise APIError(404, f"no route {request.method} /{path}")
+    route = allowed_route(_raw_path(request), request.method)
+    if route is None:
+        raise APIError(404, f"no route {request.method} {request.url.path[:200]}")
     body = await request.body()
     if body:  # whatever the Content-Type says: vLLM reads JSON without one, and in any letter case
-        try:
-            parsed = json.loads(body)
-        except (ValueError, RecursionError):
-            parsed = None  # the engine answers malformed JSON itself
-        if isinstance(parsed, dict):
-            refuse_reserved(parsed)
-    return await forward.proxy(request, state.client, body)
+        refuse_reserved(json_body(body))
+    return await forward.proxy(request, state.client, body, route)
+
+
+def _raw_path(request: Request) -> str:
+    """The path as the client sent it (still percent-encoded), so that it is decoded once, here."""
+    raw = request.scope.get("raw_path")
+    return raw.decode("latin-1").split("?", 1)[0] if raw else request.scope["path"]

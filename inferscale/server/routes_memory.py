@@ -9,7 +9,8 @@
 ``DELETE /v1/memories?user_id=``    forget a user: facts, K/V, embeddings, Mem0's store and history
 ``GET /v1/users``                   every user with memory
 
-Writes run one at a time (one encoder, one Mem0 store); reads run beside them.
+Writes take turns on the encoder in arrival order, a large add a chunk per turn
+(:mod:`inferscale.server.write_queue`); reads run beside them.
 """
 
 from __future__ import annotations
@@ -20,17 +21,23 @@ import logging
 import time
 from typing import Any
 
-from fastapi import APIRouter, Query, Request
+from fastapi import APIRouter, Depends, Query, Request
+from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import JSONResponse
 
 from inferscale.encode.window import Turn
 from inferscale.errors import ConfigError, MissingFactError, UnknownUserError
+from inferscale.facts import MAX_USER_ID_CHARS
+from inferscale.server import forward
+from inferscale.server.bodies import model_body
 from inferscale.server.errors import APIError
 from inferscale.server.schemas import AddMemories, MessageIn, SearchMemories, UpdateMemory, fact_json, user_id_of
 from inferscale.server.state import ServerState
+from inferscale.server.write_queue import chunks
 
 logger = logging.getLogger(__name__)
 router = APIRouter()
+USER_QUERY = Query(..., max_length=MAX_USER_ID_CHARS)
 
 
 def _state(request: Request) -> ServerState:
@@ -45,21 +52,34 @@ def _user(user_id: str) -> str:
 
 
 @router.post("/v1/memories", status_code=201)
-def add_memories(body: AddMemories, request: Request) -> dict[str, Any]:
+def add_memories(request: Request, body: AddMemories = Depends(model_body(AddMemories))) -> dict[str, Any]:
     state = _state(request)
     if body.facts is None and body.messages is None:
         raise APIError(400, "give 'facts' to store, or 'messages' to extract facts from", "facts")
     turns = _turns(body.messages or [])
-    with state.write_lock, state.metrics.timed(state.metrics.memory.labels("add")):
+    with state.user_locks.hold(body.user_id), state.metrics.timed(state.metrics.memory.labels("add")):
         start = time.perf_counter()
-        given = [_fact(f) for f in body.facts] if body.facts is not None else _extract(state, body.user_id, turns)
-        added = state.memory.add_facts(body.user_id, given, turns) if given else []
+        if body.facts is None:
+            with state.write_lock:
+                given = _extract(state, body.user_id, turns)
+        else:
+            given = [_fact(f) for f in body.facts]
+        added = _add_in_turns(state, body.user_id, given, turns)
     logger.info("%s: %d fact(s) stored in %.2f s", body.user_id, len(added), time.perf_counter() - start)
     return {"user_id": body.user_id, "results": [fact_json(f) for f in added]}
 
 
+def _add_in_turns(state: ServerState, user_id: str, given: list[tuple[str, str | None]], turns) -> list:
+    """The facts stored a chunk per turn of the encoder, so other users' writes come in between."""
+    added = []
+    for chunk in chunks(_per_turn(given, state.memory.config.max_facts_per_turn)):
+        with state.write_lock:
+            added += state.memory.add_facts(user_id, chunk, turns)
+    return added
+
+
 @router.get("/v1/memories")
-def list_memories(request: Request, user_id: str = Query(...)) -> dict[str, Any]:
+def list_memories(request: Request, user_id: str = USER_QUERY) -> dict[str, Any]:
     state, user_id = _state(request), _user(user_id)
     with state.metrics.timed(state.metrics.memory.labels("list")):
         facts = state.memory.list_facts(user_id)
@@ -69,7 +89,7 @@ def list_memories(request: Request, user_id: str = Query(...)) -> dict[str, Any]
 
 
 @router.get("/v1/memories/{fact_id}")
-def get_memory(fact_id: str, request: Request, user_id: str = Query(...)) -> dict[str, Any]:
+def get_memory(fact_id: str, request: Request, user_id: str = USER_QUERY) -> dict[str, Any]:
     state, user_id = _state(request), _user(user_id)
     facts = {f.fact_id: f for f in state.memory.list_facts(user_id)}
     if not facts:
@@ -80,7 +100,7 @@ def get_memory(fact_id: str, request: Request, user_id: str = Query(...)) -> dic
 
 
 @router.post("/v1/memories/search")
-def search_memories(body: SearchMemories, request: Request) -> dict[str, Any]:
+def search_memories(request: Request, body: SearchMemories = Depends(model_body(SearchMemories))) -> dict[str, Any]:
     state = _state(request)
     with state.metrics.timed(state.metrics.memory.labels("search")):
         found = state.memory.search(body.user_id, body.query, body.k)
@@ -88,32 +108,41 @@ def search_memories(body: SearchMemories, request: Request) -> dict[str, Any]:
 
 
 @router.put("/v1/memories/{fact_id}")
-def update_memory(fact_id: str, body: UpdateMemory, request: Request) -> dict[str, Any]:
+def update_memory(fact_id: str, request: Request,
+                  body: UpdateMemory = Depends(model_body(UpdateMemory))) -> dict[str, Any]:
     state = _state(request)
-    with state.write_lock, state.metrics.timed(state.metrics.memory.labels("update")):
+    with state.user_locks.hold(body.user_id), state.write_lock, \
+            state.metrics.timed(state.metrics.memory.labels("update")):
         new = state.memory.update_fact(body.user_id, fact_id, body.text)
     logger.info("%s: fact %s replaced by %s", body.user_id, fact_id, new.fact_id)
     return {"user_id": body.user_id, "result": fact_json(new), "replaced": fact_id}
 
 
 @router.delete("/v1/memories/{fact_id}")
-def delete_memory(fact_id: str, request: Request, user_id: str = Query(...)) -> dict[str, Any]:
+def delete_memory(fact_id: str, request: Request, user_id: str = USER_QUERY) -> dict[str, Any]:
     state, user_id = _state(request), _user(user_id)
-    with state.write_lock, state.metrics.timed(state.metrics.memory.labels("delete")):
+    with state.user_locks.hold(user_id), state.write_lock, state.metrics.timed(state.metrics.memory.labels("delete")):
         state.memory.delete_fact(user_id, fact_id)
     logger.info("%s: fact %s deleted", user_id, fact_id)
     return {"user_id": user_id, "deleted": fact_id}
 
 
 @router.delete("/v1/memories")
-def forget_user(request: Request, user_id: str = Query(...)) -> JSONResponse:
+async def forget_user(request: Request, user_id: str = USER_QUERY) -> JSONResponse:
     state, user_id = _state(request), _user(user_id)
-    with state.write_lock, state.metrics.timed(state.metrics.memory.labels("forget")):
-        gone = state.memory.delete_user(user_id)
-    if not gone.facts and not gone.mem0_memories:
+    gone = await run_in_threadpool(_forget, state, user_id)
+    if not gone.found:
         raise UnknownUserError(user_id)
-    logger.info("%s forgotten: %d fact(s), %d Mem0 memorie(s)", user_id, gone.facts, gone.mem0_memories)
-    return JSONResponse({"user_id": user_id, "facts_deleted": gone.facts, "mem0_memories_deleted": gone.mem0_memories})
+    reset = await forward.reset_prefix_cache(state.client) if state.forget_resets_prefix_cache else None
+    logger.info("%s forgotten: %d fact(s), %d Mem0 memorie(s); prefix cache reset: %s", user_id, gone.facts,
+                gone.mem0_memories, reset)
+    return JSONResponse({"user_id": user_id, "facts_deleted": gone.facts, "mem0_memories_deleted": gone.mem0_memories,
+                         "prefix_cache_reset": reset})
+
+
+def _forget(state: ServerState, user_id: str):
+    with state.user_locks.hold(user_id), state.write_lock, state.metrics.timed(state.metrics.memory.labels("forget")):
+        return state.memory.delete_user(user_id)
 
 
 @router.get("/v1/users")
@@ -122,6 +151,17 @@ def list_users(request: Request) -> dict[str, Any]:
 
 
 # ---------------------------------------------------------------- parts
+
+
+def _per_turn(given: list[tuple[str, str | None]], most: int) -> list[tuple[str, str | None]]:
+    """At most ``most`` facts of one source turn, the first ones (as one call of ``add_facts`` keeps)."""
+    seen: dict[str, int] = {}
+    kept = []
+    for text, turn in given:
+        seen[turn] = seen.get(turn, 0) + 1
+        if turn is None or seen[turn] <= most:
+            kept.append((text, turn))
+    return kept
 
 
 def _fact(item) -> tuple[str, str | None]:

@@ -12,11 +12,13 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from inferscale.compose.request import MAX_FACTS
-from inferscale.facts import Fact
+from inferscale.facts import MAX_USER_ID_CHARS, Fact, shown
 from inferscale.storage.layout import check_ids, is_internal
 
 MAX_FACT_CHARS = 2_000
 MAX_FACTS_PER_CALL = 256
+#: the characters of one call's facts together (a call's encoding is bounded, whatever its facts)
+MAX_FACT_CHARS_PER_CALL = 100_000
 MAX_MESSAGES = 200
 MAX_MESSAGE_CHARS = 20_000
 MAX_QUERY_CHARS = 4_000
@@ -27,7 +29,7 @@ def user_id_of(value: object) -> str:
     ``..``); ids starting with '_' are internal."""
     check_ids(value, ())
     if is_internal(value):
-        raise ValueError(f"user_id {value!r} is reserved (ids starting with '_' are internal)")
+        raise ValueError(f"user_id {shown(value)} is reserved (ids starting with '_' are internal)")
     return value
 
 
@@ -36,7 +38,7 @@ class _Body(BaseModel):
 
 
 class _UserBody(_Body):
-    user_id: str
+    user_id: str = Field(max_length=MAX_USER_ID_CHARS)  # checked before anything walks the id
 
     @field_validator("user_id")
     @classmethod
@@ -67,6 +69,10 @@ class AddMemories(_UserBody):
     def _facts(cls, value):
         if value is None:
             return value
+        total = sum(len(item if isinstance(item, str) else item.text) for item in value)
+        if total > MAX_FACT_CHARS_PER_CALL:
+            raise ValueError(f"the facts hold {total:,} characters together (at most {MAX_FACT_CHARS_PER_CALL:,} "
+                             f"per call: send more calls)")
         for item in value:
             if isinstance(item, str) and not 0 < len(item) <= MAX_FACT_CHARS:
                 raise ValueError(f"a fact must have 1..{MAX_FACT_CHARS} characters")

@@ -16,6 +16,7 @@ import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from inferscale.api import Context
 from inferscale.config import Config
@@ -25,6 +26,7 @@ from inferscale.server import gpu, launch
 from inferscale.server.state import ServerState
 
 logger = logging.getLogger(__name__)
+DEV_MODE = "VLLM_SERVER_DEV_MODE"
 
 ENGINE_START_TIMEOUT_S = 1200.0
 
@@ -39,6 +41,8 @@ class ServeOptions:
     api_key: str | None = None
     encoder_device: str = "cpu"
     engine_timeout_s: float = ENGINE_START_TIMEOUT_S
+    #: forgetting a user empties vLLM's prefix cache (the engine then runs vLLM's dev routes, on loopback)
+    forget_resets_prefix_cache: bool = False
     vllm_args: Sequence[str] = field(default_factory=tuple)
 
 
@@ -63,6 +67,8 @@ def serve(options: ServeOptions) -> int:
     try:
         engine.start()
         state = ServerState.build(context, engine.url, served_name, options.api_key)
+        state.model_aliases = frozenset(n for n in (options.served_name, str(context.model_dir)) if n)
+        state.forget_resets_prefix_cache = options.forget_resets_prefix_cache
         state.warm_up(encoder=True)
         _place_encoder(state, options.encoder_device)
         logger.info("engine ready in %.0f s", engine.wait_ready(options.engine_timeout_s))
@@ -82,14 +88,23 @@ def _engine(options: ServeOptions, context: Context, device_type: str) -> tuple[
     from inferscale.connector.engine import max_positions
 
     args = list(options.vllm_args)
-    served = launch.arg_value(args, "--served-model-name") or options.served_name or str(context.model_dir)
+    served = launch.arg_value(args, "--served-model-name") or model_name(options.served_name or str(context.model_dir))
     if options.encoder_device.startswith("cuda") and launch.arg_value(args, "--gpu-memory-utilization") is None:
         args += ["--gpu-memory-utilization", str(_shared_gpu_utilization(context, options.encoder_device))]
     max_len = None if launch.arg_value(args, "--max-model-len") else \
         launch.context_length(options.config, max_positions(str(context.model_dir)))
     port = options.engine_port or launch.free_port()
     cmd = launch.engine_command(context.model_dir, served, options.config, port, max_len, args, device_type)
-    return launch.EngineProcess(cmd, port, _engine_environment(device_type)), served
+    environment = _engine_environment(device_type)
+    if options.forget_resets_prefix_cache:
+        environment[DEV_MODE] = "1"  # vLLM serves /reset_prefix_cache only then (on the loopback port)
+    return launch.EngineProcess(cmd, port, environment), served
+
+
+def model_name(model: str) -> str:
+    """The name the engine serves a model under: a model given as a directory is served under the
+    directory's name, so that no path shows in answers or in ``/metrics`` labels."""
+    return Path(model).name if ("/" in model or os.sep in model) else model
 
 
 def _engine_environment(device_type: str) -> dict[str, str]:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import threading
 import time
 from dataclasses import dataclass, field
 
@@ -11,6 +10,7 @@ import httpx
 
 from inferscale.api import Context, GenerationAPI, MemoryAPI
 from inferscale.server.metrics import FrontMetrics
+from inferscale.server.write_queue import FairLock, UserLocks
 
 logger = logging.getLogger(__name__)
 
@@ -26,9 +26,20 @@ class ServerState:
     metrics: FrontMetrics = field(default_factory=FrontMetrics)
     #: clients must send ``Authorization: Bearer <api_key>`` when set
     api_key: str | None = None
-    #: memory writes run one at a time (one encoder, one Mem0 store)
-    write_lock: threading.Lock = field(default_factory=threading.Lock)
+    #: memory writes take turns, in arrival order (one encoder, one Mem0 store)
+    write_lock: FairLock = field(default_factory=FairLock)
+    #: one user's writes stay in order while a large add of theirs takes several turns
+    user_locks: UserLocks = field(default_factory=UserLocks)
     client: httpx.AsyncClient | None = None
+    #: forgetting a user empties the engine's prefix cache (``--forget-resets-prefix-cache``)
+    forget_resets_prefix_cache: bool = False
+    #: other names a chat may give the served model (the model as named on the command line)
+    model_aliases: frozenset[str] = frozenset()
+
+    def engine_model(self, named: object) -> object:
+        """The model name to send the engine for the one a chat named."""
+        return self.served_model if named is None or (isinstance(named, str) and named in self.model_aliases) \
+            else named
 
     @classmethod
     def build(cls, context: Context, engine_url: str, served_model: str, api_key: str | None = None) -> ServerState:

@@ -72,3 +72,7 @@ class KVStore(ABC):
 
     def has_user(self, user_id: str) -> bool:
         return bool(self.list(user_id))
+
+    def check_room(self, user_id: str, nbytes: int) -> None:
+        """Raise :class:`CapacityError` when a user of ``nbytes`` of K/V could never be held, so a
+        caller refuses them before reading them; a store without a budget holds anyone."""

@@ -56,6 +56,8 @@ SUFFIX = ".safetensors"
 USERS_DIR = "users"
 LOCK_NAME = ".lock"
 CACHE_SIZE = 256
+#: the cached indexes' files together, at most (an index holds every fact's token ids)
+CACHE_BYTES = 64 << 20
 #: reads that find a segment gone (a writer replaced it) retry with the new index this often
 READ_ATTEMPTS = 3
 
@@ -79,7 +81,8 @@ class DiskStore(KVStore):
         """Runtime keywords are accepted and ignored (the root comes from the options)."""
         self.root = Path(os.path.expanduser(options.root))
         self.root.mkdir(parents=True, exist_ok=True)
-        self._cache: OrderedDict[tuple, UserIndex] = OrderedDict()
+        self._cache: OrderedDict[tuple, tuple[UserIndex, int]] = OrderedDict()  # key → (index, file bytes)
+        self._cache_bytes = 0
         self._cache_lock = threading.Lock()
         #: user -> (their index file, their format 1/2 file), as strings: every request stats
         #: the index a few times, and checking the id and building the paths cost more than the stat
@@ -274,22 +277,33 @@ class DiskStore(KVStore):
         return str(self.user_dir(user_id) / INDEX_NAME), str(self.legacy_path(user_id))
 
     def _cached(self, path: str, user_id: str, read: Callable[[Path, str], UserIndex]) -> UserIndex | None:
+        """The index in ``path``, from the cache while the file is unchanged; the cache holds at most
+        :data:`CACHE_SIZE` indexes and :data:`CACHE_BYTES` of their files."""
         try:
-            key = (path, *files.identity(os.stat(path)))
+            stat = os.stat(path)
         except FileNotFoundError:
             return None
+        key = (path, *files.identity(stat))
         with self._cache_lock:
             if (hit := self._cache.get(key)) is not None:
-                return hit
+                return hit[0]
         try:
             index = read(Path(path), user_id)
         except FileNotFoundError:
             return None
-        with self._cache_lock:
-            self._cache[key] = index
-            while len(self._cache) > CACHE_SIZE:
-                self._cache.popitem(last=False)
+        except RecursionError:
+            raise CorruptDataError(f"{path}: not a readable index (nested too deeply)") from None
+        self._remember(key, index, stat.st_size)
         return index
+
+    def _remember(self, key: tuple, index: UserIndex, size: int) -> None:
+        with self._cache_lock:
+            if key in self._cache:
+                return
+            self._cache[key] = (index, size)
+            self._cache_bytes += size
+            while self._cache and (len(self._cache) > CACHE_SIZE or self._cache_bytes > CACHE_BYTES):
+                self._cache_bytes -= self._cache.popitem(last=False)[1][1]
 
     def _segment_path(self, index: UserIndex, name: str) -> Path:
         return self.legacy_path(index.user_id) if index.legacy else self.user_dir(index.user_id) / name
@@ -305,8 +319,12 @@ class DiskStore(KVStore):
     def _commit(self, user_id: str, current: UserIndex | None, fresh: kvfile.UserFile, drop: set[str]) -> None:
         """Write the next version: one new segment (if it holds anything), then the index."""
         rewritten = self._to_rewrite(current, fresh, drop)
-        carried = read_segments(current, {n: self._segment_path(current, n) for n in rewritten}) \
-            if rewritten else kvfile.UserFile(fresh.layout, {})
+        try:
+            carried = read_segments(current, {n: self._segment_path(current, n) for n in rewritten}) \
+                if rewritten else kvfile.UserFile(fresh.layout, {})
+        except FileNotFoundError as exc:
+            raise CorruptDataError(f"{self.user_dir(user_id)}: a segment the index lists is missing "
+                                   f"({Path(exc.filename or '?').name})") from None
         name = new_segment_name()
         entries, segment = next_version(user_id, current, fresh, drop, carried, rewritten, name)
         if not entries:

@@ -116,7 +116,15 @@ class UserIndex:
 
     @classmethod
     def decode(cls, data: bytes, user_id: str, where: str) -> UserIndex:
-        """Parse and verify an index file's bytes; any defect raises CorruptDataError naming ``where``."""
+        """Parse and verify an index file's bytes; any defect raises CorruptDataError naming ``where``
+        (nesting too deep for Python's parser included: it is a defect of the file, not of the reader)."""
+        try:
+            return cls._decode(data, user_id, where)
+        except RecursionError:
+            raise CorruptDataError(f"{where}: not a readable index (nested too deeply)") from None
+
+    @classmethod
+    def _decode(cls, data: bytes, user_id: str, where: str) -> UserIndex:
         try:
             body = json.loads(data)
             if not isinstance(body, dict):

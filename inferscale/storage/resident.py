@@ -80,14 +80,20 @@ class ResidentStore(KVStore):
         #: the device ``get`` delivers to by default (for hbm, also where K/V live);
         #: None: the current CUDA device if there is one, else the CPU
         device: str | None = None
-        #: bytes of K/V held at most; least recently used users are evicted past it (None: no limit)
+        #: bytes of K/V held at most; least recently used users are evicted past it
+        #: (None: no limit, only with ``unbounded``)
         max_bytes: int | None = DEFAULT_MAX_BYTES
+        #: allow ``max_bytes = None``: the tier then grows with every user loaded, up to the machine's memory
+        unbounded: bool = False
 
         def __post_init__(self):
             check_device(self.device)
             value = self.max_bytes
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
                 raise ValueError(f"max_bytes must be an integer >= 0 or None, got {value!r}")
+            if value is None and self.unbounded is not True:
+                raise ValueError("max_bytes = None (no budget) holds every user loaded, up to the machine's "
+                                 "memory; set unbounded = true beside it to mean that")
 
     def __init__(self, options: Options | None = None, **runtime: Any):
         """``runtime["device"]`` is used when the options name none; other runtime keys are ignored."""
@@ -214,6 +220,17 @@ class ResidentStore(KVStore):
     def generation(self, user_id: str) -> str | None:
         user = self._users.get(user_id)
         return user.generation if user else None
+
+    def check_room(self, user_id: str, nbytes: int) -> None:
+        """Raise :class:`CapacityError` when ``nbytes`` exceed what evicting every other user
+        (except the never-evicted internal ones) would free."""
+        if self.max_bytes is None:
+            return
+        kept = sum(u.nbytes for uid, u in list(self._users.items()) if uid != user_id and is_internal(uid))
+        if nbytes > self.max_bytes - kept:
+            raise CapacityError(f"kv_store {self.name!r}: user {user_id!r} needs {nbytes} bytes of K/V; at most "
+                                f"{self.max_bytes - kept} of max_bytes={self.max_bytes} can be freed (refused "
+                                f"before it was read)")
 
     def resident_bytes(self) -> int:
         """Bytes of K/V held for every user (at most ``max_bytes``)."""

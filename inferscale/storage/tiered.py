@@ -10,7 +10,7 @@ version too.
 
 from __future__ import annotations
 
-from inferscale.errors import UnknownUserError
+from inferscale.errors import CapacityError, UnknownUserError
 from inferscale.storage.base import KVStore
 from inferscale.storage.disk import DiskStore
 
@@ -20,13 +20,20 @@ def ensure_user(memory: KVStore, disk: DiskStore, user_id: str) -> bool:
     version; True if it loaded. A user gone from disk is dropped from memory.
 
     A store that is not volatile (the disk store itself) is left alone. Two
-    callers racing both load the same version, which is harmless.
+    callers racing both load the same version, which is harmless. A user larger
+    than ``memory`` could ever hold is refused (:class:`CapacityError`) from the
+    size its index states, before a byte of K/V is read.
     """
     if not memory.volatile:
         return False
     current = disk.generation(user_id)
     if current is not None and memory.generation(user_id) == current:
         return False
+    try:
+        memory.check_room(user_id, disk.nbytes(user_id))
+    except CapacityError:
+        memory.delete(user_id)  # no stale copy stays
+        raise
     try:
         generation, facts = disk.read_user(user_id)
     except UnknownUserError:
