@@ -37,14 +37,14 @@ if has load; then
   stamp "load through vllm serve: 100 users, 200 facts each, k = 50, 32-token answers, budgets $BUDGETS"
   PYTHONPATH=$NOW timeout 900 python3 benchmarks/vllm_serve_load.py --shape qwen2.5-7b --cuda-graphs \
     --gpu-memory-utilization 0.5 --seconds 10 --users 100 --budgets "$BUDGETS" \
-    --out "$RUN/vllm_serve_load_budgets_h200" 2>&1 | grep -v " INFO \| DEBUG "
+    --out "$RUN/vllm_serve_load_budgets_h200" 2>&1 | grep --line-buffered -v " INFO \| DEBUG "
 fi
 
 if has ttft; then
   stamp "TTFT at k = 50/100, budgets $TTFT_BUDGETS, hbm + pinned, CUDA graphs, multiprocess engine"
   PYTHONPATH=$NOW timeout 600 python3 benchmarks/ttft.py --cuda-graphs --shape llama-3.1-8b --kv-stores hbm,pinned \
     --ks 50,100 --recompute "$TTFT_BUDGETS" --reps 30 --out "$RUN/ttft_budgets_h200.json" 2>&1 \
-    | grep -v " INFO \| DEBUG "
+    | grep --line-buffered -v " INFO \| DEBUG "
 fi
 
 if has accuracy; then
@@ -60,9 +60,9 @@ if has accuracy; then
   A05=$!
   sleep 20  # the 0.5B's engine claims its memory first
   PYTHONPATH=$NOW python3 benchmarks/locomo_accuracy.py --model $Q15 --methods "$METHODS15" "${common[@]}" \
-    --gpu-memory-utilization 0.5 --out "$RUN/locomo_qwen15_h200.json" 2>&1 | grep -v " INFO \| DEBUG "
+    --gpu-memory-utilization 0.5 --out "$RUN/locomo_qwen15_h200.json" 2>&1 | grep --line-buffered -v " INFO \| DEBUG "
   wait $A05
-  grep -v " INFO \| DEBUG " "$RUN/acc05.log" | tail -40
+  grep --line-buffered -v " INFO \| DEBUG " "$RUN/acc05.log" | tail -40
 fi
 stamp done
 touch "$RUN/done"
