@@ -194,7 +194,7 @@ def test_context_changes_only_deeper_layers(runs, error_log):
     error_log[f"{runs.name}: w2 vs w0, layer 0 K/V rel (rounding only)"] = (layer0,)
     error_log[f"{runs.name}: w2 vs w0, layers 1+ keys rel (min over facts)"] = (deeper,)
     assert layer0 <= 1e-6  # a few ulps: matmul blocking may depend on the row count
-    assert no_context <= 1e-5
+    assert no_context <= 5e-5  # fp32 rounding through 24 layers: 4e-6 to 1.4e-5 seen on Qwen2.5-0.5B
     assert deeper > 1e-2
 
 
