@@ -287,9 +287,20 @@ def embed(facts: list[str], path: Path, batch: int = 1024) -> int:
     return embedder.dim
 
 
+def git_ignored(path: Path) -> bool:
+    """Whether git ignores ``path`` in this repository (e.g. under .cache/): no vectors get committed there."""
+    import subprocess
+
+    try:
+        return subprocess.run(["git", "-C", str(REPO), "check-ignore", "-q", str(path)], capture_output=True,
+                              timeout=10).returncode == 0
+    except (OSError, subprocess.SubprocessError):
+        return False
+
+
 def check_out(out: Path) -> Path:
     out = out.expanduser().resolve()
-    if out == REPO or REPO in out.parents:
+    if (out == REPO or REPO in out.parents) and not git_ignored(out):
         raise SystemExit(f"--out {out} is inside the repository {REPO}: write the corpus elsewhere")
     out.mkdir(parents=True, exist_ok=True)
     return out
