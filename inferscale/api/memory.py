@@ -178,7 +178,7 @@ class MemoryAPI:
         stored_ids, stored = self.context.disk.embeddings(user_id) if known else ([], None)
         keep = [i for i, fid in enumerate(stored_ids) if fid in readable]
         ids = [stored_ids[i] for i in keep] + [f.fact_id for f in fresh]
-        matrix = torch.cat([stored[keep].float(), vectors.float().cpu()]) if keep else vectors
+        matrix = torch.cat([stored[keep].float(), vectors.float().cpu()]) if keep else vectors.float().cpu()
         return nearest(ids, matrix, {f.fact_id for f in fresh}, count)
 
     def _new_facts(self, user_id: str, facts: Sequence[FactInput]) -> list[Fact]:

@@ -24,6 +24,11 @@ from typing import ClassVar
 from inferscale.encode.window import Tokenize, Turn, WindowPolicy
 
 
+def _last_facts(facts: Sequence[Sequence[int]], window: int) -> list[int]:
+    """The token ids of the last ``window`` facts, in order (none for a window of 0)."""
+    return [t for fact in facts[-window:] for t in fact] if window else []
+
+
 def _turn_ids(turns: Sequence[Turn], tokenize: Tokenize) -> list[int]:
     return [t for turn in turns for t in tokenize(turn.render())]
 
@@ -137,9 +142,7 @@ class FactsWindow(_CountedWindow):
     def context_ids(self, turns: Sequence[Turn], source: int | None, tokenize: Tokenize,
                     previous_facts: Sequence[Sequence[int]] = (),
                     related_facts: Sequence[Sequence[int]] = ()) -> list[int]:
-        if self.options.window == 0:
-            return []
-        return [t for fact in previous_facts[-self.options.window:] for t in fact]
+        return _last_facts(previous_facts, self.options.window)
 
 
 class NeighboursWindow(_CountedWindow):
@@ -164,9 +167,7 @@ class NeighboursWindow(_CountedWindow):
     def context_ids(self, turns: Sequence[Turn], source: int | None, tokenize: Tokenize,
                     previous_facts: Sequence[Sequence[int]] = (),
                     related_facts: Sequence[Sequence[int]] = ()) -> list[int]:
-        if self.options.window == 0:
-            return []
-        return [t for fact in related_facts[-self.options.window:] for t in fact]
+        return _last_facts(related_facts, self.options.window)
 
 
 BUILTIN_POLICIES = (FactsWindow, NeighboursWindow, TurnsWindow, TokensWindow, NoWindow)
