@@ -7,7 +7,7 @@
 # see benchmarks/results/README.md). .gpu/ holds zstd, the gguf wheel and .gpu/locomo (the data).
 #   load      vllm_serve_load.py (Qwen2.5-7B shape, 100 users × 200 facts, k = 50, 32-token answers,
 #             one API server, hbm store) at 100 users for every budget in BUDGETS
-#   ttft      ttft.py at k = 50 / 100 (Llama-3.1-8B shape, CUDA graphs) for budgets TTFT_BUDGETS
+#   ttft      ttft.py at TTFT_KS (Llama-3.1-8B shape, CUDA graphs) for budgets TTFT_BUDGETS, stores TTFT_STORES
 #   accuracy  locomo_accuracy.py: the 1.5B's grid (METHODS15) beside the 0.5B's (METHODS05), concurrently
 # The GGUFs are assembled, checked and converted in the background while "load" runs.
 set -uo pipefail
@@ -15,8 +15,13 @@ RUN=${RUN:-/tmp/run}
 STEPS=${STEPS:-load ttft accuracy}
 BUDGETS=${BUDGETS:-0,16,32,64,128,256}
 TTFT_BUDGETS=${TTFT_BUDGETS:-0,64}
-METHODS15=${METHODS15:-neighbours}
-METHODS05=${METHODS05:-neighbours05}
+TTFT_STORES=${TTFT_STORES:-hbm,pinned}
+TTFT_KS=${TTFT_KS:-50,100}
+METHODS15=${METHODS15:-order}
+METHODS05=${METHODS05:-order05}
+# the product's default (a method of the grids) and the load system that serves it
+DEFAULT=${DEFAULT:-kv[window=-5,closing=answer,recompute_tokens=256]}
+DEFAULT_SYSTEM=${DEFAULT_SYSTEM:-kv@256}
 source benchmarks/gpu_block.sh
 NOW=/tmp/site:$PWD
 python3 -m pip install -q --no-index --no-deps --target /tmp/site .gpu/gguf-*.whl 2>/dev/null
@@ -36,14 +41,14 @@ Q05=/tmp/qwen2.5-coder-0.5b-instruct-bfloat16 Q15=/tmp/qwen2.5-coder-1.5b-instru
 if has load; then
   stamp "load through vllm serve: 100 users, 200 facts each, k = 50, 32-token answers, budgets $BUDGETS"
   PYTHONPATH=$NOW timeout 900 python3 benchmarks/vllm_serve_load.py --shape qwen2.5-7b --cuda-graphs \
-    --gpu-memory-utilization 0.5 --seconds 10 --users 100 --budgets "$BUDGETS" \
+    --gpu-memory-utilization 0.5 --seconds 10 --users 100 --budgets "$BUDGETS" --default "$DEFAULT=$DEFAULT_SYSTEM" \
     --out "$RUN/vllm_serve_load_budgets_h200" 2>&1 | grep --line-buffered -v " INFO \| DEBUG "
 fi
 
 if has ttft; then
-  stamp "TTFT at k = 50/100, budgets $TTFT_BUDGETS, hbm + pinned, CUDA graphs, multiprocess engine"
-  PYTHONPATH=$NOW timeout 600 python3 benchmarks/ttft.py --cuda-graphs --shape llama-3.1-8b --kv-stores hbm,pinned \
-    --ks 50,100 --recompute "$TTFT_BUDGETS" --reps 30 --out "$RUN/ttft_budgets_h200.json" 2>&1 \
+  stamp "TTFT at k = $TTFT_KS, budgets $TTFT_BUDGETS, stores $TTFT_STORES, CUDA graphs, multiprocess engine"
+  PYTHONPATH=$NOW timeout 600 python3 benchmarks/ttft.py --cuda-graphs --shape llama-3.1-8b --kv-stores "$TTFT_STORES" \
+    --ks "$TTFT_KS" --recompute "$TTFT_BUDGETS" --reps 30 --out "$RUN/ttft_budgets_h200.json" 2>&1 \
     | grep --line-buffered -v " INFO \| DEBUG "
 fi
 
@@ -54,7 +59,7 @@ if has accuracy; then
   export VLLM_ENABLE_V1_MULTIPROCESSING=0
   common=(--ks 5,10,20,50 --retrieval benchmarks/results/locomo_retrieval_minilm.json
           --related benchmarks/results/locomo_related_minilm.json --encode-batch 64
-          --default "${DEFAULT:-kv[neighbours=20,closing=answer]}" --baseline "prompt[closing=answer]")
+          --default "$DEFAULT" --baseline "prompt[closing=answer]" --time-limit "${TIME_LIMIT:-0}")
   PYTHONPATH=$NOW python3 benchmarks/locomo_accuracy.py --model $Q05 --methods "$METHODS05" "${common[@]}" \
     --gpu-memory-utilization 0.22 --out "$RUN/locomo_qwen05_h200.json" > "$RUN/acc05.log" 2>&1 &
   A05=$!

@@ -94,6 +94,7 @@ class Method:
     recompute_tokens: int = 0
     key_scale: float = 1.0
     neighbours: int = 0  # > 0: the "neighbours" policy, each fact behind its nearest facts (window unused)
+    order: str = "relevance"  # the composer: "relevance" (most relevant last) or "stored" (as stored)
 
     @property
     def encoding(self) -> tuple[int, str, int]:
@@ -130,7 +131,32 @@ def method_sets() -> dict[str, list[Method]]:
         # offline context that matches the serving context (nearest facts), small tails, key scales
         "neighbours": neighbour_grid(),
         "neighbours05": neighbour_check(),
+        # the stored-order composer against relevance order, with facts windows and small tails
+        "order": order_grid(),
+        "order05": order_check(),
     }
+
+
+def order_grid() -> list[Method]:
+    """Facts composed in the order they were stored, so a fact encoded behind the facts stored
+    before it is read behind the retrieved ones among them, against relevance order: facts
+    windows 5/10/20/50, a tail that fits at 5x (B = 16), a key scale, the neighbours window.
+    Anchors first; every method with the closing line, as the product serves."""
+    close, stored = dict(closing="answer"), dict(closing="answer", order="stored")
+    anchors = [_prompt(**close), _prompt(**stored), _kv(window=-5, **close), _kv(window=-5, **stored)]
+    windows = [_kv(window=-20, **stored), _kv(window=-10, **stored)]
+    tails = [_kv(window=-5, **stored, recompute_tokens=16), _kv(window=-5, **close, recompute_tokens=256)]
+    more = [_kv(window=-20, **close), _kv(window=-5, **stored, key_scale=1.05), _kv(window=-50, **stored),
+            _kv(neighbours=10, **close)]
+    return anchors + windows + tails + more
+
+
+def order_check() -> list[Method]:
+    """The smaller model's share of :func:`order_grid`: today's default and the candidates."""
+    close, stored = dict(closing="answer"), dict(closing="answer", order="stored")
+    return [_prompt(**close), _prompt(**stored), _kv(window=-5, **close, recompute_tokens=256),
+            _kv(window=-5, **stored), _kv(window=-20, **stored), _kv(window=-10, **stored),
+            _kv(window=-5, **stored, recompute_tokens=16), _kv(window=-5, **close)]
 
 
 def neighbour_grid() -> list[Method]:
@@ -375,11 +401,21 @@ class Prompts:
         return self.formats[closing].query_ids(self.tokenizer, question)
 
 
+def segment_order(retrieved: list[int], composer: str) -> list[int]:
+    """Retrieved fact indices (best first) in segment order: the "relevance" composer's (the most
+    relevant last) or the "stored" composer's (the order the facts were stored in)."""
+    if composer == "stored":
+        return sorted(retrieved)
+    if composer == "relevance":
+        return retrieved[::-1]
+    raise ValueError(f"unknown composer order {composer!r}")
+
+
 def request(method: Method, item: Item, k: int, prompts: Prompts, fact_ids: dict, nonce: str, salt_of):
     """(prompt dict, kv_transfer_params or None) for one question; ``salt_of`` is :func:`cache_salts`'."""
     from inferscale.compose.request import make_params
 
-    order = item.retrieved[:k][::-1]  # the most relevant fact last, as the relevance composer does
+    order = segment_order(item.retrieved[:k], method.order)
     segment = list(prompts.prefix)
     for j in order:
         segment += prompts.fact(item.conv, j, method.style)

@@ -351,9 +351,13 @@ def table(result: dict) -> str:
              "|---|---|---|---|---|---|---|---|---|---|---|"]
     if counts:
         lines[6:6] = [f"The connector's counters over the timed runs: {json.dumps(counts)}.", ""]
+    if result.get("default"):
+        lines[6:6] = [f"The default, `{result['default']['method']}`, is served by {result['default']['system']}: "
+                      "the same tokens injected and prefilled whatever the facts were encoded behind.", ""]
     for r in rows:
         ratio = r["requests_per_s"] / prompt[r["users"]] if prompt.get(r["users"]) else float("nan")
-        lines.append(f"| {r['users']} | {r['system']} | {r['requests_per_s']:.2f} | {ratio:.2f} | "
+        system = f"{r['system']} (default)" if r.get("method") else r["system"]
+        lines.append(f"| {r['users']} | {system} | {r['requests_per_s']:.2f} | {ratio:.2f} | "
                      f"{r['output_tokens_per_s']:.0f} | {r.get('ttft_mean_ms', 0):.1f} | "
                      f"{r.get('ttft_p50_le_ms', 0):.0f} / {r.get('ttft_p99_le_ms', 0):.0f} | "
                      f"{r.get('queue_mean_ms', 0):.1f} | {r['latency_p50_ms'] or 0:.1f} / {r['latency_p99_ms'] or 0:.1f} | "
@@ -384,6 +388,16 @@ def plot(result: dict, path: Path) -> None:
     fig.savefig(path, dpi=120)
 
 
+def parse_default(spec: str | None, systems: list[str], parser) -> tuple[str, str] | None:
+    """``METHOD=SYSTEM`` → (method, system); SYSTEM must be one of the systems run."""
+    if not spec:
+        return None
+    method, _, system = spec.rpartition("=")
+    if not method or system not in systems:
+        parser.error(f"--default {spec!r}: expected METHOD=SYSTEM with SYSTEM one of {systems}")
+    return method, system
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--shape", default="qwen2.5-7b", choices=sorted(SHAPES))
@@ -411,11 +425,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-model-len", type=int, default=4096)
     parser.add_argument("--gpu-memory-utilization", type=float, default=None)
     parser.add_argument("--start-timeout", type=float, default=600)
+    parser.add_argument("--default", default=None, metavar="METHOD=SYSTEM",
+                        help="name the product's default: the accuracy method (as benchmarks/locomo_accuracy.py "
+                             "names it) that SYSTEM (e.g. kv@0) serves; its rows and the JSON carry the name")
     parser.add_argument("--out", default="benchmarks/results/vllm_serve_load")
     parser.add_argument("vllm_args", nargs="*", help="more `vllm serve` arguments (after --)")
     args = parser.parse_args(argv)
     levels = [int(u) for u in args.users.split(",")]
     systems = ["none", *[f"kv@{int(b)}" for b in args.budgets.split(",") if b != ""], "prompt"]
+    default = parse_default(args.default, systems, parser)
 
     from inferscale.config import BackendSpec, Config
 
@@ -453,7 +471,13 @@ def main(argv: list[str] | None = None) -> int:
               "command": " ".join(["python", *sys.argv]), "facts_per_user": args.facts, "k": args.k,
               "memory_tokens": args.prefix_tokens + args.k * args.fact_tokens, "question_tokens": args.question_tokens,
               "max_tokens": args.max_tokens, "seconds": args.seconds, "kv_store": args.kv_store,
-              "fused_write": not args.layerwise_write, "pinned_reads": config.pinned_reads, "memory_gib": memory_bytes / 2**30, "warm_up": check, "rows": rows}
+              "fused_write": not args.layerwise_write, "pinned_reads": config.pinned_reads,
+              "memory_gib": memory_bytes / 2**30, "warm_up": check, "rows": rows}
+    if default:
+        result["default"] = {"method": default[0], "system": default[1]}
+        for row in rows:
+            if row["system"] == default[1]:
+                row["method"] = default[0]
     out.with_suffix(".json").write_text(json.dumps(result, indent=2))
     out.with_suffix(".md").write_text(table(result))
     print(table(result))

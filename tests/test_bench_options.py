@@ -138,3 +138,23 @@ def test_prefix_cache_goal_reads_the_interval_of_kv_minus_the_cached_head():
     assert ttft.prefix_cache_goal({**row, "kv_minus_cached_ci_ms": (1.1, 1.9)})["verdict"] == "missed"
     assert ttft.prefix_cache_goal({**row, "k": 10, "kv_minus_cached_ci_ms": (0.1, 0.2)}) is None
     assert ttft.prefix_cache_goal({"k": 50, "cached_ms": math.nan, "kv_minus_cached_ci_ms": (0.1, 0.2)}) is None
+
+
+def load_module():
+    spec = importlib.util.spec_from_file_location("serve_load_bench", REPO / "benchmarks" / "vllm_serve_load.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_load_run_names_the_default_by_its_accuracy_method():
+    import argparse
+
+    load, parser = load_module(), argparse.ArgumentParser()
+    systems = ["none", "kv@0", "kv@256", "prompt"]
+    method = "kv[window=-5,closing=answer,recompute_tokens=256]"
+    assert load.parse_default(f"{method}=kv@256", systems, parser) == (method, "kv@256")
+    assert load.parse_default(None, systems, parser) is None
+    for bad in (f"{method}=kv@16", "kv@256", "=kv@0"):
+        with pytest.raises(SystemExit):
+            load.parse_default(bad, systems, parser)

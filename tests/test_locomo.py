@@ -88,6 +88,16 @@ def test_methods_are_named_by_what_they_change():
         harness.select_methods("kv[nope]")
 
 
+def test_segment_order_follows_the_composer():
+    retrieved = [7, 2, 9, 4]  # best first
+    assert harness.segment_order(retrieved, "relevance") == [4, 9, 2, 7]  # the most relevant last
+    assert harness.segment_order(retrieved, "stored") == [2, 4, 7, 9]
+    with pytest.raises(ValueError, match="unknown composer order"):
+        harness.segment_order(retrieved, "random")
+    stored = {m.name: m for m in harness.method_sets()["order"]}["kv[window=-5,closing=answer,order=stored]"]
+    assert stored.order == "stored" and stored.encoding == (-5, "bullet", 0)
+
+
 @pytest.mark.slow
 @needs_data
 def test_harness_runs_on_every_conversation(tmp_path):
