@@ -47,7 +47,7 @@ LOCOMO = os.path.join(os.path.dirname(__file__), "..", "..", "shared", "data", "
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not os.path.exists(LOCOMO), reason="LoCoMo data not found beside the checkout (../shared)")
+@pytest.mark.skipif(not os.path.exists(LOCOMO), reason="LoCoMo data not found: put LoCoMo's conversations, one JSON file each (conv-26.json, ...: the entries of data/locomo10.json at github.com/snap-research/locomo), in ../shared/data/locomo beside the checkout")
 def test_encode_then_ask(tmp_path):
     model = str(tiny_models.tiny_model_dir("qwen3", "float32"))
     out = run("encode", LOCOMO, "--sessions", "1", "--model", model, "--data-dir", str(tmp_path))

@@ -16,7 +16,7 @@ from inferscale.datasets.locomo import load_all, load_conversation, stratified_s
 
 ROOT = Path(__file__).resolve().parents[1]
 DATA = ROOT.parent / "shared" / "data" / "locomo"
-needs_data = pytest.mark.skipif(not DATA.is_dir(), reason="LoCoMo data not found beside the checkout (../shared)")
+needs_data = pytest.mark.skipif(not DATA.is_dir(), reason="LoCoMo data not found: put LoCoMo's conversations, one JSON file each (conv-26.json, ...: the entries of data/locomo10.json at github.com/snap-research/locomo), in ../shared/data/locomo beside the checkout")
 sys.path.insert(0, str(ROOT / "benchmarks"))
 import locomo_accuracy as harness  # noqa: E402
 

@@ -33,7 +33,8 @@ from inferscale.retrieval.faiss_index import FaissRetriever
 
 LOCOMO = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "locomo"
 HAS_JASPER = importlib.util.find_spec("jasper") is not None and torch.cuda.is_available()
-NO_JASPER = "jasper is not importable here (GPU only: build it from shared/vendor, see its README)"
+NO_JASPER = ("jasper is not importable here: it needs a CUDA GPU and the Jasper index built and installed "
+             "(github.com/saltsystemslab/Jasper, commit 50789e9)")
 DIM = 16
 EVIDENCE_HIT_RATE = 0.7  # measured 0.80 (36 of 45) with MiniLM, sessions 1-5
 
@@ -733,7 +734,8 @@ def locomo_facts(conv: dict, sessions: int) -> dict[str, list[tuple[str, str, st
 def locomo_index(minilm):
     path = LOCOMO / "conv-26.json"
     if not path.exists():
-        pytest.skip(f"LoCoMo data not found at {path} (expects shared/ beside the checkout)")
+        pytest.skip(f"LoCoMo data not found at {path}: put LoCoMo's conversations there, one JSON file each "
+                    "(the entries of data/locomo10.json at github.com/snap-research/locomo)")
     data = json.loads(path.read_text())
     conv = data.get("conversation", data)
     facts = locomo_facts(conv, sessions=5)
