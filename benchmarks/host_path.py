@@ -49,12 +49,12 @@ from transformers import AutoConfig  # noqa: E402
 from inferscale.compose.blend import Blend  # noqa: E402
 from inferscale.compose.rope import RotaryEmbedding  # noqa: E402
 from inferscale.compose.salt import CacheSalts  # noqa: E402
-from inferscale.connector import fused_write  # noqa: E402
-from inferscale.connector.layer_loads import LayerLoads  # noqa: E402
-from inferscale.connector.sources import K_ADDR, LAYER_STRIDE, POSITION, SCALE, SLOT, V_ADDR, Sources  # noqa: E402
-from inferscale.connector.loader import LoadSpec, SegmentLoader, load_blocks  # noqa: E402
-from inferscale.connector.planner import plan_request  # noqa: E402
-from inferscale.connector.write_graphs import WriteGraphs  # noqa: E402
+from inferscale.inject import fused_write  # noqa: E402
+from inferscale.inject.layer_loads import LayerLoads  # noqa: E402
+from inferscale.inject.sources import K_ADDR, LAYER_STRIDE, POSITION, SCALE, SLOT, V_ADDR, Sources  # noqa: E402
+from inferscale.inject.loader import LoadSpec, SegmentLoader, load_blocks  # noqa: E402
+from inferscale.inject.planner import plan_request  # noqa: E402
+from inferscale.inject.write_graphs import WriteGraphs  # noqa: E402
 from inferscale.storage.hbm import HBMStore  # noqa: E402
 
 BLOCK = 16

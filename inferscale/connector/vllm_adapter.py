@@ -10,12 +10,12 @@ Load it with::
         kv_connector_extra_config={"config": Config(...).to_dict()},   # or {"config_file": "x.toml"}
     )
 
-Scheduler side (EngineCore process): :mod:`inferscale.connector.planner` decides
+Scheduler side (EngineCore process): :mod:`inferscale.inject.planner` decides
 how many memory tokens each request skips; only a picklable
 :class:`InferScaleMetadata` crosses to the workers. Worker side: the KV store
-lives here; :mod:`inferscale.connector.loader` gathers and rotates the facts'
+lives here; :mod:`inferscale.inject.loader` gathers and rotates the facts'
 K/V, :func:`compat.write_kv` writes them through the backend's own op, and
-:mod:`inferscale.connector.layer_loads` overlaps that work with the forward
+:mod:`inferscale.inject.layer_loads` overlaps that work with the forward
 pass, layer by layer.
 """
 
@@ -31,17 +31,18 @@ from inferscale import host_memory
 from inferscale.compose.rope import RotaryEmbedding
 from inferscale.compose.salt import CacheSalts
 from inferscale.config import Config, build
-from inferscale.connector import compat, fused_write
-from inferscale.connector import sources as sources_table
+from inferscale.connector import compat
+from inferscale.inject import fused_write
+from inferscale.inject import sources as sources_table
 from inferscale.compose.segment import Segment
-from inferscale.connector.layer_loads import LayerLoads, layer_groups
-from inferscale.connector.loader import LoadSpec, SegmentLoader, kv_head_range, load_blocks
+from inferscale.inject.layer_loads import LayerLoads, layer_groups
+from inferscale.inject.loader import LoadSpec, SegmentLoader, kv_head_range, load_blocks
 from inferscale.connector.metrics import InferScalePromMetrics, InferScaleStats, stats_or_none
-from inferscale.connector.planner import NO_MEMORY, Plan, plan_request
-from inferscale.connector.report import client_report
-from inferscale.connector.sources import Sources
-from inferscale.connector.stats import ConnectorStats, Fallback
-from inferscale.connector.write_graphs import WriteGraphs
+from inferscale.inject.planner import NO_MEMORY, Plan, plan_request
+from inferscale.inject.report import client_report
+from inferscale.inject.sources import Sources
+from inferscale.inject.stats import ConnectorStats, Fallback
+from inferscale.inject.write_graphs import WriteGraphs
 from inferscale.storage.disk import DiskStore
 
 logger = compat.init_logger("vllm.inferscale.connector")

@@ -15,7 +15,7 @@ import torch
 
 from inferscale.compose.rope import RotaryEmbedding
 from inferscale.compose.segment import PREFIX_FACT, SYSTEM_USER, Segment, gather_segment
-from inferscale.connector.sources import Sources, check_cache_blocks, segment_sources
+from inferscale.inject.sources import Sources, check_cache_blocks, segment_sources
 from inferscale.compose.request import SegmentRequest
 from inferscale.errors import MissingFactError, ModelMismatchError
 from inferscale.kv import KVBatch
