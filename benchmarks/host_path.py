@@ -10,7 +10,7 @@ facts of a Llama-3.1-8B K/V shape (random memory as ``ttft.py`` writes it):
 * ``sources``   — worker: the facts' blocks in the memory tier, the check of their versions and the
   sources table (``SegmentLoader.sources``);
 * ``launch``    — worker, on a GPU: the table to the device, the rotary table and the fused
-  write's launch on the current stream, with its event (``_write_fused``'s work);
+  write's launch on the current stream, with its event (``KVWriter._write_fused``'s work);
 * ``graph_launch`` — the same from a CUDA graph (``Config.write_graphs``): the table into the
   pinned staging buffer, one graph replay, the event. Not in the sums: it replaces ``launch``.
 * ``sources_numpy`` — the baseline of ``sources``: the same table built as before the compiled
