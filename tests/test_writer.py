@@ -4,6 +4,10 @@ loads reported, and a fused write that cannot run says so once."""
 from __future__ import annotations
 
 import logging
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -110,3 +114,61 @@ def test_a_fused_write_turned_off_in_the_config_stays_quiet(tiers, monkeypatch, 
     with caplog.at_level(logging.WARNING):
         writer.write_step([spec_for(tiers.disk, "ann")], cache)
     assert cache.asked == 0 and "fused cache write" not in caplog.text
+
+
+class FlashAttentionCache:
+    """Caches in vLLM 0.26 FlashAttention's layout on the CPU, which the fused write addresses."""
+
+    def __init__(self, num_blocks: int, heads: int, block_size: int, head_size: int):
+        from test_fused_write import flash_attention_views
+
+        self.layers = [flash_attention_views(num_blocks, heads, block_size, head_size, torch.float32, "cpu")
+                       for _ in range(LAYERS)]
+
+    def views(self):
+        return [(key, value) for _, key, value in self.layers]
+
+    def write(self, layer, key, value, slots):
+        raise AssertionError("the fused write was to write every layer")
+
+
+def check_fused_step(tmp_path: str) -> None:
+    """Two requests of one step, written by the fused kernel (under Triton's interpreter: host
+    memory, so a launch per group of layers), land at their slots as the per-layer path's K/V."""
+    assert fused_write.available() and sources.ready()
+    disk = DiskStore(DiskStore.Options(root=str(Path(tmp_path) / "kv")))
+    disk.put(SYSTEM_USER, {PREFIX_FACT: make_fact(5, layers=LAYERS, size=SIZE, seed=999)})
+    disk.put("ann", make_facts(3, layers=LAYERS, size=SIZE))
+    tiers = Tiers(PinnedHostStore(PinnedHostStore.Options(device="cpu")), disk)
+    writer, stats = writer_for(tiers, pinned_read_launches=2)
+    first = spec_for(disk, "ann")
+    length = first.end
+    second = LoadSpec("s", first.request, 3, length, length, load_blocks(range(100, 200), 4, 3, length), 4,
+                      first.versions)
+    first = LoadSpec("r", first.request, 0, length, length, load_blocks(range(length), 4, 0, length), 4,
+                     first.versions)
+    cache = FlashAttentionCache(200, 2, 4, SIZE)
+    writer.write_step([first, second], cache)
+    assert writer.take_load_errors() == set()
+    assert stats.snapshot() == {"store_hit.disk": 1, "store_hit.pinned": 1, "host_seconds.load": pytest.approx(
+        stats.snapshot()["host_seconds.load"])}  # the first loaded the user into the memory tier
+    for spec in (first, second):
+        expected = writer.loader.load(spec, LAYERS, SIZE)
+        for layer, (_, key, value) in enumerate(cache.layers):
+            slots = torch.from_numpy(spec.slots)
+            got_k, got_v = key[slots // 4, slots % 4], value[slots // 4, slots % 4]
+            assert torch.allclose(got_k, expected.keys[layer], atol=1e-5), (spec.req_id, layer)
+            assert torch.equal(got_v, expected.values[layer]), (spec.req_id, layer)
+
+
+def test_the_fused_write_of_a_step_lands_where_the_per_layer_write_would(tmp_path):
+    from test_fused_write import _triton_dir
+
+    if not (_triton_dir() / "triton").is_dir():
+        pytest.skip(f"Triton for the interpreter is not installed in {_triton_dir()} (./dev puts it there)")
+    env = {**os.environ, "TRITON_INTERPRET": "1",
+           "PYTHONPATH": os.pathsep.join([str(_triton_dir()), str(Path(__file__).parent),
+                                          os.environ.get("PYTHONPATH", "")])}
+    code = f"import test_writer as t; t.check_fused_step({str(tmp_path)!r})"
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
