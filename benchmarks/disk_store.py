@@ -105,7 +105,7 @@ def planner_call(data: Path):
 
     from inferscale.compose.blend import Blend
     from inferscale.compose.request import make_params
-    from inferscale.connector.planner import plan_request
+    from inferscale.inject.planner import plan_request
 
     request = json.loads((data / "request.json").read_text())
     params = make_params("bench", request["fact_ids"])

@@ -47,9 +47,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from inferscale.compose.rope import RotaryEmbedding  # noqa: E402
 from inferscale.config import Config  # noqa: E402
-from inferscale.connector.fused_write import CacheViews, write_tokens  # noqa: E402
-from inferscale.connector.sources import Sources, segment_sources  # noqa: E402
-from inferscale.connector.layer_loads import layer_groups  # noqa: E402
+from inferscale.inject.fused_write import CacheViews, write_tokens  # noqa: E402
+from inferscale.inject.sources import Sources, segment_sources  # noqa: E402
+from inferscale.inject.layer_loads import layer_groups  # noqa: E402
 from inferscale.storage.blocks import HeldBlocks  # noqa: E402
 
 LAYERS, HEADS, HEAD_SIZE, BLOCK = 32, 8, 128, 16

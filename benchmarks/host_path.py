@@ -10,7 +10,7 @@ facts of a Llama-3.1-8B K/V shape (random memory as ``ttft.py`` writes it):
 * ``sources``   — worker: the facts' blocks in the memory tier, the check of their versions and the
   sources table (``SegmentLoader.sources``);
 * ``launch``    — worker, on a GPU: the table to the device, the rotary table and the fused
-  write's launch on the current stream, with its event (``_write_fused``'s work);
+  write's launch on the current stream, with its event (``KVWriter._write_fused``'s work);
 * ``graph_launch`` — the same from a CUDA graph (``Config.write_graphs``): the table into the
   pinned staging buffer, one graph replay, the event. Not in the sums: it replaces ``launch``.
 * ``sources_numpy`` — the baseline of ``sources``: the same table built as before the compiled
@@ -49,12 +49,12 @@ from transformers import AutoConfig  # noqa: E402
 from inferscale.compose.blend import Blend  # noqa: E402
 from inferscale.compose.rope import RotaryEmbedding  # noqa: E402
 from inferscale.compose.salt import CacheSalts  # noqa: E402
-from inferscale.connector import fused_write  # noqa: E402
-from inferscale.connector.layer_loads import LayerLoads  # noqa: E402
-from inferscale.connector.sources import K_ADDR, LAYER_STRIDE, POSITION, SCALE, SLOT, V_ADDR, Sources  # noqa: E402
-from inferscale.connector.loader import LoadSpec, SegmentLoader, load_blocks  # noqa: E402
-from inferscale.connector.planner import plan_request  # noqa: E402
-from inferscale.connector.write_graphs import WriteGraphs  # noqa: E402
+from inferscale.inject import fused_write  # noqa: E402
+from inferscale.inject.layer_loads import LayerLoads  # noqa: E402
+from inferscale.inject.sources import K_ADDR, LAYER_STRIDE, POSITION, SCALE, SLOT, V_ADDR, Sources  # noqa: E402
+from inferscale.inject.loader import LoadSpec, SegmentLoader, load_blocks  # noqa: E402
+from inferscale.inject.planner import plan_request  # noqa: E402
+from inferscale.inject.write_graphs import WriteGraphs  # noqa: E402
 from inferscale.storage.hbm import HBMStore  # noqa: E402
 
 BLOCK = 16

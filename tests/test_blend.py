@@ -11,10 +11,10 @@ from inferscale.compose.blend import AUTO_RECOMPUTE_TOKENS, Blend, injected_leng
 from inferscale.compose.rope import RotaryEmbedding
 from inferscale.compose.segment import PREFIX_FACT, SYSTEM_USER
 from inferscale.config import Config
-from inferscale.connector.loader import LoadSpec, SegmentLoader, kv_head_range, load_blocks, slots_in
+from inferscale.inject.loader import LoadSpec, SegmentLoader, kv_head_range, load_blocks, slots_in
 from inferscale.compose.request import SegmentRequest, make_params
 from inferscale.compose.salt import CacheSalts
-from inferscale.connector.planner import plan_request
+from inferscale.inject.planner import plan_request
 from inferscale.errors import ConfigError
 from inferscale.kv import FactKV
 from inferscale.storage.disk import DiskStore
@@ -218,7 +218,7 @@ def test_fused_sources_follow_a_new_instruction_prefix(disk):
     prefix is gone."""
     import ctypes
 
-    from inferscale.connector.sources import K_ADDR
+    from inferscale.inject.sources import K_ADDR
 
     order = ["a"]
     loader = _loader(disk)
@@ -241,7 +241,7 @@ def test_fused_sources_point_at_the_segments_stored_rows(disk):
     import ctypes
 
     from inferscale.compose.segment import gather_segment
-    from inferscale.connector.sources import K_ADDR, LAYER_STRIDE, POSITION, SCALE, SLOT, V_ADDR
+    from inferscale.inject.sources import K_ADDR, LAYER_STRIDE, POSITION, SCALE, SLOT, V_ADDR
 
     order = ["a", "b", "c"]
     loader = _loader(disk)

@@ -10,7 +10,7 @@ from inferscale.compose.request import SegmentRequest
 from inferscale.compose.rope import RotaryEmbedding
 from inferscale.compose.segment import PREFIX_FACT, SYSTEM_USER
 from inferscale.config import BackendSpec, build
-from inferscale.connector.loader import LoadSpec, SegmentLoader, kv_head_range, load_blocks
+from inferscale.inject.loader import LoadSpec, SegmentLoader, kv_head_range, load_blocks
 from inferscale.errors import CapacityError, ConfigError
 from inferscale.storage.disk import DiskStore
 from inferscale.storage.hbm import HBMStore

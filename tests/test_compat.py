@@ -62,3 +62,26 @@ def test_load_failures_are_recomputed_only_where_the_release_answers_right_after
     assert compat.load_failure_policy((0, 32), "cuda") == "recompute"
     assert compat.load_failure_policy((0, 26), "cpu") == "recompute"
     assert compat.load_failure_policy((0, 26), "cuda") == "fail"  # vllm-project/vllm#49250
+
+
+class _Layer:
+    """An attention layer as :func:`compat.kv_cache_views` sees it."""
+
+    def __init__(self, impl_name: str, kv_cache):
+        self.impl = type(impl_name, (), {"head_size": 8})()
+        self.kv_cache = kv_cache
+        self.kv_cache_dtype = "auto"
+
+
+def test_the_fused_write_names_an_untested_release_as_the_reason_it_is_off(monkeypatch):
+    import torch
+
+    cache = torch.empty(2, 4, 16, 16)  # [blocks, heads, slots, 2 * head_size]
+    monkeypatch.setattr(compat, "VLLM_VERSION", (0, 99))
+    with pytest.raises(ValueError, match=r"untested with it \(its cache layout was checked on 0\.26 only\)"):
+        compat.kv_cache_views(_Layer("FlashAttentionImpl", cache), None)
+    monkeypatch.setattr(compat, "VLLM_VERSION", compat.FUSED_WRITE_RELEASE)
+    with pytest.raises(ValueError, match="attention backend CPUAttentionBackendImpl"):
+        compat.kv_cache_views(_Layer("CPUAttentionBackendImpl", cache), None)
+    with pytest.raises(ValueError, match="on cpu"):
+        compat.kv_cache_views(_Layer("FlashAttentionImpl", cache), None)

@@ -42,9 +42,9 @@ def check(case: int, device: str = "cpu", pinned: bool = False, via: str = "laun
     "counted" (one launch over a table of larger capacity whose columns past the count point at
     other slots), "graph" (replays of a CUDA graph, :class:`WriteGraphs`) or "graph-groups" (two
     groups of layers replayed from one graph, each with its own event)."""
-    from inferscale.connector.fused_write import CacheViews, write_tokens
-    from inferscale.connector.loader import slots_in
-    from inferscale.connector.sources import Sources, segment_sources
+    from inferscale.inject.fused_write import CacheViews, write_tokens
+    from inferscale.inject.loader import slots_in
+    from inferscale.inject.sources import Sources, segment_sources
     from inferscale.storage.blocks import HeldBlocks
 
     style, fraction, src_dtype, dst_dtype, heads, scale = CASES[case]
@@ -97,8 +97,8 @@ def check(case: int, device: str = "cpu", pinned: bool = False, via: str = "laun
 def write_counted_with_decoys(views, sources, free_slots, cos, sin, head0, rotary, neox) -> None:
     """:func:`write_counted` from a table of capacity count + 5 whose five extra columns are
     copies of real ones aimed at ``free_slots``: a kernel that ignored the count would write them."""
-    from inferscale.connector.fused_write import write_counted
-    from inferscale.connector.sources import SLOT
+    from inferscale.inject.fused_write import write_counted
+    from inferscale.inject.sources import SLOT
 
     count = sources.num_tokens
     capacity = count + 5
@@ -114,8 +114,8 @@ def write_through_graphs(views, parts, caches, expected, cos, sin, head0, rotary
     """Graph replays: both requests; then, into zeroed caches, the second alone (the staging
     buffer still holds more columns: the count must stop them); then both again, from the
     same graph and from one captured for a new rotary table (the same values)."""
-    from inferscale.connector.sources import Sources
-    from inferscale.connector.write_graphs import WriteGraphs
+    from inferscale.inject.sources import Sources
+    from inferscale.inject.write_graphs import WriteGraphs
 
     graphs = WriteGraphs(views, head0, rotary, neox, capacities=(64,))
     both = Sources.join(parts)
@@ -140,8 +140,8 @@ def write_through_grouped_graphs(views, parts, caches, cos, sin, head0, rotary, 
     """One graph replays the write in two groups of layers, 3 programs per layer; the replay is
     queued behind a long sleep, and a second stream that waits for the first group's event (which
     the graph records) still finds layer 0 written: the event marks that group's writes."""
-    from inferscale.connector.sources import Sources
-    from inferscale.connector.write_graphs import WriteGraphs
+    from inferscale.inject.sources import Sources
+    from inferscale.inject.write_graphs import WriteGraphs
 
     graphs = WriteGraphs(views, head0, rotary, neox, capacities=(64,))
     groups = (range(0, 1), range(1, views.num_layers))
@@ -229,7 +229,7 @@ def test_in_place_read_groups_replayed_from_one_cuda_graph(case):
 @given(st.integers(1, 200), st.integers(1, 12))
 def test_layer_groups_cover_every_layer_once_in_order(num_layers, launches):
     """A read of host memory is split into contiguous groups of near-equal size, one launch each."""
-    from inferscale.connector.layer_loads import layer_groups
+    from inferscale.inject.layer_loads import layer_groups
 
     groups = layer_groups(num_layers, launches)
     assert [i for group in groups for i in group] == list(range(num_layers))
@@ -244,7 +244,7 @@ def test_loader_reads_pinned_blocks_in_place_when_asked():
     on the GPU, whatever the step asks."""
     from inferscale.compose.request import SegmentRequest
     from inferscale.compose.segment import PREFIX_FACT, SYSTEM_USER
-    from inferscale.connector.loader import LoadSpec, SegmentLoader
+    from inferscale.inject.loader import LoadSpec, SegmentLoader
     from inferscale.kv import FactKV
     from inferscale.storage.pinned import PinnedHostStore
 
@@ -273,7 +273,7 @@ def test_loader_reads_pinned_blocks_in_place_when_asked():
 
 def test_a_loader_off_the_gpu_never_reads_in_place():
     from inferscale.compose.request import SegmentRequest
-    from inferscale.connector.loader import LoadSpec, SegmentLoader
+    from inferscale.inject.loader import LoadSpec, SegmentLoader
     from inferscale.storage.pinned import PinnedHostStore
 
     loader = SegmentLoader(PinnedHostStore(), None, None, slice(0, 1), "cpu", torch.float32, host_in_place=True)
@@ -287,6 +287,6 @@ def test_a_loader_off_the_gpu_never_reads_in_place():
 def test_only_reads_past_the_threshold_go_in_place(tokens, token_bytes, from_bytes, expected):
     """Config.pinned_copy_below_mib: Llama-3.1-8B's 128 KiB a token, 96 MiB: 1 or 25 facts of 20
     tokens (and the 32-token prefix) are copied first, 50 are read in place; 0 reads all in place."""
-    from inferscale.connector.loader import reads_in_place
+    from inferscale.inject.loader import reads_in_place
 
     assert reads_in_place(tokens, token_bytes, from_bytes) is expected

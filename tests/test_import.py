@@ -14,7 +14,7 @@ def test_import_inferscale_does_not_import_vllm_or_backends():
 def test_core_modules_import_without_vllm():
     code = (
         "import sys\n"
-        "import inferscale.compose.segment, inferscale.connector.planner, inferscale.connector.loader\n"
+        "import inferscale.compose.segment, inferscale.inject.planner, inferscale.inject.loader\n"
         "import inferscale.storage.disk, inferscale.retrieval.exact, inferscale.encode.encoder\n"
         "assert 'vllm' not in sys.modules, 'the core imported vllm'\n"
     )

@@ -10,7 +10,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from inferscale.connector.sources import K_ADDR, LAYER_STRIDE, POSITION, SCALE, SLOT, V_ADDR, Sources, segment_sources
+from inferscale.inject.sources import K_ADDR, LAYER_STRIDE, POSITION, SCALE, SLOT, V_ADDR, Sources, segment_sources
 from inferscale.storage.blocks import HeldBlocks
 
 pytestmark = pytest.mark.own_process  # Numba (conftest.py)
@@ -106,14 +106,14 @@ def test_sources_refuse_tokens_past_the_segment():
 def test_a_table_that_cannot_compile_turns_the_fused_write_off(monkeypatch, caplog):
     """Where Numba is missing or cannot compile the loop, ready() says so once, with the reason,
     and the connector writes each layer through the backend's op instead of failing to start."""
-    from inferscale.connector import sources
+    from inferscale.inject import sources
 
     def missing():  # the fault: no Numba in this environment
         raise ImportError("No module named 'numba'")
 
     monkeypatch.setattr(sources, "_compiled", missing)
     sources.ready.cache_clear()
-    with caplog.at_level("WARNING", logger="inferscale.connector.sources"):
+    with caplog.at_level("WARNING", logger="inferscale.inject.sources"):
         assert sources.ready() is False and sources.ready() is False
     assert caplog.text.count("fused cache write is off") == 1 and "No module named 'numba'" in caplog.text
     monkeypatch.undo()

@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+import types
 from pathlib import Path
 
 import numpy as np
@@ -15,7 +16,8 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from inferscale.config import BackendSpec, build
+from inferscale import hookimpl
+from inferscale.config import BackendSpec, Config, build
 from inferscale.errors import (
     ConfigError,
     MissingFactError,
@@ -24,12 +26,21 @@ from inferscale.errors import (
     UnknownUserError,
 )
 from inferscale.kv import FactKV
-from inferscale.plugins import backends
+from inferscale.plugins import backends, pm
 from inferscale.storage import DiskStore, HBMStore, KVStore, PinnedHostStore
+from inferscale.storage.memory_tier import MemoryTier, check_memory_tier, missing_from_contract
 from inferscale.storage.tiered import ensure_user
+from inferscale.storage.tiers import build_tiers
 
 REPO = Path(__file__).resolve().parents[1]
-STORES = ["hbm", "pinned", "disk"]
+try:
+    import inferscale_mmap  # noqa: F401  (the plugin tier: pip install ./plugins/inferscale-mmap)
+except ImportError:
+    inferscale_mmap = None
+#: every memory tier: the built-ins and a third-party one (plugins/inferscale-mmap)
+MEMORY_TIERS = ["hbm", "pinned", pytest.param("mmap", marks=pytest.mark.skipif(
+    inferscale_mmap is None, reason="pip install ./plugins/inferscale-mmap"))]
+STORES = [*MEMORY_TIERS, "disk"]
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 CUDA = torch.cuda.is_available()
 
@@ -47,7 +58,7 @@ def make_facts(n: int, dtype=torch.float32, **shape) -> dict[str, FactKV]:
 
 
 def make_store(name: str, root: Path) -> KVStore:
-    options = {"root": str(root)} if name == "disk" else {}
+    options = {"disk": {"root": str(root)}, "mmap": {"directory": str(root / "mapped")}}.get(name, {})
     return build("kv_store", BackendSpec(name, options))
 
 
@@ -226,7 +237,7 @@ def test_pinned_packs_each_user_into_one_buffer():
     assert all(block.is_pinned() == CUDA for block in blocks.values())
 
 
-@pytest.mark.parametrize("name", ["hbm", "pinned"])
+@pytest.mark.parametrize("name", MEMORY_TIERS)
 def test_held_rows_pick_the_facts_blocks_in_request_order(name, tmp_path):
     """The fused write's view of a request's facts: the user's blocks, and rows among them that
     pick the same blocks, addresses and lengths as inspecting each block, in the request's order;
@@ -278,6 +289,43 @@ def test_pinned_copies_in_flight_survive_a_repack():
     assert_batch(batch, facts, list(facts), "cuda")
 
 
+# -- the memory tier's contract (inferscale.storage.memory_tier) -------------------------
+
+
+@pytest.mark.parametrize("name", MEMORY_TIERS)
+def test_every_memory_tier_fulfils_the_contract(name, tmp_path):
+    tier = make_store(name, tmp_path)
+    assert isinstance(tier, MemoryTier) and check_memory_tier(tier) is tier
+    assert missing_from_contract(tier) == [] and isinstance(tier.pinned, bool) and tier.volatile
+
+
+def test_the_disk_tier_is_no_memory_tier(tmp_path):
+    with pytest.raises(ConfigError, match=r"kv_store 'disk' \(inferscale.storage.disk.DiskStore\) cannot be the "
+                                          r"worker's memory tier: it lacks pinned, load, blocks, held_rows"):
+        check_memory_tier(make_store("disk", tmp_path))
+
+
+class NoRows(PinnedHostStore):
+    """A third-party tier that forgot part of the contract."""
+
+    name = "no-rows"
+    held_rows = None
+
+
+def test_a_tier_that_lacks_a_method_is_refused_when_the_tiers_are_built(tmp_path):
+    plugin = types.SimpleNamespace(register_kv_stores=hookimpl(lambda register: register(NoRows)))
+    pm.register(plugin, name="no-rows")
+    try:
+        config = Config(data_dir=str(tmp_path), kv_store=BackendSpec("no-rows"))
+        with pytest.raises(ConfigError, match=r"'no-rows' .* it lacks held_rows \(the contract: "
+                                              r"inferscale.storage.memory_tier.MemoryTier\)"):
+            build_tiers(config)
+    finally:
+        pm.unregister(plugin)
+    tiers = build_tiers(Config(data_dir=str(tmp_path), kv_store=BackendSpec("pinned", {"device": "cpu"})))
+    assert isinstance(tiers.memory, PinnedHostStore) and tiers.disk.root == Config(data_dir=str(tmp_path)).kv_path
+
+
 # -- selection by name, and tiering ----------------------------------------------------
 
 
@@ -296,7 +344,7 @@ def test_stores_selected_by_name(tmp_path):
         build("kv_store", BackendSpec("tape"))
 
 
-@pytest.mark.parametrize("memory_name", ["hbm", "pinned"])
+@pytest.mark.parametrize("memory_name", MEMORY_TIERS)
 def test_tiered_loads_user_on_first_use(tmp_path, memory_name):
     disk = DiskStore(DiskStore.Options(root=str(tmp_path)))
     memory = make_store(memory_name, tmp_path)
@@ -310,7 +358,7 @@ def test_tiered_loads_user_on_first_use(tmp_path, memory_name):
     assert ensure_user(disk, disk, "alice") is False  # the disk store needs no loading
 
 
-@pytest.mark.parametrize("memory_name", ["hbm", "pinned"])
+@pytest.mark.parametrize("memory_name", MEMORY_TIERS)
 def test_stale_memory_is_told_by_generation_not_by_token_ids(tmp_path, memory_name):
     """Another process re-encodes a fact under the same token ids: the memory tier
     notices (the user's generation changed) and serves the new K/V."""

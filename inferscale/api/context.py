@@ -22,6 +22,7 @@ from inferscale.errors import CorruptDataError
 from inferscale.facts import fact_id_key
 from inferscale.secret import load_secret
 from inferscale.storage.disk import DiskStore
+from inferscale.storage.tiers import disk_tier
 
 logger = logging.getLogger(__name__)
 
@@ -70,7 +71,7 @@ class Context:
 
     @cached_property
     def disk(self) -> DiskStore:
-        return DiskStore(DiskStore.Options(root=str(self.config.kv_path)))
+        return disk_tier(self.config)
 
     @cached_property
     def salts(self) -> CacheSalts:

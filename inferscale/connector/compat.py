@@ -31,6 +31,8 @@ from inferscale.errors import UnsupportedReleaseError
 
 VLLM_VERSION = tuple(int(x) for x in re.findall(r"\d+", vllm.__version__)[:2])
 SUPPORTED = ((0, 26), (0, 32))
+#: the release whose paged cache layout the fused write was checked on (:func:`kv_cache_views`)
+FUSED_WRITE_RELEASE = (0, 26)
 #: set to 1 to run on a vLLM release InferScale was not tested with
 ALLOW_UNTESTED = "INFERSCALE_ALLOW_UNTESTED_VLLM"
 
@@ -148,23 +150,38 @@ def layer_kv_cache(layer: torch.nn.Module, forward_context) -> torch.Tensor:
     return kv_cache
 
 
-def kv_cache_views(layer: torch.nn.Module, forward_context) -> tuple[torch.Tensor, torch.Tensor] | None:
+def kv_cache_views(layer: torch.nn.Module, forward_context) -> tuple[torch.Tensor, torch.Tensor]:
     """The K and V views ``[num_blocks, block_size, kv_heads, head_size]`` of a layer's paged
-    cache, exactly as its backend's own cache-write op addresses them; None for a layout or
-    a cache dtype not known here (the caller then writes through :func:`write_kv`).
+    cache, exactly as its backend's own cache-write op addresses them. A ValueError says why
+    for a release, layout or cache dtype not known here (the caller then writes through
+    :func:`write_kv`).
 
     Known: FlashAttention in vLLM 0.26 (CUDA), whose cache is ``[blocks, heads, slots,
     2 * head_size]`` with K and V side by side in the last dim.
     """
-    impl = getattr(layer, "impl", None)
     kv_cache = layer_kv_cache(layer, forward_context)
-    head_size = getattr(impl, "head_size", None)
-    if type(impl).__name__ != "FlashAttentionImpl" or VLLM_VERSION != (0, 26) or kv_cache.device.type != "cuda" \
-            or getattr(layer, "kv_cache_dtype", "auto") not in ("auto", "bfloat16", "float16") or kv_cache.dim() != 4 \
-            or kv_cache.shape[-1] != 2 * (head_size or 0):
-        return None
-    key, value = kv_cache.transpose(1, 2).split(head_size, dim=-1)
+    problem = cache_layout_problem(layer, kv_cache)
+    if problem is not None:
+        raise ValueError(problem)
+    key, value = kv_cache.transpose(1, 2).split(layer.impl.head_size, dim=-1)
     return key, value
+
+
+def cache_layout_problem(layer: torch.nn.Module, kv_cache: torch.Tensor) -> str | None:
+    """Why the fused write cannot address this layer's cache (None: it can)."""
+    impl = getattr(layer, "impl", None)
+    head_size = getattr(impl, "head_size", None) or 0
+    if VLLM_VERSION != FUSED_WRITE_RELEASE:
+        return (f"vLLM {vllm.__version__} is untested with it (its cache layout was checked on "
+                f"{'.'.join(map(str, FUSED_WRITE_RELEASE))} only)")
+    if type(impl).__name__ != "FlashAttentionImpl":
+        return f"attention backend {type(impl).__name__} (known: FlashAttentionImpl)"
+    dtype = getattr(layer, "kv_cache_dtype", "auto")
+    if kv_cache.device.type != "cuda" or dtype not in ("auto", "bfloat16", "float16"):
+        return f"a {dtype} cache on {kv_cache.device.type} (known: a bfloat16 or float16 cache on CUDA)"
+    if kv_cache.dim() != 4 or kv_cache.shape[-1] != 2 * head_size:
+        return f"a cache of shape {tuple(kv_cache.shape)} (known: [blocks, heads, slots, 2 * {head_size}])"
+    return None
 
 
 def write_kv(layer: torch.nn.Module, key: torch.Tensor, value: torch.Tensor,
@@ -176,6 +193,12 @@ def write_kv(layer: torch.nn.Module, key: torch.Tensor, value: torch.Tensor,
     if not hasattr(impl, "do_kv_cache_update"):
         raise NotImplementedError(f"attention backend {type(impl).__name__} has no do_kv_cache_update")
     impl.do_kv_cache_update(layer, key, value, kv_cache, slot_mapping)
+
+
+def text_config(vllm_config):
+    """The served model's text config (a multimodal model's language part)."""
+    hf_config = vllm_config.model_config.hf_config
+    return getattr(hf_config, "get_text_config", lambda: hf_config)()
 
 
 def device_type(vllm_config) -> str:

@@ -8,7 +8,7 @@ and there hands it to the metrics the connector class registered
 
 - ``vllm:inferscale_injected_requests_total`` and ``vllm:inferscale_injected_tokens_total``
 - ``vllm:inferscale_fallbacks_total{reason}``, by the coarse code a client is told
-  (:data:`~inferscale.connector.report.CLIENT_CODES`: ``invalid_params``, ``refused``,
+  (:data:`~inferscale.inject.report.CLIENT_CODES`: ``invalid_params``, ``refused``,
   ``load_error``); the precise reason goes to the server log only
 - ``vllm:inferscale_store_hits_total{tier}`` (where a load found the user's K/V)
 - ``vllm:inferscale_host_seconds_total{step}`` (host time on the request path: ``plan`` on the
@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from inferscale.connector import compat
-from inferscale.connector.stats import (
+from inferscale.inject.stats import (
     FALLBACK_PREFIX,
     HIT_PREFIX,
     HOST_PREFIX,
@@ -34,7 +34,7 @@ from inferscale.connector.stats import (
     PLAN_CALLS,
     add_counts,
 )
-from inferscale.connector.report import CLIENT_CODES
+from inferscale.inject.report import CLIENT_CODES
 
 
 @dataclass

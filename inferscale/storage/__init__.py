@@ -2,8 +2,10 @@
 
 ``KVStore`` is the interface; ``HBMStore`` (``"hbm"``), ``PinnedHostStore``
 (``"pinned"``) and ``DiskStore`` (``"disk"``) are the built-ins, selected by
-name through :func:`inferscale.config.build`. The store classes are imported
-on first access, so importing this package stays cheap.
+name through :func:`inferscale.config.build`. The worker's memory tier
+(``Config.kv_store``) fulfils more: :class:`~inferscale.storage.memory_tier.MemoryTier`,
+checked when :func:`~inferscale.storage.tiers.build_tiers` builds it. The store classes
+are imported on first access, so importing this package stays cheap.
 """
 
 from __future__ import annotations

@@ -20,6 +20,9 @@ class KVStore(ABC):
     raise :class:`~inferscale.errors.UnknownUserError`, unknown facts
     :class:`~inferscale.errors.MissingFactError`; corrupt data raises
     :class:`~inferscale.errors.CorruptDataError` and is never returned.
+
+    A store selected as the worker's memory tier (``Config.kv_store``) offers more, the calls of
+    :class:`~inferscale.storage.memory_tier.MemoryTier`, checked when the tiers are built.
     """
 
     name: ClassVar[str]

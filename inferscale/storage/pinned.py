@@ -49,7 +49,7 @@ class PinnedHostStore(ResidentStore):
         lengths = {fact_id: _num_tokens(src) for fact_id, src in sources.items()}
         step = layout.token_numel()
         total = sum(lengths.values()) * step
-        packed = torch.empty(total, dtype=layout.dtype, pin_memory=self.pinned and total > 0)
+        packed = self._buffer(total, layout.dtype)
         blocks, start = {}, 0
         for fact_id, src in sources.items():
             stop = start + lengths[fact_id] * step
@@ -58,6 +58,11 @@ class PinnedHostStore(ResidentStore):
             blocks[fact_id] = block
             start = stop
         return blocks
+
+    def _buffer(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        """A new host buffer of ``numel`` elements for one user's packed facts (page-locked
+        where CUDA exists)."""
+        return torch.empty(numel, dtype=dtype, pin_memory=self.pinned and numel > 0)
 
 
 def _num_tokens(src: Source) -> int:

@@ -71,9 +71,13 @@ class UserKV:
 
 
 class ResidentStore(KVStore):
-    """Base of the stores that keep K/V in this process (HBM, pinned host memory)."""
+    """Base of the stores that keep K/V in this process (HBM, pinned host memory): the
+    built-in :class:`~inferscale.storage.memory_tier.MemoryTier`."""
 
     volatile = True
+    #: whether the blocks lie in page-locked host memory (:class:`~inferscale.storage.pinned.PinnedHostStore`
+    #: sets it where CUDA exists)
+    pinned: bool = False
 
     @dataclass(frozen=True)
     class Options:

@@ -13,9 +13,10 @@ from __future__ import annotations
 from inferscale.errors import CapacityError, UnknownUserError
 from inferscale.storage.base import KVStore
 from inferscale.storage.disk import DiskStore
+from inferscale.storage.memory_tier import MemoryTier
 
 
-def ensure_user(memory: KVStore, disk: DiskStore, user_id: str) -> bool:
+def ensure_user(memory: MemoryTier | KVStore, disk: DiskStore, user_id: str) -> bool:
     """Load the user from disk into ``memory`` unless it holds the disk's current
     version; True if it loaded. A user gone from disk is dropped from memory.
 

@@ -11,14 +11,19 @@ import torch
 import vllm_probe
 from inferscale.compose.segment import Segment
 from inferscale.connector.vllm_adapter import InferScaleConnector
+from inferscale.inject.writer import KVWriter
 
 
-class ReplayConnector(InferScaleConnector):
-    def _fused_views(self, forward_context):
+class ReplayWriter(KVWriter):
+    def _fused_views(self, cache):
         return None  # the replay goes through the per-layer write, whose source it replaces
 
     def _segment(self, spec) -> Segment:
-        writes = [vllm_probe.first_write(index) for index in range(len(self.layer_names))]
+        writes = [vllm_probe.first_write(index) for index in range(self.num_layers)]
         keys = torch.stack([key[spec.start:spec.end] for key, _ in writes])
         values = torch.stack([value[spec.start:spec.end] for _, value in writes])
         return Segment([], spec.start, [], keys, values)
+
+
+class ReplayConnector(InferScaleConnector):
+    writer_type = ReplayWriter

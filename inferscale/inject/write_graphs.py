@@ -37,8 +37,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from inferscale.connector import fused_write
-from inferscale.connector.sources import Sources
+from inferscale.inject import fused_write
+from inferscale.inject.sources import Sources
 
 logger = logging.getLogger(__name__)
 

@@ -14,13 +14,13 @@ is told one coarse code, whatever the reason:
 * ``load_error``: the worker could not load memory the scheduler had accepted
   (only a request carrying the right salt gets this far); vLLM recomputed it.
 
-The precise reason (:class:`~inferscale.connector.stats.Fallback`) and its
+The precise reason (:class:`~inferscale.inject.stats.Fallback`) and its
 detail go to the server log only; the connector's counters count the coarse code.
 """
 
 from __future__ import annotations
 
-from inferscale.connector.stats import Fallback
+from inferscale.inject.stats import Fallback
 
 INVALID_PARAMS = "invalid_params"
 REFUSED = "refused"

@@ -15,12 +15,13 @@ import torch
 
 from inferscale.compose.rope import RotaryEmbedding
 from inferscale.compose.segment import PREFIX_FACT, SYSTEM_USER, Segment, gather_segment
-from inferscale.connector.sources import Sources, check_cache_blocks, segment_sources
+from inferscale.inject.sources import Sources, check_cache_blocks, segment_sources
 from inferscale.compose.request import SegmentRequest
 from inferscale.errors import MissingFactError, ModelMismatchError
 from inferscale.kv import KVBatch
-from inferscale.storage.base import KVStore
+from inferscale.storage.disk import DiskStore
 from inferscale.storage.blocks import HeldBlocks
+from inferscale.storage.memory_tier import MemoryTier
 from inferscale.storage.tiered import ensure_user
 
 
@@ -76,13 +77,13 @@ _HOST = torch.device("cpu")
 
 
 class SegmentLoader:
-    def __init__(self, store: KVStore, disk: KVStore, rope: RotaryEmbedding, heads: slice,
+    def __init__(self, store: MemoryTier, disk: DiskStore, rope: RotaryEmbedding, heads: slice,
                  device: torch.device | str, dtype: torch.dtype, host_in_place: bool = False, in_place_from: int = 0):
         self.store, self.disk, self.rope = store, disk, rope
         self.heads, self.device, self.dtype = heads, torch.device(device), dtype
         #: the fused write's sources may point into pinned host blocks where they lie (no copy), for a
         #: step that loads at least ``in_place_from`` bytes (Config.pinned_copy_below_mib)
-        self.host_in_place = host_in_place and self.device.type == "cuda" and getattr(store, "pinned", False)
+        self.host_in_place = host_in_place and self.device.type == "cuda" and store.pinned
         self.in_place_from = in_place_from
         #: the instruction prefix's blocks where a step reads them (host or device): (its version, its blocks)
         self._prefix_held: dict[bool, tuple[str | None, HeldBlocks]] = {}
@@ -170,12 +171,8 @@ class SegmentLoader:
                      ) -> tuple[HeldBlocks, np.ndarray | None]:
         """Blocks that hold the facts on the loader's device (pinned host blocks copied, one DMA
         each), or where they lie when ``in_place``, and the facts' rows among them (None: all, in
-        order); through the store's table of each user's blocks when it keeps one."""
-        where = _HOST if in_place else self.device
-        held = getattr(self.store, "held_rows", None)
-        if held is not None:
-            return held(user_id, fact_ids, where)
-        return HeldBlocks.of(self.store.blocks(user_id, fact_ids, where)), None
+        order; :meth:`MemoryTier.held_rows`)."""
+        return self.store.held_rows(user_id, fact_ids, _HOST if in_place else self.device)
 
     def _holds_versions(self, spec: LoadSpec) -> bool:
         """Whether the memory tier holds the prefix and the user's memory in the versions the

@@ -1,6 +1,6 @@
 """Where a step's K/V lies and where it goes: the fused cache write's table.
 
-For each token the fused write (:mod:`inferscale.connector.fused_write`) reads one column of an
+For each token the fused write (:mod:`inferscale.inject.fused_write`) reads one column of an
 int64 table: the addresses of the token's stored key and value rows, the stride between layers,
 its cache slot, its position and its keys' scale. :func:`segment_sources` builds that table from the
 blocks a store holds (:class:`~inferscale.storage.blocks.HeldBlocks`) for every token of a load.

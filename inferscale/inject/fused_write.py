@@ -9,7 +9,7 @@ whole-tensor ops (:meth:`SegmentLoader.load` + one backend write per layer)
 does in ~10 launches per layer and several full passes over the K/V, this
 does in one launch and one pass, for every request of the step at once.
 
-Sources are given per token (:mod:`inferscale.connector.sources`, joined over
+Sources are given per token (:mod:`inferscale.inject.sources`, joined over
 requests with :meth:`Sources.join`): raw addresses, the token's position and key scale. A
 block may lie in GPU memory or, under unified addressing, in pinned host memory
 (each element is read once, a rotary pair by the same program). By default
@@ -36,7 +36,7 @@ from dataclasses import dataclass
 
 import torch
 
-from inferscale.connector.sources import Sources
+from inferscale.inject.sources import Sources
 
 try:
     import triton

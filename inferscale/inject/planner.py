@@ -9,7 +9,7 @@ token is left to compute. It claims the segment's head: the whole facts at
 the tail that fit in the recompute budget are left to vLLM
 (:mod:`inferscale.compose.blend`). Planning is side-effect free: vLLM may ask
 twice. Each refusal carries a reason for the server log; the client is told
-less (:mod:`inferscale.connector.report`). A request that carries its epoch and
+less (:mod:`inferscale.inject.report`). A request that carries its epoch and
 segment length (every request the server makes) has its salt checked against
 the prompt's head first, before the user or a fact is looked up: a forged one is
 refused the same way whether the user, the facts or neither exist.
@@ -27,7 +27,7 @@ from inferscale.compose.blend import Blend, injected_length
 from inferscale.compose.segment import segment_parts
 from inferscale.compose.request import InvalidParams, SegmentRequest, parse_params
 from inferscale.compose.salt import CacheSalts
-from inferscale.connector.stats import Fallback
+from inferscale.inject.stats import Fallback
 from inferscale.errors import CorruptDataError, MissingFactError, UnknownUserError
 from inferscale.storage.base import KVStore
 

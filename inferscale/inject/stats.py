@@ -55,7 +55,7 @@ class ConnectorStats:
         """Counted under the coarse code a client is told (:func:`report.client_code`), never the
         precise reason: a forged request must not learn from ``/metrics`` whether a user or a
         fact exists (the reason goes to the server log)."""
-        from inferscale.connector.report import client_code
+        from inferscale.inject.report import client_code
 
         self._add({FALLBACK_PREFIX + client_code(reason): 1})
 

@@ -1,0 +1,34 @@
+"""The tiers a worker reads facts' K/V from, built from the Config in one place.
+
+The memory tier (``Config.kv_store``: ``"pinned"``, ``"hbm"`` or a plugin's) holds whole users
+in this process and fulfils :class:`~inferscale.storage.memory_tier.MemoryTier`, checked here;
+the disk tier under ``Config.kv_path`` is the source of truth behind it
+(:func:`~inferscale.storage.tiered.ensure_user`), and the only one writers write.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from inferscale.config import Config, build
+from inferscale.storage.disk import DiskStore
+from inferscale.storage.memory_tier import MemoryTier, check_memory_tier
+
+
+@dataclass(frozen=True)
+class Tiers:
+    """A worker's memory tier and the disk tier behind it."""
+
+    memory: MemoryTier
+    disk: DiskStore
+
+
+def disk_tier(config: Config) -> DiskStore:
+    """The disk tier: every user's facts under ``config.kv_path``."""
+    return DiskStore(DiskStore.Options(root=str(config.kv_path)))
+
+
+def build_tiers(config: Config) -> Tiers:
+    """The memory tier ``config.kv_store`` names, checked against its contract (a
+    :class:`~inferscale.errors.ConfigError` names what it lacks), and the disk tier behind it."""
+    return Tiers(check_memory_tier(build("kv_store", config.kv_store)), disk_tier(config))

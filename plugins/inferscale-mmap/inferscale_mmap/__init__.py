@@ -1,0 +1,1 @@
+"""Example InferScale plugin: the ``mmap`` memory tier."""

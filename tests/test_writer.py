@@ -1,0 +1,174 @@
+"""The write policy (inject/writer.py), on the CPU: each layer through the backend's op, failed
+loads reported, and a fused write that cannot run says so once."""
+
+from __future__ import annotations
+
+import logging
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from inferscale.compose.request import SegmentRequest
+from inferscale.compose.rope import RotaryEmbedding
+from inferscale.compose.segment import PREFIX_FACT, SYSTEM_USER
+from inferscale.config import Config
+from inferscale.inject import fused_write, sources
+from inferscale.inject.loader import LoadSpec, SegmentLoader, kv_head_range, load_blocks
+from inferscale.inject.stats import ConnectorStats
+from inferscale.inject.writer import KVWriter
+from inferscale.storage.disk import DiskStore
+from inferscale.storage.pinned import PinnedHostStore
+from inferscale.storage.tiers import Tiers
+from test_storage import make_fact, make_facts
+
+LAYERS, SIZE = 2, 8
+
+
+class RecordingCache:
+    """A paged cache that records each layer's writes (and has no layout the fused write knows)."""
+
+    def __init__(self):
+        self.writes: list[tuple[int, torch.Tensor, torch.Tensor, torch.Tensor]] = []
+        self.asked = 0
+
+    def views(self):
+        self.asked += 1
+        raise ValueError("attention backend TorchSDPABackendImpl (known: FlashAttentionImpl)")
+
+    def write(self, layer, key, value, slots):
+        self.writes.append((layer, key, value, slots))
+
+
+@pytest.fixture
+def tiers(tmp_path) -> Tiers:
+    disk = DiskStore(DiskStore.Options(root=str(tmp_path / "kv")))
+    disk.put(SYSTEM_USER, {PREFIX_FACT: make_fact(5, layers=LAYERS, size=SIZE, seed=999)})
+    disk.put("ann", make_facts(3, layers=LAYERS, size=SIZE))
+    return Tiers(PinnedHostStore(PinnedHostStore.Options(device="cpu")), disk)
+
+
+def spec_for(disk: DiskStore, user: str, req_id: str = "r", versions=None) -> LoadSpec:
+    request = SegmentRequest(user, tuple(disk.list(user)), 0, None)
+    length = sum(map(len, disk.token_ids(SYSTEM_USER, [PREFIX_FACT]) + disk.token_ids(user, request.fact_ids)))
+    versions = versions or (disk.generation(SYSTEM_USER), disk.generation(user))
+    return LoadSpec(req_id, request, 0, length, length, load_blocks(range(length), 1, 0, length), 1, versions)
+
+
+def writer_for(tiers: Tiers, **config) -> tuple[KVWriter, ConnectorStats]:
+    rope = RotaryEmbedding(1.0 / (10_000 ** (torch.arange(0, SIZE, 2).float() / SIZE)), SIZE)
+    stats = ConnectorStats()
+    writer = KVWriter(Config(**config), tiers, rope, kv_head_range(2, 1, 0), SIZE, stats)
+    writer.register(LAYERS, torch.device("cpu"), torch.float32)
+    return writer, stats
+
+
+def test_each_layer_is_written_through_the_backend_op(tiers):
+    writer, stats = writer_for(tiers)
+    spec = spec_for(tiers.disk, "ann")
+    cache = RecordingCache()
+    writer.write_step([spec], cache, waits_per_layer=False)
+    expected = SegmentLoader(tiers.memory, tiers.disk, writer.rope, writer.heads, "cpu", torch.float32).load(
+        spec, LAYERS, SIZE)
+    assert [layer for layer, *_ in cache.writes] == list(range(LAYERS))
+    for layer, key, value, slots in cache.writes:
+        assert torch.equal(key, expected.keys[layer]) and torch.equal(value, expected.values[layer])
+        assert slots.tolist() == spec.slots.tolist()
+    assert stats.snapshot()["store_hit.disk"] == 1  # first use: loaded from the disk tier
+    writer.write_step([spec], cache)
+    assert stats.snapshot()["store_hit.pinned"] == 1
+    assert writer.take_load_errors() == set()
+
+
+def test_a_failed_load_reports_its_blocks_and_the_others_are_written(tiers):
+    writer, _ = writer_for(tiers)
+    good = spec_for(tiers.disk, "ann")
+    stale = spec_for(tiers.disk, "ann", "stale", versions=("old", "old"))
+    cache = RecordingCache()
+    writer.write_step([stale, good], cache)
+    assert writer.take_load_errors() == set(stale.blocks)
+    assert len(cache.writes) == LAYERS and writer.take_load_errors() == set()
+
+
+def test_a_fused_write_that_cannot_run_says_why_once(tiers, monkeypatch, caplog):
+    monkeypatch.setattr(fused_write, "available", lambda: True)
+    monkeypatch.setattr(sources, "ready", lambda: True)  # (no Numba compiled in this process)
+    writer, _ = writer_for(tiers)
+    cache = RecordingCache()
+    with caplog.at_level(logging.WARNING, logger="vllm.inferscale.connector"):
+        for _ in range(3):
+            writer.write_step([spec_for(tiers.disk, "ann")], cache)
+    off = [r.getMessage() for r in caplog.records if "fused cache write is off" in r.getMessage()]
+    assert len(off) == 1 and "TorchSDPABackendImpl" in off[0] and cache.asked == 1
+    assert len(cache.writes) == 3 * LAYERS  # each step written layer by layer instead
+
+
+def test_a_fused_write_turned_off_in_the_config_stays_quiet(tiers, monkeypatch, caplog):
+    monkeypatch.setattr(fused_write, "available", lambda: True)
+    monkeypatch.setattr(sources, "ready", lambda: True)
+    writer, _ = writer_for(tiers, fused_write=False)
+    cache = RecordingCache()
+    with caplog.at_level(logging.WARNING):
+        writer.write_step([spec_for(tiers.disk, "ann")], cache)
+    assert cache.asked == 0 and "fused cache write" not in caplog.text
+
+
+class FlashAttentionCache:
+    """Caches in vLLM 0.26 FlashAttention's layout on the CPU, which the fused write addresses."""
+
+    def __init__(self, num_blocks: int, heads: int, block_size: int, head_size: int):
+        from test_fused_write import flash_attention_views
+
+        self.layers = [flash_attention_views(num_blocks, heads, block_size, head_size, torch.float32, "cpu")
+                       for _ in range(LAYERS)]
+
+    def views(self):
+        return [(key, value) for _, key, value in self.layers]
+
+    def write(self, layer, key, value, slots):
+        raise AssertionError("the fused write was to write every layer")
+
+
+def check_fused_step(tmp_path: str) -> None:
+    """Two requests of one step, written by the fused kernel (under Triton's interpreter: host
+    memory, so a launch per group of layers), land at their slots as the per-layer path's K/V."""
+    assert fused_write.available() and sources.ready()
+    disk = DiskStore(DiskStore.Options(root=str(Path(tmp_path) / "kv")))
+    disk.put(SYSTEM_USER, {PREFIX_FACT: make_fact(5, layers=LAYERS, size=SIZE, seed=999)})
+    disk.put("ann", make_facts(3, layers=LAYERS, size=SIZE))
+    tiers = Tiers(PinnedHostStore(PinnedHostStore.Options(device="cpu")), disk)
+    writer, stats = writer_for(tiers, pinned_read_launches=2)
+    first = spec_for(disk, "ann")
+    length = first.end
+    second = LoadSpec("s", first.request, 3, length, length, load_blocks(range(100, 200), 4, 3, length), 4,
+                      first.versions)
+    first = LoadSpec("r", first.request, 0, length, length, load_blocks(range(length), 4, 0, length), 4,
+                     first.versions)
+    cache = FlashAttentionCache(200, 2, 4, SIZE)
+    writer.write_step([first, second], cache)
+    assert writer.take_load_errors() == set()
+    assert stats.snapshot() == {"store_hit.disk": 1, "store_hit.pinned": 1, "host_seconds.load": pytest.approx(
+        stats.snapshot()["host_seconds.load"])}  # the first loaded the user into the memory tier
+    for spec in (first, second):
+        expected = writer.loader.load(spec, LAYERS, SIZE)
+        for layer, (_, key, value) in enumerate(cache.layers):
+            slots = torch.from_numpy(spec.slots)
+            got_k, got_v = key[slots // 4, slots % 4], value[slots // 4, slots % 4]
+            assert torch.allclose(got_k, expected.keys[layer], atol=1e-5), (spec.req_id, layer)
+            assert torch.equal(got_v, expected.values[layer]), (spec.req_id, layer)
+
+
+def test_the_fused_write_of_a_step_lands_where_the_per_layer_write_would(tmp_path):
+    from test_fused_write import _triton_dir
+
+    if not (_triton_dir() / "triton").is_dir():
+        pytest.skip(f"Triton for the interpreter is not installed in {_triton_dir()} (./dev puts it there)")
+    env = {**os.environ, "TRITON_INTERPRET": "1",
+           "PYTHONPATH": os.pathsep.join([str(_triton_dir()), str(Path(__file__).parent),
+                                          os.environ.get("PYTHONPATH", "")])}
+    code = f"import test_writer as t; t.check_fused_step({str(tmp_path)!r})"
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
