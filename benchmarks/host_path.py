@@ -11,7 +11,7 @@ facts of a Llama-3.1-8B K/V shape (random memory as ``ttft.py`` writes it):
   sources table (``SegmentLoader.sources``);
 * ``launch``    — worker, on a GPU: the table to the device, the rotary table and the fused
   write's launch on the current stream, with its event (``_write_fused``'s work);
-* ``graph_launch`` — the same from a CUDA graph (``Config.write_graphs``): the table into the
+* ``graph_launch`` — the same from a CUDA graph (``Config.tuning.write_graphs``): the table into the
   pinned staging buffer, one graph replay, the event. Not in the sums: it replaces ``launch``.
 * ``sources_numpy`` — the baseline of ``sources``: the same table built as before the compiled
   loop (the facts' blocks picked and joined, then a dozen NumPy calls). Not in the sums.

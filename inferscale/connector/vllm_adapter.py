@@ -171,14 +171,14 @@ class InferScaleConnector(compat.KVConnectorBase_V1):
         self._layer_of = {name: index for index, name in enumerate(self.layer_names)}
         first = kv_caches[self.layer_names[0]]
         self.loader = SegmentLoader(self.store, self.disk, self.rope, self.heads, first.device, first.dtype,
-                                    host_in_place=self.config.pinned_reads == "overlap",
-                                    in_place_from=int(self.config.pinned_copy_below_mib * 2**20))
+                                    host_in_place=self.config.tuning.pinned_reads == "overlap",
+                                    in_place_from=int(self.config.tuning.pinned_copy_below_mib * 2**20))
         self.layer_loads = LayerLoads(first.device, len(self.layer_names))
         #: whether the fused write may run here (its sources table's loop compiled now, not on the
         #: first request's path); whether it can, the cache layout decides (:meth:`_fused_views`)
-        self._fused_allowed = self.config.fused_write and fused_write.available() and sources_table.ready()
+        self._fused_allowed = self.config.tuning.fused_write and fused_write.available() and sources_table.ready()
         #: the launches of an in-place read of host memory (pinned_reads = "overlap"), a group of layers each
-        self._host_groups = tuple(layer_groups(len(self.layer_names), self.config.pinned_read_launches))
+        self._host_groups = tuple(layer_groups(len(self.layer_names), self.config.tuning.pinned_read_launches))
 
     def start_load_kv(self, forward_context, **kwargs: Any) -> None:
         """Queue this step's loads; the forward pass waits for each layer in
@@ -213,7 +213,7 @@ class InferScaleConnector(compat.KVConnectorBase_V1):
                      for name in self.layer_names]
             if self._fused_allowed and hasattr(self.store, "blocks") and all(views):
                 self._cache_views = fused_write.CacheViews.of(views)
-                if self.config.write_graphs and self._cache_views.bases.device.type == "cuda":
+                if self.config.tuning.write_graphs and self._cache_views.bases.device.type == "cuda":
                     self._write_graphs = WriteGraphs(self._cache_views, self.heads.start, self.rope.rotary_dim,
                                                      self.rope.style == "neox")
         return self._cache_views or None
@@ -257,8 +257,8 @@ class InferScaleConnector(compat.KVConnectorBase_V1):
         blocks), and the event the graph recorded after its replay (else None)."""
         host = sources.in_host_memory
         groups = self._host_groups if host else None
-        programs = (self.config.pinned_read_programs or None) if host else None
-        if self._write_graphs is not None and (not host or self.config.pinned_read_graphs):
+        programs = (self.config.tuning.pinned_read_programs or None) if host else None
+        if self._write_graphs is not None and (not host or self.config.tuning.pinned_read_graphs):
             events = self._write_graphs.write(sources, cos, sin, groups, programs)
             if events is not None:  # (the graph reads its own table)
                 for layers, event in events if host else ():  # the sources kept until the last group has run
