@@ -6,9 +6,14 @@ import sys
 import pytest
 
 from inferscale import BackendSpec, Config, hookimpl
-from inferscale.config import BUILTIN_NAMES
+from inferscale.config import BACKEND_DEFAULTS, BUILTIN_NAMES
 from inferscale.plugins import KINDS, backends, pm
 from plugins import reverse_alpha_composer
+
+
+def test_the_config_checks_every_kind_of_backend():
+    assert set(BACKEND_DEFAULTS) == set(BUILTIN_NAMES) == set(KINDS)
+    assert all(BACKEND_DEFAULTS[kind] == getattr(Config(), kind).name for kind in KINDS)
 
 
 @pytest.mark.parametrize("kind", sorted(KINDS))
