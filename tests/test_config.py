@@ -102,8 +102,9 @@ def test_tuning_is_its_own_table(tmp_path):
 def test_flat_tuning_keys_still_load_with_a_deprecation_warning(tmp_path):
     path = tmp_path / "old.toml"
     path.write_text('top_k = 4\nfused_write = false\npinned_copy_below_mib = 0\n')
-    with pytest.warns(DeprecationWarning, match=r"fused_write, pinned_copy_below_mib.*\[tuning\]"):
+    with pytest.warns(DeprecationWarning, match=r"old.toml: top-level key\(s\) fused_write, pinned_copy_below_mib.*\[tuning\]") as caught:
         config = Config.from_toml(path)
+    assert len(caught) == 1 and caught[0].filename == __file__
     assert config.tuning == Tuning(fused_write=False, pinned_copy_below_mib=0)
     with pytest.warns(DeprecationWarning, match="pinned_reads"):
         assert Config.from_dict({"pinned_reads": "copy", "tuning": {"write_graphs": False}}).tuning == Tuning(

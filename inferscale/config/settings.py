@@ -114,7 +114,7 @@ class Config:
         """The config ``data`` describes (as :meth:`to_dict` writes it); every backend name is
         checked against the registered plugins. Tuning keys at the top level (deprecated) go
         into ``tuning``."""
-        data = split_flat_tuning(data, "config key(s)", stacklevel=2)
+        data = split_flat_tuning(data, "top-level config key(s)", stacklevel=2)
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = set(data) - known
         if unknown:
@@ -142,9 +142,10 @@ class Config:
     def from_toml(cls, path: str | os.PathLike) -> Config:
         try:
             with open(path, "rb") as fh:
-                return cls.from_dict(tomllib.load(fh))
+                data = tomllib.load(fh)
         except tomllib.TOMLDecodeError as exc:
             raise ConfigError(f"{path}: {exc}") from exc
+        return cls.from_dict(split_flat_tuning(data, f"{path}: top-level key(s)", stacklevel=2))
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> Config:
@@ -191,7 +192,8 @@ _generated_init = Config.__init__
 def _init(self, *args: Any, **kwargs: Any) -> None:
     # the tuning knobs as keyword arguments, as before Config.tuning: deprecated, moved into it
     if TUNING_KEYS.intersection(kwargs):
-        kwargs = split_flat_tuning(kwargs, "Config keyword argument(s)", stacklevel=2)
+        kwargs = split_flat_tuning(kwargs, "Config keyword argument(s)", stacklevel=2,
+                                   instead="in tuning=Tuning(...)")
     _generated_init(self, *args, **kwargs)
 
 

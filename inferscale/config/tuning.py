@@ -87,15 +87,16 @@ class Tuning:
 TUNING_KEYS = frozenset(f.name for f in dataclasses.fields(Tuning))
 
 
-def split_flat_tuning(data: Mapping[str, Any], where: str, stacklevel: int) -> dict[str, Any]:
+def split_flat_tuning(data: Mapping[str, Any], where: str, stacklevel: int,
+                      instead: str = "under [tuning]") -> dict[str, Any]:
     """``data`` (a config's top-level keys) with the tuning keys given there, as configs did
-    before ``[tuning]``, moved into its ``tuning`` entry; each such key warns (DeprecationWarning).
-    A key given both ways is refused."""
+    before ``[tuning]``, moved into its ``tuning`` entry, with a DeprecationWarning naming them
+    (``where``, then the keys, then what to do ``instead``). A key given both ways is refused."""
     flat = {key: data[key] for key in data if key in TUNING_KEYS}
     if not flat:
         return dict(data)
-    warnings.warn(f"{where} {', '.join(sorted(flat))} at the top level: deprecated, "
-                  f"set {'it' if len(flat) == 1 else 'them'} under [tuning] (Config.tuning)",
+    warnings.warn(f"{where} {', '.join(sorted(flat))}: deprecated, "
+                  f"set {'it' if len(flat) == 1 else 'them'} {instead}",
                   DeprecationWarning, stacklevel=stacklevel + 1)
     rest = {key: value for key, value in data.items() if key not in flat}
     tuning = rest.get("tuning", Tuning())
