@@ -21,8 +21,8 @@ pass: a stand-in forward (per layer the four weight matmuls of Llama-3.1-8B for 
 14 GB of weights read per pass) timed alone, and again with the reads queued first on a side
 stream, each layer of the forward waiting for its group's launch as the connector's
 ``wait_for_layer_load`` makes it wait: per kernel cap in ``--programs`` (programs per layer; 0: one
-per token, ``Config.pinned_read_programs``) and number of launches in ``--launches``
-(``Config.pinned_read_launches``). Reported: what the reads add to the forward (what TTFT would
+per token, ``Config.tuning.pinned_read_programs``) and number of launches in ``--launches``
+(``Config.tuning.pinned_read_launches``). Reported: what the reads add to the forward (what TTFT would
 see, host time aside), the forward's time beside the reads without waiting for them (how much the
 reads slow its kernels), and the reads' own time alone and beside it. That table is also drawn
 (the JSON's name, ``.png``); ``--plot RESULT.json`` draws it again from a saved result, no GPU needed.
@@ -46,7 +46,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from inferscale.compose.rope import RotaryEmbedding  # noqa: E402
-from inferscale.config import Config  # noqa: E402
+from inferscale.config import Tuning  # noqa: E402
 from inferscale.inject.fused_write import CacheViews, write_tokens  # noqa: E402
 from inferscale.inject.sources import Sources, segment_sources  # noqa: E402
 from inferscale.inject.layer_loads import layer_groups  # noqa: E402
@@ -125,7 +125,7 @@ def row(k: int, args, cache: CacheViews, rope: RotaryEmbedding) -> dict:
            "pinned_direct_ms": gpu_ms(lambda: write(in_host), args.reps),
            "pinned_copy_ms": gpu_ms(copy_then_write, args.reps),
            # pinned_reads = "overlap": the first of the launches the forward's first layer waits for
-           "pinned_first_group_ms": gpu_ms(lambda: write(in_host, layer_groups(LAYERS, Config.pinned_read_launches)[0]),
+           "pinned_first_group_ms": gpu_ms(lambda: write(in_host, layer_groups(LAYERS, Tuning.pinned_read_launches)[0]),
                                            args.reps),
            "floor_ms": gpu_ms(lambda: target.copy_(flat, non_blocking=True), args.reps)}
     out["host_sources_ms"] = host_ms(lambda: sources(device), args.reps)
@@ -226,7 +226,7 @@ def plot(result: dict, path: Path) -> None:
             ax.plot(labels, [by_cap[c]["reads_alone_ms"] if c in by_cap else float("nan") for c in caps],
                     linestyle=":", marker=".", color=f"C{n}", label=f"{launches} launches: reads alone")
         ax.set_title(f"k = {k}")
-        ax.set_xlabel("programs per layer (Config.pinned_read_programs)")
+        ax.set_xlabel("programs per layer (Config.tuning.pinned_read_programs)")
         ax.set_ylabel("ms")
         ax.set_ylim(bottom=0)
         ax.grid(alpha=0.3)

@@ -11,7 +11,7 @@ facts of a Llama-3.1-8B K/V shape (random memory as ``ttft.py`` writes it):
   sources table (``SegmentLoader.sources``);
 * ``launch``    — worker, on a GPU: the table to the device, the rotary table and the fused
   write's launch on the current stream, with its event (``KVWriter._write_fused``'s work);
-* ``graph_launch`` — the same from a CUDA graph (``Config.write_graphs``): the table into the
+* ``graph_launch`` — the same from a CUDA graph (``Config.tuning.write_graphs``): the table into the
   pinned staging buffer, one graph replay, the event. Not in the sums: it replaces ``launch``.
 * ``sources_numpy`` — the baseline of ``sources``: the same table built as before the compiled
   loop (the facts' blocks picked and joined, then a dozen NumPy calls). Not in the sums.
@@ -49,7 +49,7 @@ from transformers import AutoConfig  # noqa: E402
 from inferscale.compose.blend import Blend  # noqa: E402
 from inferscale.compose.rope import RotaryEmbedding  # noqa: E402
 from inferscale.compose.salt import CacheSalts  # noqa: E402
-from inferscale.inject import fused_write  # noqa: E402
+from inferscale.connector import fused_write  # noqa: E402
 from inferscale.inject.layer_loads import LayerLoads  # noqa: E402
 from inferscale.inject.sources import K_ADDR, LAYER_STRIDE, POSITION, SCALE, SLOT, V_ADDR, Sources  # noqa: E402
 from inferscale.inject.loader import LoadSpec, SegmentLoader, load_blocks  # noqa: E402

@@ -245,10 +245,10 @@ def main() -> None:
                         "--kv-stores (e.g. pinned:graphs)")
     parser.add_argument("--reps", type=int, default=20)
     parser.add_argument("--profiled", type=int, default=5)
-    parser.add_argument("--fused-write", action="store_true", help="Config.fused_write: one kernel per step")
-    parser.add_argument("--pinned-reads", choices=["copy", "overlap"], help="Config.pinned_reads (default: Config's)")
+    parser.add_argument("--fused-write", action="store_true", help="Config.tuning.fused_write: one kernel per step")
+    parser.add_argument("--pinned-reads", choices=["copy", "overlap"], help="Config.tuning.pinned_reads (default: Tuning's)")
     parser.add_argument("--layerwise-write", action="store_true",
-                        help="Config.fused_write = false: whole-tensor ops and one backend write per layer")
+                        help="Config.tuning.fused_write = false: whole-tensor ops and one backend write per layer")
     parser.add_argument("--cuda-graphs", action="store_true")
     parser.add_argument("--label", default="", help="what code this is (goes into the JSON)")
     parser.add_argument("--out", default="benchmarks/results/inject_profile.json")
@@ -267,7 +267,7 @@ def main() -> None:
     from vllm.config import KVTransferConfig
 
     from inferscale.compose.request import make_params
-    from inferscale.config import BackendSpec, Config
+    from inferscale.config import BackendSpec, Config, Tuning
     from inferscale.connector.engine import kv_transfer_config
 
     annotated = annotate()
@@ -279,7 +279,7 @@ def main() -> None:
     (model / "config.json").write_text(json.dumps(cfg))
     _, prefix, facts = write_memory(work, cfg, [args.k], args.fact_tokens, args.prefix_tokens)
     config = Config(model=str(model), data_dir=str(work), kv_store=BackendSpec(name), recompute_tokens=0,
-                    **{**fused(args), **store_options})
+                    tuning=Tuning(**{**fused(args), **store_options}))
     memory = {"gpu_memory_utilization": 0.5} if torch.cuda.is_available() else {"kv_cache_memory_bytes": 256 << 20}
     llm = LLM(model=str(model), load_format="dummy", skip_tokenizer_init=True, dtype="bfloat16",
               max_model_len=8192, enforce_eager=not args.cuda_graphs, enable_prefix_caching=True,

@@ -393,7 +393,7 @@ def plot(result: dict, path: Path) -> None:
     fig.savefig(path, dpi=120)
 
 
-#: what a --kv-stores suffix sets (also "programs<n>": pinned_read_programs = n, 0 for one program
+#: the Config.tuning a --kv-stores suffix sets (also "programs<n>": pinned_read_programs = n, 0 for one program
 #: per token, "groups<n>": pinned_read_launches = n, and "copybelow<n>": pinned_copy_below_mib = n;
 #: several joined by "+", e.g. pinned:programs0+groups4)
 STORE_OPTIONS = {"copy": {"pinned_reads": "copy"}, "overlap": {"pinned_reads": "overlap"},
@@ -403,9 +403,9 @@ COUNTED_OPTIONS = {"programs": "pinned_read_programs", "groups": "pinned_read_la
 
 
 def store_options(suffix: str) -> dict | None:
-    """The Config options a --kv-stores suffix sets; None for one it does not know, or whose
-    values Config refuses."""
-    from inferscale.config import Config
+    """The Config.tuning options a --kv-stores suffix sets; None for one it does not know, or
+    whose values Tuning refuses."""
+    from inferscale.config import Tuning
     from inferscale.errors import ConfigError
 
     if not suffix:
@@ -421,7 +421,7 @@ def store_options(suffix: str) -> dict | None:
         else:
             return None
     try:
-        Config(**options)
+        Tuning(**options)
     except ConfigError:
         return None
     return options
@@ -439,7 +439,7 @@ def parse_store(store: str) -> tuple[str, dict]:
 
 
 def fused(args) -> dict:
-    """Config.fused_write and Config.pinned_reads when asked for (absent from code that predates
+    """Config.tuning's fused_write and pinned_reads when asked for (absent from code that predates
     them): the defaults unless ``--fused-write``, ``--layerwise-write`` or (inject_profile.py)
     ``--pinned-reads`` says."""
     asked = {"pinned_reads": args.pinned_reads} if getattr(args, "pinned_reads", None) else {}
@@ -457,15 +457,15 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=20)
     parser.add_argument("--kv-stores", default="hbm,pinned", help="one engine per store, in this order; "
                         "a suffix sets an option for that engine: pinned:copy or pinned:overlap "
-                        "Config.pinned_reads, pinned:programs0+groups4 Config.pinned_read_programs = 0 (one "
+                        "Config.tuning.pinned_reads, pinned:programs0+groups4 pinned_read_programs = 0 (one "
                         "program per token) and pinned_read_launches = 4, "
-                        "hbm:launch or pinned:launch Config.write_graphs = false (for pinned: a launch per group of "
-                        "layers, no graphs), pinned:graphs Config.pinned_read_graphs = true (the default), "
-                        "pinned:copybelow0 Config.pinned_copy_below_mib = 0 (every read in place)")
+                        "hbm:launch or pinned:launch write_graphs = false (for pinned: a launch per group of "
+                        "layers, no graphs), pinned:graphs pinned_read_graphs = true (the default), "
+                        "pinned:copybelow0 pinned_copy_below_mib = 0 (every read in place)")
     parser.add_argument("--recompute", default="0", help="recompute budgets (tokens) to time KV injection with")
-    parser.add_argument("--fused-write", action="store_true", help="Config.fused_write: one kernel per step")
+    parser.add_argument("--fused-write", action="store_true", help="Config.tuning.fused_write: one kernel per step")
     parser.add_argument("--layerwise-write", action="store_true",
-                        help="Config.fused_write = false: whole-tensor ops and one backend write per layer")
+                        help="Config.tuning.fused_write = false: whole-tensor ops and one backend write per layer")
     parser.add_argument("--cuda-graphs", action="store_true", help="capture CUDA graphs (default: eager)")
     parser.add_argument("--shape", default="llama-3.1-8b", choices=sorted(SHAPES))
     parser.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks")
@@ -489,7 +489,7 @@ def main() -> None:
     from vllm import LLM
     from vllm.config import KVTransferConfig
 
-    from inferscale.config import BackendSpec, Config
+    from inferscale.config import BackendSpec, Config, Tuning
     from inferscale.compose.salt import CacheSalts
     from inferscale.connector.compat import set_engine_environment, platform_device_type, shutdown
     from inferscale.connector.engine import kv_transfer_config
@@ -509,7 +509,7 @@ def main() -> None:
     for store, (name, suffix_options) in zip(stores, parsed):  # "pinned:copy": the pinned store, pinned_reads = "copy"
         options = {**fused(args), **suffix_options}
         config = Config(model=str(model), data_dir=str(work), kv_store=BackendSpec(name), recompute_tokens=0,
-                        **options)
+                        tuning=Tuning(**options))
         llm = LLM(model=str(model), load_format="dummy", skip_tokenizer_init=True, dtype="bfloat16",
                   max_model_len=8192, enforce_eager=not args.cuda_graphs, enable_prefix_caching=not args.no_prefix_caching,
                   tensor_parallel_size=args.tp, **({"block_size": args.block_size} if args.block_size else {}),
@@ -538,7 +538,7 @@ def main() -> None:
     result = {"device": device, "model": f"{args.shape} shape, random weights, bf16, {mode}, {engine} engine",
               "command": " ".join(["python", *sys.argv]), "engine": engine, "kv_stores": stores,
               "tensor_parallel": args.tp, "block_size": args.block_size,
-              "prefix_caching": not args.no_prefix_caching, "fused_write": config.fused_write,
+              "prefix_caching": not args.no_prefix_caching, "fused_write": config.tuning.fused_write,
               "fact_tokens": args.fact_tokens, "reps": args.reps, "rows": rows, "store_get": gets}
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)

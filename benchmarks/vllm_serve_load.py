@@ -417,11 +417,11 @@ def main(argv: list[str] | None = None) -> int:
                         help="client processes, the users spread over them (default: a quarter of the cores, 1-4)")
     parser.add_argument("--kv-store", default="hbm", choices=["hbm", "pinned"])
     parser.add_argument("--pinned-reads", choices=["copy", "overlap"],
-                        help="Config.pinned_reads (default: Config's)")
+                        help="Config.tuning.pinned_reads (default: Tuning's)")
     parser.add_argument("--cuda-graphs", action="store_true")
     parser.add_argument("--layerwise-write", action="store_true",
-                        help="Config.fused_write = false (default: the fused write)")
-    parser.add_argument("--fused-write", action="store_true", help="Config.fused_write = true (the default)")
+                        help="Config.tuning.fused_write = false (default: the fused write)")
+    parser.add_argument("--fused-write", action="store_true", help="Config.tuning.fused_write = true (the default)")
     parser.add_argument("--max-model-len", type=int, default=4096)
     parser.add_argument("--gpu-memory-utilization", type=float, default=None)
     parser.add_argument("--start-timeout", type=float, default=600)
@@ -435,7 +435,7 @@ def main(argv: list[str] | None = None) -> int:
     systems = ["none", *[f"kv@{int(b)}" for b in args.budgets.split(",") if b != ""], "prompt"]
     default = parse_default(args.default, systems, parser)
 
-    from inferscale.config import BackendSpec, Config
+    from inferscale.config import BackendSpec, Config, Tuning
 
     work = Path(tempfile.mkdtemp(prefix="inferscale-load-"))
     cfg = SHAPES[args.shape]
@@ -449,8 +449,8 @@ def main(argv: list[str] | None = None) -> int:
           f"{time.monotonic() - began:.0f} s", flush=True)
     store = BackendSpec(args.kv_store, {"max_bytes": int(memory_bytes * 1.25) + (1 << 30)})
     config = Config(model=str(model), data_dir=str(work), kv_store=store, recompute_tokens=0,
-                    fused_write=not args.layerwise_write,
-                    **({"pinned_reads": args.pinned_reads} if args.pinned_reads else {}))
+                    tuning=Tuning(fused_write=not args.layerwise_write,
+                                  **({"pinned_reads": args.pinned_reads} if args.pinned_reads else {})))
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     log = out.parent / f"{out.name}_server.log"
@@ -471,7 +471,7 @@ def main(argv: list[str] | None = None) -> int:
               "command": " ".join(["python", *sys.argv]), "facts_per_user": args.facts, "k": args.k,
               "memory_tokens": args.prefix_tokens + args.k * args.fact_tokens, "question_tokens": args.question_tokens,
               "max_tokens": args.max_tokens, "seconds": args.seconds, "kv_store": args.kv_store,
-              "fused_write": not args.layerwise_write, "pinned_reads": config.pinned_reads,
+              "fused_write": not args.layerwise_write, "pinned_reads": config.tuning.pinned_reads,
               "memory_gib": memory_bytes / 2**30, "warm_up": check, "rows": rows}
     if default:
         result["default"] = {"method": default[0], "system": default[1]}

@@ -16,7 +16,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from inferscale.config import Config
+from inferscale.config import Tuning
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -44,7 +44,7 @@ def test_store_suffixes(suffix, expected):
     options = ttft_module().store_options(suffix)
     assert options == expected
     if options is not None:  # every option the benchmark sets is one the connector accepts
-        Config(**options)
+        Tuning(**options)
 
 
 def test_a_store_entry_names_a_memory_store_and_its_options():

@@ -28,7 +28,8 @@ def test_serve_config_is_a_kv_transfer_config(tmp_path):
 def test_bad_config_is_a_clear_error(tmp_path):
     (tmp_path / "c.toml").write_text('[retriever]\nname = "jaspr"\n')
     out = run("serve-config", "--config", str(tmp_path / "c.toml"))
-    assert out.returncode == 0  # names are checked when a backend is built
+    assert out.returncode == 2 and "retriever 'jaspr' is not registered — known: " in out.stderr  # checked on load
+    assert "exact" in out.stderr and "faiss" in out.stderr
     (tmp_path / "d.toml").write_text("top_k = 0\n")
     out = run("serve-config", "--config", str(tmp_path / "d.toml"))
     assert out.returncode == 2 and "top_k must be a positive integer" in out.stderr

@@ -60,7 +60,8 @@ def test_a_secret_path_that_is_a_directory_is_a_clear_error(tmp_path):
 
 def test_the_index_cache_is_bounded_in_bytes(store, monkeypatch):
     sizes = {u: (store.user_dir(u) / INDEX_NAME).stat().st_size for u in ("ann", "bob")}
-    monkeypatch.setattr(disk_module, "CACHE_BYTES", max(sizes.values()) + 1)
+    assert store._indexes.max_bytes == disk_module.CACHE_BYTES
+    monkeypatch.setattr(store._indexes, "max_bytes", max(sizes.values()) + 1)
     store.list("ann")
     store.list("bob")
-    assert len(store._cache) == 1 and store._cache_bytes <= disk_module.CACHE_BYTES
+    assert len(store._indexes) == 1 and store._indexes.nbytes <= store._indexes.max_bytes

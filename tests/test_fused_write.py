@@ -240,7 +240,7 @@ def test_layer_groups_cover_every_layer_once_in_order(num_layers, launches):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="pinned host memory addressed by a GPU")
 def test_loader_reads_pinned_blocks_in_place_when_asked():
     """pinned_reads = "overlap": the sources point into the pinned store's own blocks, unless the
-    step asks for a copy (a small read, Config.pinned_copy_below_mib); "copy": always into copies
+    step asks for a copy (a small read, Config.tuning.pinned_copy_below_mib); "copy": always into copies
     on the GPU, whatever the step asks."""
     from inferscale.compose.request import SegmentRequest
     from inferscale.compose.segment import PREFIX_FACT, SYSTEM_USER
@@ -285,7 +285,7 @@ def test_a_loader_off_the_gpu_never_reads_in_place():
     (52, 131072, 96 << 20, False), (532, 131072, 96 << 20, False), (768, 131072, 96 << 20, True),
     (1032, 131072, 96 << 20, True), (1, 1, 0, True), (0, 131072, 1, False)])
 def test_only_reads_past_the_threshold_go_in_place(tokens, token_bytes, from_bytes, expected):
-    """Config.pinned_copy_below_mib: Llama-3.1-8B's 128 KiB a token, 96 MiB: 1 or 25 facts of 20
+    """Config.tuning.pinned_copy_below_mib: Llama-3.1-8B's 128 KiB a token, 96 MiB: 1 or 25 facts of 20
     tokens (and the 32-token prefix) are copied first, 50 are read in place; 0 reads all in place."""
     from inferscale.inject.loader import reads_in_place
 

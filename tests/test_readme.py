@@ -245,12 +245,19 @@ def test_shell_block_commands_exist(block):
 @pytest.mark.parametrize("block", [b for b in ALL if b.lang == "toml"], ids=lambda b: b.id)
 def test_toml_block_parses(block):
     from inferscale.config import Config
+    from inferscale.errors import UnknownBackendError
 
     if block.marker == "not-run":
         pytest.skip(block.note)
     data = tomllib.loads(block.code)
     if set(data) <= {f for f in Config.__dataclass_fields__}:
-        Config.from_dict(data)
+        try:
+            Config.from_dict(data)
+        except UnknownBackendError as exc:
+            # a guide's own example backends: its script registers them (test_python_blocks_run)
+            defined = "".join(b.code for b in ALL if b.path == block.path and b.lang == "python")
+            if f'name = "{exc.name}"' not in defined:
+                raise
 
 
 def test_the_example_config_is_every_default():

@@ -15,7 +15,7 @@ import torch
 from inferscale.compose.request import SegmentRequest
 from inferscale.compose.rope import RotaryEmbedding
 from inferscale.compose.segment import PREFIX_FACT, SYSTEM_USER
-from inferscale.config import Config
+from inferscale.config import Config, Tuning
 from inferscale.inject import fused_write, sources
 from inferscale.inject.loader import LoadSpec, SegmentLoader, kv_head_range, load_blocks
 from inferscale.inject.stats import ConnectorStats
@@ -58,10 +58,10 @@ def spec_for(disk: DiskStore, user: str, req_id: str = "r", versions=None) -> Lo
     return LoadSpec(req_id, request, 0, length, length, load_blocks(range(length), 1, 0, length), 1, versions)
 
 
-def writer_for(tiers: Tiers, **config) -> tuple[KVWriter, ConnectorStats]:
+def writer_for(tiers: Tiers, **tuning) -> tuple[KVWriter, ConnectorStats]:
     rope = RotaryEmbedding(1.0 / (10_000 ** (torch.arange(0, SIZE, 2).float() / SIZE)), SIZE)
     stats = ConnectorStats()
-    writer = KVWriter(Config(**config), tiers, rope, kv_head_range(2, 1, 0), SIZE, stats)
+    writer = KVWriter(Config(tuning=Tuning(**tuning)), tiers, rope, kv_head_range(2, 1, 0), SIZE, stats)
     writer.register(LAYERS, torch.device("cpu"), torch.float32)
     return writer, stats
 

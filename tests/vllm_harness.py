@@ -20,7 +20,7 @@ import tiny_models
 from inferscale.compose.request import make_params
 from inferscale.compose.salt import CacheSalts
 from inferscale.compose.segment import PREFIX_FACT, SYSTEM_USER
-from inferscale.config import BackendSpec, Config, ModelSpec
+from inferscale.config import BackendSpec, Config, ModelSpec, Tuning
 from inferscale.connector.engine import kv_transfer_config
 from inferscale.storage.disk import DiskStore
 
@@ -29,21 +29,21 @@ GREEDY_TOKENS = 8
 #: also checked under piecewise and full graph replay
 EAGER = os.environ.get("INFERSCALE_TEST_CUDA_GRAPHS") != "1"
 #: INFERSCALE_TEST_FUSED_WRITE=0/1 (GPU machine): the connector writes per layer / with the fused
-#: kernel (unset: Config's default; on a CPU the per-layer path runs either way)
-FUSED_WRITE = {"0": False, "1": True}.get(os.environ.get("INFERSCALE_TEST_FUSED_WRITE", ""), Config.fused_write)
+#: kernel (unset: Tuning's default; on a CPU the per-layer path runs either way)
+FUSED_WRITE = {"0": False, "1": True}.get(os.environ.get("INFERSCALE_TEST_FUSED_WRITE", ""), Tuning.fused_write)
 #: INFERSCALE_TEST_PINNED_READS=copy/overlap (GPU machine): how the fused write reads the pinned store
-PINNED_READS = os.environ.get("INFERSCALE_TEST_PINNED_READS", Config.pinned_reads)
+PINNED_READS = os.environ.get("INFERSCALE_TEST_PINNED_READS", Tuning.pinned_reads)
 #: INFERSCALE_TEST_PINNED_READ_PROGRAMS=n (GPU machine): the in-place reads capped at n programs per layer
-PINNED_READ_PROGRAMS = int(os.environ.get("INFERSCALE_TEST_PINNED_READ_PROGRAMS") or Config.pinned_read_programs)
+PINNED_READ_PROGRAMS = int(os.environ.get("INFERSCALE_TEST_PINNED_READ_PROGRAMS") or Tuning.pinned_read_programs)
 #: INFERSCALE_TEST_PINNED_READ_GRAPHS=0/1 (GPU machine): the in-place reads launched per group /
-#: replayed from CUDA graphs (unset: Config's default)
+#: replayed from CUDA graphs (unset: Tuning's default)
 PINNED_READ_GRAPHS = {"0": False, "1": True}.get(os.environ.get("INFERSCALE_TEST_PINNED_READ_GRAPHS", ""),
-                                                 Config.pinned_read_graphs)
+                                                 Tuning.pinned_read_graphs)
 #: INFERSCALE_TEST_PINNED_COPY_BELOW_MIB=x (GPU machine): steps loading fewer MiB are copied, not read in place
-#: (unset: Config's default, under which a tiny model's reads are all copied)
-PINNED_COPY_BELOW_MIB = float(os.environ.get("INFERSCALE_TEST_PINNED_COPY_BELOW_MIB") or Config.pinned_copy_below_mib)
+#: (unset: Tuning's default, under which a tiny model's reads are all copied)
+PINNED_COPY_BELOW_MIB = float(os.environ.get("INFERSCALE_TEST_PINNED_COPY_BELOW_MIB") or Tuning.pinned_copy_below_mib)
 #: INFERSCALE_TEST_KV_STORE=hbm (GPU machine): the connector's memory tier (default: pinned host);
-#: on the GPU the hbm store's fused writes are replayed from CUDA graphs (Config.write_graphs)
+#: on the GPU the hbm store's fused writes are replayed from CUDA graphs (Config.tuning.write_graphs)
 KV_STORE = os.environ.get("INFERSCALE_TEST_KV_STORE", "pinned")
 #: INFERSCALE_TEST_BLOCK_SIZE=64 (GPU machine): tokens per KV cache block (unset: vLLM's choice)
 BLOCK_SIZE = {"block_size": int(os.environ["INFERSCALE_TEST_BLOCK_SIZE"])} if os.environ.get("INFERSCALE_TEST_BLOCK_SIZE") else {}
@@ -54,9 +54,10 @@ def engine_config(model_dir: Path, data_dir: Path, dtype: str, recompute_tokens:
     """The connector's config; by default every memory token is injected (no tail recompute),
     so a test compares injected K/V with plain prefill token for token."""
     return Config(model=ModelSpec(path=str(model_dir), dtype=dtype), data_dir=str(data_dir),
-                  kv_store=BackendSpec(KV_STORE), recompute_tokens=recompute_tokens, fused_write=FUSED_WRITE,
-                  pinned_reads=PINNED_READS, pinned_read_programs=PINNED_READ_PROGRAMS,
-                  pinned_read_graphs=PINNED_READ_GRAPHS, pinned_copy_below_mib=PINNED_COPY_BELOW_MIB)
+                  kv_store=BackendSpec(KV_STORE), recompute_tokens=recompute_tokens,
+                  tuning=Tuning(fused_write=FUSED_WRITE, pinned_reads=PINNED_READS,
+                                pinned_read_programs=PINNED_READ_PROGRAMS, pinned_read_graphs=PINNED_READ_GRAPHS,
+                                pinned_copy_below_mib=PINNED_COPY_BELOW_MIB))
 
 
 @contextlib.contextmanager

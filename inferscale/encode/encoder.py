@@ -24,6 +24,9 @@ differ from that by fp32 rounding (measured ≤ 1.3e-5 relative on
 Qwen2.5-0.5B); rows of equal length stay bit-identical. Rows are sorted by
 length to keep padding small.
 
+Model introspection and the K/V hooks are in :mod:`inferscale.encode.capture`, the padded
+prefills in :mod:`inferscale.encode.prefill`.
+
 Which is faster depends on the device (``benchmarks/encode_speed.py``, every LoCoMo
 conversation): on a CPU, where time follows the tokens run, shared prefills took 1.1-1.7x
 less time; on an H200 (Llama-3.1-8B shape, bf16) whole rows took 0.71-0.93x the time of
@@ -36,147 +39,26 @@ from __future__ import annotations
 
 import gc
 from collections.abc import Collection, Mapping, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 from tqdm.auto import tqdm
 
-from inferscale.encode import sharing
+from inferscale.devices import module_device
+from inferscale.encode import prefill, sharing
+from inferscale.encode.capture import KVCapture as _KVCapture
+from inferscale.encode.capture import attention_modules, has_sliding_window, model_name, text_config
+from inferscale.encode.fact_rows import related_ids, source_index, unique_facts
 from inferscale.encode.policies import NoWindow
+from inferscale.encode.prefill import Prefilled as _Prefilled
 from inferscale.encode.sharing import Row as _Row
 from inferscale.encode.window import Turn, WindowPolicy
-from inferscale.devices import module_device
 from inferscale.errors import ModelMismatchError
 from inferscale.facts import Fact, render_fact
 from inferscale.kv import FactKV
 
-
-@dataclass(frozen=True)
-class _Prefilled:
-    """Post-RoPE K/V of right-padded rows as the model's cache holds them: per layer
-    ``(keys, values)``, each ``[batch, kv_heads, width, head_size]``; row b's own
-    tokens are its first ``lengths[b]`` columns, the rest is padding."""
-
-    layers: tuple[tuple[torch.Tensor, torch.Tensor], ...]
-    lengths: tuple[int, ...]
-
-    @property
-    def width(self) -> int:
-        return self.layers[0][0].shape[2]
-
-    def rows(self, index: Sequence[int], lengths: Sequence[int]) -> _Prefilled:
-        """Rows ``index`` (repeats allowed), row i read up to its first ``lengths[i]`` columns."""
-        assert all(n <= self.lengths[i] for i, n in zip(index, lengths))
-        idx = torch.tensor(index, device=self.layers[0][0].device)
-        return _Prefilled(tuple((k.index_select(0, idx), v.index_select(0, idx)) for k, v in self.layers),
-                          tuple(lengths))
-
-
-# ---------------------------------------------------------------- model introspection
-
-
-def text_config(model: nn.Module):
-    """The decoder's config (multimodal models nest it)."""
-    config = model.config
-    return config.get_text_config() if hasattr(config, "get_text_config") else config
-
-
-def has_sliding_window(config) -> bool:
-    """Whether any layer attends through a sliding window (there the shared prefill is not used)."""
-    types = getattr(config, "layer_types", None)
-    if types:
-        return any(t != "full_attention" for t in types)
-    return bool(getattr(config, "sliding_window", None)) and getattr(config, "use_sliding_window", True)
-
-
-def model_name(model: nn.Module) -> str:
-    return f"{type(model).__name__} ({getattr(text_config(model), 'model_type', '?')})"
-
-
-def attention_modules(model: nn.Module) -> list[nn.Module]:
-    """The decoder's attention modules in layer order; each must have k_proj and v_proj."""
-    found = [
-        m
-        for m in model.modules()
-        if isinstance(getattr(m, "k_proj", None), nn.Module)
-        and isinstance(getattr(m, "v_proj", None), nn.Module)
-        and isinstance(getattr(m, "layer_idx", None), int)
-    ]
-    expected = text_config(model).num_hidden_layers
-    if not found:
-        raise ModelMismatchError(
-            f"{model_name(model)} is not supported by the fact encoder: no attention module with "
-            f"separate k_proj / v_proj projections (fused QKV projections are not supported)"
-        )
-    if len(found) != expected:
-        raise ModelMismatchError(
-            f"{model_name(model)}: found {len(found)} attention modules with k_proj/v_proj, "
-            f"but the config has {expected} layers"
-        )
-    return sorted(found, key=lambda m: m.layer_idx)
-
-
-def _to_bthd(out: torch.Tensor, inp: torch.Tensor, seq: int, heads: int) -> torch.Tensor:
-    """A hooked output as ``[batch, seq, heads, head_size]``.
-
-    Projections give ``[B, T, H*D]``; norms get a ``[B, T, H, D]`` view (Qwen3)
-    or its ``[B, H, T, D]`` transpose (Gemma3): when T == H the input's strides
-    tell which.
-    """
-    if out.dim() == 3:
-        return out.unflatten(-1, (heads, -1))
-    if seq == heads:
-        heads_first = inp.stride(1) < inp.stride(2)
-    else:
-        heads_first = out.shape[1] == heads
-    return out.transpose(1, 2) if heads_first else out
-
-
-def _last_stage(attn: nn.Module, norm: str, proj: str) -> nn.Module:
-    """The module whose output is the cached tensor before RoPE: the norm if any."""
-    module = getattr(attn, norm, None)
-    return module if isinstance(module, nn.Module) else getattr(attn, proj)
-
-
-class _KVCapture:
-    """Forward hooks recording every layer's pre-RoPE keys and values for one batch."""
-
-    def __init__(self, attn: Sequence[nn.Module], num_kv_heads: int, head_size: int):
-        self.attn, self.num_kv_heads, self.head_size = list(attn), num_kv_heads, head_size
-        self.keys: list[torch.Tensor | None] = [None] * len(self.attn)
-        self.values: list[torch.Tensor | None] = [None] * len(self.attn)
-        self.seq = 0
-        self._handles: list[Any] = []
-
-    def __enter__(self) -> _KVCapture:
-        for i, module in enumerate(self.attn):
-            k_src = _last_stage(module, "k_norm", "k_proj")
-            v_src = _last_stage(module, "v_norm", "v_proj")
-            self._handles.append(k_src.register_forward_hook(self._hook(self.keys, i)))
-            self._handles.append(v_src.register_forward_hook(self._hook(self.values, i)))
-        return self
-
-    def __exit__(self, *exc) -> None:
-        for handle in self._handles:
-            handle.remove()
-        self._handles.clear()
-
-    def _hook(self, store: list, layer: int):
-        def hook(module, args, output):
-            out = _to_bthd(output, args[0], self.seq, self.num_kv_heads)
-            if out.shape[1:] != (self.seq, self.num_kv_heads, self.head_size):
-                raise ModelMismatchError(
-                    f"layer {layer}: captured {tuple(output.shape)}, expected "
-                    f"[batch, {self.seq}, {self.num_kv_heads}, {self.head_size}]"
-                )
-            store[layer] = out.detach()
-
-        return hook
-
-
-# ---------------------------------------------------------------- the encoder
+__all__ = ["FactEncoder", "attention_modules", "has_sliding_window", "model_name", "text_config"]
 
 
 class FactEncoder:
@@ -271,12 +153,12 @@ class FactEncoder:
         for a policy that reads them (``window.related > 0``).
         """
         self._live_model()
-        unique = _unique_facts(facts)
-        sources = _source_index(turns)
+        unique = unique_facts(facts)
+        sources = source_index(turns)
         rendered = [self.fact_token_ids(fact) for fact in unique]
         prefix = tuple(prefix_ids)
         chosen = [i for i, fact in enumerate(unique) if only is None or fact.fact_id in only]
-        near = _related_ids(unique, rendered, chosen, related, self.window.related)
+        near = related_ids(unique, rendered, chosen, related, self.window.related)
         rows = [self._fact_row(unique[i], turns, sources, prefix, rendered[:i], rendered[i], near[i])
                 for i in chosen]
         with tqdm(total=len(rows), desc="encoding facts", unit="fact", disable=not progress) as bar:
@@ -389,31 +271,8 @@ class FactEncoder:
         return _Prefilled(layers, tuple(n + len(seq) for n, seq in zip(lengths, seqs)))
 
     def _forward(self, past: _Prefilled | None, seqs: Sequence[Sequence[int]], keep_cache: bool = True):
-        """One forward pass over right-padded ``seqs``, row b after the first
-        ``past.lengths[b]`` cached tokens, at positions from there; the cache after it
-        (None when there was no past and none is kept)."""
-        from transformers import DynamicCache
-
-        model = self._live_model()
-        device = module_device(model)
-        lengths = torch.tensor(past.lengths if past else [0] * len(seqs))
-        input_ids, mask = self._pad(seqs)
-        seen = torch.arange(past.width if past else 0) < lengths[:, None]
-        positions = lengths[:, None] + torch.arange(input_ids.shape[1])
-        cache = DynamicCache(past.layers) if past else DynamicCache() if keep_cache else None
-        with torch.no_grad():
-            model.base_model(input_ids=input_ids.to(device), attention_mask=torch.cat([seen, mask], 1).long().to(device),
-                             position_ids=positions.to(device), past_key_values=cache, use_cache=cache is not None)
-        return cache
-
-    def _pad(self, seqs: Sequence[Sequence[int]]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Right-padded ids and the mask of real tokens."""
-        width = max(len(seq) for seq in seqs)
-        input_ids = torch.full((len(seqs), width), self._pad_id, dtype=torch.long)
-        for b, seq in enumerate(seqs):
-            input_ids[b, : len(seq)] = torch.tensor(seq, dtype=torch.long)
-        mask = torch.arange(width) < torch.tensor([len(seq) for seq in seqs])[:, None]
-        return input_ids, mask
+        """:func:`inferscale.encode.prefill.forward` with this encoder's model and pad id."""
+        return prefill.forward(self._live_model(), past, seqs, self._pad_id, keep_cache)
 
     def _slice(self, capture: _KVCapture, b: int, start: int, seq: Sequence[int]) -> FactKV:
         dtype = self.dtype
@@ -426,40 +285,3 @@ class FactEncoder:
     def _empty_kv(self) -> FactKV:
         shape = (self.num_layers, 0, self.num_kv_heads, self.head_size)
         return FactKV((), torch.empty(shape, dtype=self.dtype), torch.empty(shape, dtype=self.dtype))
-
-
-def _unique_facts(facts: Sequence[Fact]) -> list[Fact]:
-    """Facts with duplicate fact_ids dropped (the same id must mean the same text)."""
-    seen: dict[str, Fact] = {}
-    for fact in facts:
-        other = seen.setdefault(fact.fact_id, fact)
-        if other.text != fact.text:
-            raise ValueError(f"fact_id {fact.fact_id!r} is given twice with different texts")
-    return list(seen.values())
-
-
-def _related_ids(facts: Sequence[Fact], rendered: Sequence[Sequence[int]], chosen: Sequence[int],
-                 related: Mapping[str, Sequence[str]] | None, wanted: int) -> dict[int, list[Sequence[int]]]:
-    """Per chosen fact (by index), the token ids of its related facts, the most related last;
-    empty lists when the policy reads none."""
-    if not wanted:
-        return {i: [] for i in chosen}
-    if related is None:
-        raise ValueError("this window policy encodes facts behind their related facts: pass related=")
-    position = {fact.fact_id: i for i, fact in enumerate(facts)}
-    out: dict[int, list[Sequence[int]]] = {}
-    for i in chosen:
-        ids = related.get(facts[i].fact_id, ())
-        unknown = [fid for fid in ids if fid not in position]
-        if unknown:
-            raise ValueError(f"fact {facts[i].fact_id!r}: related facts {unknown[:3]} are not among the facts given")
-        out[i] = [rendered[position[fid]] for fid in ids if fid != facts[i].fact_id]
-    return out
-
-
-def _source_index(turns: Sequence[Turn]) -> dict[str, int]:
-    """turn_id → index of its first occurrence."""
-    index: dict[str, int] = {}
-    for i, turn in enumerate(turns):
-        index.setdefault(turn.turn_id, i)
-    return index

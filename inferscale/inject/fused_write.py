@@ -13,7 +13,7 @@ Sources are given per token (:mod:`inferscale.inject.sources`, joined over
 requests with :meth:`Sources.join`): raw addresses, the token's position and key scale. A
 block may lie in GPU memory or, under unified addressing, in pinned host memory
 (each element is read once, a rotary pair by the same program). By default
-(``Config.pinned_reads = "overlap"``) the connector reads pinned blocks in place,
+(``Config.tuning.pinned_reads = "overlap"``) the connector reads pinned blocks in place,
 a range of layers per launch, while the forward runs; ``"copy"`` copies them
 first, which is faster when the whole read must come before the forward
 (``benchmarks/fused_write_speed.py``). The destination is described by

@@ -82,7 +82,7 @@ class SegmentLoader:
         self.store, self.disk, self.rope = store, disk, rope
         self.heads, self.device, self.dtype = heads, torch.device(device), dtype
         #: the fused write's sources may point into pinned host blocks where they lie (no copy), for a
-        #: step that loads at least ``in_place_from`` bytes (Config.pinned_copy_below_mib)
+        #: step that loads at least ``in_place_from`` bytes (Config.tuning.pinned_copy_below_mib)
         self.host_in_place = host_in_place and self.device.type == "cuda" and store.pinned
         self.in_place_from = in_place_from
         #: the instruction prefix's blocks where a step reads them (host or device): (its version, its blocks)
@@ -213,7 +213,7 @@ class SegmentLoader:
 
 def reads_in_place(num_tokens: int, token_bytes: int, in_place_from: int) -> bool:
     """Whether a step loading ``num_tokens`` tokens of ``token_bytes`` bytes each reads pinned
-    host memory in place (``Config.pinned_copy_below_mib``): only from ``in_place_from`` bytes on,
+    host memory in place (``Config.tuning.pinned_copy_below_mib``): only from ``in_place_from`` bytes on,
     where the bus time it hides outweighs its fixed cost; smaller steps are copied first."""
     return num_tokens * token_bytes >= in_place_from
 

@@ -11,9 +11,9 @@ which the table carries, do nothing). A step writes its table into the staging
 buffer (one NumPy copy into a view kept with the graph) and replays the graph on the forward stream (an in-place
 read of host memory: on the side stream, below).
 
-An in-place read of pinned host memory (``Config.pinned_reads = "overlap"``) is
+An in-place read of pinned host memory (``Config.tuning.pinned_reads = "overlap"``) is
 split into groups of layers, each layer's attention waiting for its group only.
-Replayed from a graph (``Config.pinned_read_graphs``), the groups' launches are
+Replayed from a graph (``Config.tuning.pinned_read_graphs``), the groups' launches are
 captured one after another, each followed by an event that the graph itself
 records (an *external* event: the forward stream, outside the graph, can wait
 for it), so that one graph launch replaces a Triton launch, an event and its

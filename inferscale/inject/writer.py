@@ -1,10 +1,10 @@
 """Worker side, vLLM-free: the write policy of a step's memory into the paged cache.
 
 :class:`KVWriter` decides how each step's loads reach the cache: where the fused write may run
-(``Config.fused_write``, Triton, a sources table that compiles, a cache layout it knows), one
+(``Config.tuning.fused_write``, Triton, a sources table that compiles, a cache layout it knows), one
 kernel writes every layer for every request (:mod:`~inferscale.inject.fused_write`), replayed
-from CUDA graphs with ``Config.write_graphs``, reading pinned host blocks in place a group of
-layers at a time with ``Config.pinned_reads = "overlap"``; elsewhere each layer's K/V is
+from CUDA graphs with ``Config.tuning.write_graphs``, reading pinned host blocks in place a group of
+layers at a time with ``Config.tuning.pinned_reads = "overlap"``; elsewhere each layer's K/V is
 gathered and rotated (:meth:`SegmentLoader.load`) and written through the attention backend's
 own op, layer by layer, overlapping the forward pass (:mod:`~inferscale.inject.layer_loads`).
 
@@ -80,14 +80,14 @@ class KVWriter:
         config = self.config
         self.num_layers = num_layers
         self.loader = SegmentLoader(self.tiers.memory, self.tiers.disk, self.rope, self.heads, device, dtype,
-                                    host_in_place=config.pinned_reads == "overlap",
-                                    in_place_from=int(config.pinned_copy_below_mib * 2**20))
+                                    host_in_place=config.tuning.pinned_reads == "overlap",
+                                    in_place_from=int(config.tuning.pinned_copy_below_mib * 2**20))
         self.layer_loads = LayerLoads(device, num_layers)
         #: whether the fused write may run here (its sources table's loop compiled now, not on the
         #: first request's path); whether it can, the cache layout decides (:meth:`_fused_views`)
-        self._fused_allowed = config.fused_write and fused_write.available() and sources_table.ready()
+        self._fused_allowed = config.tuning.fused_write and fused_write.available() and sources_table.ready()
         #: the launches of an in-place read of host memory (pinned_reads = "overlap"), a group of layers each
-        self._host_groups = tuple(layer_groups(num_layers, config.pinned_read_launches))
+        self._host_groups = tuple(layer_groups(num_layers, config.tuning.pinned_read_launches))
 
     def write_step(self, loads: Sequence[LoadSpec], cache: PagedCache, waits_per_layer: bool = True) -> None:
         """Queue this step's loads; the forward pass waits for each layer in :meth:`wait_layer`,
@@ -129,7 +129,7 @@ class KVWriter:
 
     def _fused_views(self, cache: PagedCache) -> fused_write.CacheViews | None:
         """The paged caches as the fused kernel addresses them; None when it is off
-        (``Config.fused_write``) or cannot run (no Triton, the CPU, a cache layout, dtype or
+        (``Config.tuning.fused_write``) or cannot run (no Triton, the CPU, a cache layout, dtype or
         vLLM release it does not know (said once, in the log), no Numba to build its sources table): then each layer is
         written through the backend's op. Looked at once, on the first step."""
         if self._cache_views is None:
@@ -141,7 +141,7 @@ class KVWriter:
                     logger.warning("inferscale: the fused cache write is off: %s; each layer is written "
                                    "through the attention backend's op", exc)
                     return None
-                if self.config.write_graphs and self._cache_views.bases.device.type == "cuda":
+                if self.config.tuning.write_graphs and self._cache_views.bases.device.type == "cuda":
                     self._write_graphs = WriteGraphs(self._cache_views, self.heads.start, self.rope.rotary_dim,
                                                      self.rope.style == "neox")
         return self._cache_views or None
@@ -178,15 +178,15 @@ class KVWriter:
 
     def _launch_fused(self, sources: Sources, cos: torch.Tensor, sin: torch.Tensor
                       ) -> tuple[Sources, torch.cuda.Event | None]:
-        """From GPU memory: one replay of a CUDA graph (``Config.write_graphs``), else one launch,
+        """From GPU memory: one replay of a CUDA graph (``Config.tuning.write_graphs``), else one launch,
         on the current stream. From host memory: a launch per group of layers, each group's event
-        recorded, all replayed from one graph with ``Config.pinned_read_graphs``. Returns the
+        recorded, all replayed from one graph with ``Config.tuning.pinned_read_graphs``. Returns the
         sources the queued work reads (their table, when it was copied to the device, and the
         blocks), and the event the graph recorded after its replay (else None)."""
         host = sources.in_host_memory
         groups = self._host_groups if host else None
-        programs = (self.config.pinned_read_programs or None) if host else None
-        if self._write_graphs is not None and (not host or self.config.pinned_read_graphs):
+        programs = (self.config.tuning.pinned_read_programs or None) if host else None
+        if self._write_graphs is not None and (not host or self.config.tuning.pinned_read_graphs):
             events = self._write_graphs.write(sources, cos, sin, groups, programs)
             if events is not None:  # (the graph reads its own table)
                 for layers, event in events if host else ():  # the sources kept until the last group has run

@@ -14,25 +14,22 @@ not rewrite what is stored, except the few newest small segments it merges
 the segments that held it, so its bytes leave the disk. Every file is written
 to a temp file, fsynced and renamed (:mod:`inferscale.storage.files`); the
 index's rename is the commit: a crash leaves the old or the new version, and
-files it left behind are removed by the next write. Writers take an exclusive
-``flock`` on ``<root>/.lock``; readers take none (a segment removed under a
-reader sends it back to the new index).
+files it left behind are removed by the next write (the writing side:
+:mod:`inferscale.storage.disk_writes`). Writers take an exclusive ``flock`` on
+``<root>/.lock``; readers take none (a segment removed under a reader sends it
+back to the new index).
 
 ``list``/``token_ids``/``facts``/``nbytes``/``generation`` read only the
-index (verified by its own checksum; cached by the file's identity). Reads
-that return K/V (``get``, ``load_user``, ``read_user``) verify every segment
+index (verified by its own checksum; cached by the file's identity,
+:mod:`inferscale.storage.index_cache`). Reads that return K/V (``get``, ``load_user``, ``read_user``) verify every segment
 they read, whole, against its checksum and the index.
 """
 
 from __future__ import annotations
 
 import contextlib
-import glob
 import os
-import shutil
-import threading
-from collections import OrderedDict
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
@@ -44,17 +41,18 @@ from inferscale.devices import resolve_device
 from inferscale.errors import CorruptDataError, UnknownUserError
 from inferscale.facts import Fact, user_file_stem, user_from_file_stem
 from inferscale.kv import FactKV, KVBatch
-from inferscale.storage import files, kvfile, legacy
+from inferscale.storage import kvfile, legacy
 from inferscale.storage.base import KVStore
 from inferscale.storage.blocks import empty_batch
-from inferscale.storage.compaction import segments_to_rewrite
-from inferscale.storage.index import INDEX_NAME, UserIndex, new_segment_name
+from inferscale.storage.disk_writes import LOCK_NAME, SUFFIX, DiskWrites
+from inferscale.storage.index import INDEX_NAME, UserIndex
+from inferscale.storage.index_cache import IndexCache
 from inferscale.storage.layout import check_ids, check_layout, require_facts
-from inferscale.storage.segments import make_index, next_version, read_segments
+from inferscale.storage.segments import read_segments
 
-SUFFIX = ".safetensors"
+__all__ = ["CACHE_BYTES", "CACHE_SIZE", "LOCK_NAME", "READ_ATTEMPTS", "SUFFIX", "USERS_DIR", "DiskStore"]
+
 USERS_DIR = "users"
-LOCK_NAME = ".lock"
 CACHE_SIZE = 256
 #: the cached indexes' files together, at most (an index holds every fact's token ids)
 CACHE_BYTES = 64 << 20
@@ -62,7 +60,7 @@ CACHE_BYTES = 64 << 20
 READ_ATTEMPTS = 3
 
 
-class DiskStore(KVStore):
+class DiskStore(DiskWrites, KVStore):
     """Durable K/V store; ``get`` reads, verifies and concatenates on the CPU, then moves."""
 
     name: ClassVar[str] = "disk"
@@ -81,9 +79,8 @@ class DiskStore(KVStore):
         """Runtime keywords are accepted and ignored (the root comes from the options)."""
         self.root = Path(os.path.expanduser(options.root))
         self.root.mkdir(parents=True, exist_ok=True)
-        self._cache: OrderedDict[tuple, tuple[UserIndex, int]] = OrderedDict()  # key → (index, file bytes)
-        self._cache_bytes = 0
-        self._cache_lock = threading.Lock()
+        #: the users' parsed indexes while their files are unchanged
+        self._indexes = IndexCache(CACHE_SIZE, CACHE_BYTES)
         #: user -> (their index file, their format 1/2 file), as strings: every request stats
         #: the index a few times, and checking the id and building the paths cost more than the stat
         self._remembered_paths = lru_cache(maxsize=4096)(self._paths_of_index)
@@ -264,9 +261,9 @@ class DiskStore(KVStore):
     def _index(self, user_id: str) -> UserIndex | None:
         """The user's index (format 3, else a format 1/2 file's), cached while the file is unchanged."""
         current, legacy_file = self._index_paths(user_id)
-        return (self._cached(current, user_id, _read_index)
-                or self._cached(legacy_file, user_id, legacy.read_index)
-                or self._cached(current, user_id, _read_index))  # converted meanwhile
+        return (self._indexes.read(current, user_id, _read_index)
+                or self._indexes.read(legacy_file, user_id, legacy.read_index)
+                or self._indexes.read(current, user_id, _read_index))  # converted meanwhile
 
     def _index_paths(self, user_id: str) -> tuple[str, str]:
         if not isinstance(user_id, str):  # not remembered (maybe unhashable): raises the error for a bad id
@@ -276,117 +273,8 @@ class DiskStore(KVStore):
     def _paths_of_index(self, user_id: str) -> tuple[str, str]:
         return str(self.user_dir(user_id) / INDEX_NAME), str(self.legacy_path(user_id))
 
-    def _cached(self, path: str, user_id: str, read: Callable[[Path, str], UserIndex]) -> UserIndex | None:
-        """The index in ``path``, from the cache while the file is unchanged; the cache holds at most
-        :data:`CACHE_SIZE` indexes and :data:`CACHE_BYTES` of their files."""
-        try:
-            stat = os.stat(path)
-        except FileNotFoundError:
-            return None
-        key = (path, *files.identity(stat))
-        with self._cache_lock:
-            if (hit := self._cache.get(key)) is not None:
-                return hit[0]
-        try:
-            index = read(Path(path), user_id)
-        except FileNotFoundError:
-            return None
-        except RecursionError:
-            raise CorruptDataError(f"{path}: not a readable index (nested too deeply)") from None
-        self._remember(key, index, stat.st_size)
-        return index
-
-    def _remember(self, key: tuple, index: UserIndex, size: int) -> None:
-        with self._cache_lock:
-            if key in self._cache:
-                return
-            self._cache[key] = (index, size)
-            self._cache_bytes += size
-            while self._cache and (len(self._cache) > CACHE_SIZE or self._cache_bytes > CACHE_BYTES):
-                self._cache_bytes -= self._cache.popitem(last=False)[1][1]
-
     def _segment_path(self, index: UserIndex, name: str) -> Path:
         return self.legacy_path(index.user_id) if index.legacy else self.user_dir(index.user_id) / name
-
-    # -- writing ---------------------------------------------------------------
-
-    @contextlib.contextmanager
-    def _writer(self) -> Iterator[None]:
-        """Exclusive across threads and processes sharing ``root``."""
-        with files.exclusive_lock(self.root / LOCK_NAME):
-            yield
-
-    def _commit(self, user_id: str, current: UserIndex | None, fresh: kvfile.UserFile, drop: set[str]) -> None:
-        """Write the next version: one new segment (if it holds anything), then the index."""
-        rewritten = self._to_rewrite(current, fresh, drop)
-        try:
-            carried = read_segments(current, {n: self._segment_path(current, n) for n in rewritten}) \
-                if rewritten else kvfile.UserFile(fresh.layout, {})
-        except FileNotFoundError as exc:
-            raise CorruptDataError(f"{self.user_dir(user_id)}: a segment the index lists is missing "
-                                   f"({Path(exc.filename or '?').name})") from None
-        name = new_segment_name()
-        entries, segment = next_version(user_id, current, fresh, drop, carried, rewritten, name)
-        if not entries:
-            self._remove_user(user_id)
-            return
-        files.make_dir(self.user_dir(user_id))
-        written = self._write_segment(user_id, name, segment) if segment.facts else None
-        index = make_index(user_id, current, fresh.layout, entries, rewritten, written)
-        files.atomic_write(self.user_dir(user_id) / INDEX_NAME, index.encode())
-        for old in rewritten:
-            files.remove(self._segment_path(current, old))
-        self._sync_after_removal(user_id, current)
-
-    @staticmethod
-    def _to_rewrite(current: UserIndex | None, fresh: kvfile.UserFile, drop: set[str]) -> list[str]:
-        if current is None:
-            return []
-        holding = {current.facts[f].segment for f in drop if f in current.facts}
-        new_bytes = sum(kv.nbytes for kv in fresh.facts.values())
-        return segments_to_rewrite(current.segment_kv_bytes(), holding, new_bytes, current.legacy)
-
-    def _write_segment(self, user_id: str, name: str, segment: kvfile.UserFile) -> tuple[str, str, int]:
-        data, sha256 = kvfile.encode(user_id, segment)
-        files.atomic_write(self.user_dir(user_id) / name, data)
-        return name, sha256, len(data)
-
-    def _sync_after_removal(self, user_id: str, current: UserIndex | None) -> None:
-        files.fsync_dir(self.user_dir(user_id))
-        if current is not None and current.legacy:
-            files.fsync_dir(self.root)
-
-    def _remove_user(self, user_id: str) -> None:
-        """Remove the format 1/2 file, then the index (the commit), then the rest."""
-        if files.remove(self.legacy_path(user_id)):
-            files.fsync_dir(self.root)
-        directory = self.user_dir(user_id)
-        if files.remove(directory / INDEX_NAME):
-            files.fsync_dir(directory)
-        if directory.is_dir():
-            shutil.rmtree(directory)
-            files.fsync_dir(directory.parent)
-
-    def _clean(self, user_id: str) -> UserIndex | None:
-        """The user's current index, after removing what crashed or superseded writes
-        left behind (we hold the write lock)."""
-        index = self._index(user_id)
-        self._remove_temps(user_id)
-        directory = self.user_dir(user_id)
-        if index is not None and not index.legacy and files.remove(self.legacy_path(user_id)):
-            files.fsync_dir(self.root)  # a format 1/2 file left by a crash right after its conversion
-        if directory.is_dir():
-            live = set() if index is None or index.legacy else set(index.segments)
-            for path in directory.iterdir():
-                if path.name != INDEX_NAME and path.name not in live:
-                    files.remove(path)
-        return index
-
-    def _remove_temps(self, user_id: str) -> None:
-        """Temp files of the format 1/2 writer that a crash left in the root."""
-        pattern = glob.escape(f".{user_file_stem(user_id)}{SUFFIX}") + "#*" + files.TEMP_SUFFIX
-        for stale in self.root.glob(pattern):
-            files.remove(stale)
 
 
 def _read_index(path: Path, user_id: str) -> UserIndex:
