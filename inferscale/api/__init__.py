@@ -24,10 +24,12 @@ from typing import Any
 
 from inferscale.api.context import Context, load_config
 from inferscale.api.generation import Answer, GenerationAPI, Mode, PromptRequest
-from inferscale.api.memory import Forgotten, FoundFact, MemoryAPI
+from inferscale.api.memory import ExtractionError, Forgotten, FoundFact, MemoryAPI, Turn, extraction_tokens
+from inferscale.compose.request import MAX_FACTS  # the most facts one request may name (k's bound)
 from inferscale.config import Config
 
-__all__ = ["Answer", "Context", "Forgotten", "FoundFact", "GenerationAPI", "InferScale", "MemoryAPI", "Mode", "PromptRequest"]
+__all__ = ["MAX_FACTS", "Answer", "Context", "ExtractionError", "Forgotten", "FoundFact", "GenerationAPI", "InferScale",
+           "MemoryAPI", "Mode", "PromptRequest", "Turn", "extraction_tokens"]
 
 
 class InferScale:

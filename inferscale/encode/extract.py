@@ -49,8 +49,8 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 from inferscale.encode.window import Turn
-from inferscale.retrieval.embed_local import torch_threads
 from inferscale.errors import ConfigError, InferScaleError
+from inferscale.threads import torch_threads
 
 #: Mem0's extraction prompt (system + user skeleton), in Qwen2.5 tokens (7924 + ≈80)
 MEM0_PROMPT_TOKENS = 8_000
@@ -352,9 +352,14 @@ def pick_model(models: list[dict], wanted: str | None, url: str) -> ServedModel:
     return ServedModel(str(model["id"]), int(length) if isinstance(length, int) else None)
 
 
+def context_tokens(output_tokens: int) -> int:
+    """The served context one extraction call needs: Mem0's prompt, what it adds, the answer."""
+    return MEM0_PROMPT_TOKENS + CONTEXT_HEADROOM + output_tokens
+
+
 def check_context(served: ServedModel, output_tokens: int, url: str) -> None:
     """ConfigError when the served context cannot hold Mem0's prompt plus the answer."""
-    needed = MEM0_PROMPT_TOKENS + CONTEXT_HEADROOM + output_tokens
+    needed = context_tokens(output_tokens)
     if served.max_model_len is not None and served.max_model_len < needed:
         raise ConfigError(
             f"{served.model_id} at {url} has max_model_len {served.max_model_len}, but Mem0's extraction "

@@ -16,9 +16,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from inferscale.facts import shown
+from inferscale.facts import check_request_user_id, shown
 from inferscale.server.errors import APIError
-from inferscale.server.schemas import user_id_of
 
 #: ``inferscale.mode`` → the generation mode (``text``: the facts as text in the prompt)
 MODES = {"kv": "kv", "text": "prompt", "prompt": "prompt", "none": "none"}
@@ -119,7 +118,7 @@ def _user(body: Mapping[str, Any], options: Mapping[str, Any]) -> str | None:
     if user_id is None:
         return None
     try:
-        return user_id_of(user_id)
+        return check_request_user_id(user_id)
     except ValueError as exc:
         raise APIError(400, str(exc), "user") from None
 

@@ -67,11 +67,9 @@ def arg_value(args: Sequence[str], name: str) -> str | None:
 def context_length(config: Config, model_max: int) -> int:
     """The engine's ``--max-model-len``: the config's, raised so Mem0's extraction fits
     (rounded up to 1024), and at most the model's own."""
-    from inferscale.encode.extract import CONTEXT_HEADROOM, MEM0_PROMPT_TOKENS, Mem0Extractor
+    from inferscale.api import extraction_tokens
 
-    options = Mem0Extractor.Options(llm_base_url="http://unused/v1", store_dir="unused",
-                                    max_facts_per_turn=config.max_facts_per_turn)
-    extraction = math.ceil((MEM0_PROMPT_TOKENS + CONTEXT_HEADROOM + options.output_tokens) / ROUND_TOKENS)
+    extraction = math.ceil(extraction_tokens(config) / ROUND_TOKENS)
     return min(max(config.model.max_model_len, extraction * ROUND_TOKENS), model_max)
 
 

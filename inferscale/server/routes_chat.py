@@ -25,8 +25,7 @@ from fastapi import APIRouter, Request
 from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from inferscale.api import PromptRequest
-from inferscale.compose.request import MAX_FACTS
+from inferscale.api import MAX_FACTS, PromptRequest
 from inferscale.errors import CorruptDataError, MissingFactError
 from inferscale.server import forward
 from inferscale.server.bodies import read_json

@@ -25,13 +25,13 @@ from fastapi import APIRouter, Depends, Query, Request
 from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import JSONResponse
 
-from inferscale.encode.window import Turn
+from inferscale.api import ExtractionError, Turn
 from inferscale.errors import ConfigError, MissingFactError, UnknownUserError
-from inferscale.facts import MAX_USER_ID_CHARS
+from inferscale.facts import MAX_USER_ID_CHARS, check_request_user_id
 from inferscale.server import forward
 from inferscale.server.bodies import model_body
 from inferscale.server.errors import APIError
-from inferscale.server.schemas import AddMemories, MessageIn, SearchMemories, UpdateMemory, fact_json, user_id_of
+from inferscale.server.schemas import AddMemories, MessageIn, SearchMemories, UpdateMemory, fact_json
 from inferscale.server.state import ServerState
 from inferscale.server.write_queue import chunks
 
@@ -46,7 +46,7 @@ def _state(request: Request) -> ServerState:
 
 def _user(user_id: str) -> str:
     try:
-        return user_id_of(user_id)
+        return check_request_user_id(user_id)
     except ValueError as exc:
         raise APIError(400, str(exc), "user_id") from None
 
@@ -177,8 +177,6 @@ def _turns(messages: list[MessageIn]) -> list[Turn]:
 
 def _extract(state: ServerState, user_id: str, turns: list[Turn]) -> list[tuple[str, str]]:
     """Mem0's extraction of the conversation, by the served model."""
-    from inferscale.encode.extract import ExtractionError
-
     try:
         return state.memory.extract_facts(user_id, turns, state.engine_v1, progress=False, user_speaker="user",
                                           name_speakers=False, llm_model=state.served_model)

@@ -11,9 +11,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from inferscale.compose.request import MAX_FACTS
-from inferscale.facts import MAX_USER_ID_CHARS, Fact, shown
-from inferscale.storage.layout import check_ids, is_internal
+from inferscale.api import MAX_FACTS
+from inferscale.facts import MAX_USER_ID_CHARS, Fact, check_request_user_id
 
 MAX_FACT_CHARS = 2_000
 MAX_FACTS_PER_CALL = 256
@@ -22,15 +21,6 @@ MAX_FACT_CHARS_PER_CALL = 100_000
 MAX_MESSAGES = 200
 MAX_MESSAGE_CHARS = 20_000
 MAX_QUERY_CHARS = 4_000
-
-
-def user_id_of(value: object) -> str:
-    """A user id a client may name: what Mem0 accepts and the store can hold (not ``.`` or
-    ``..``); ids starting with '_' are internal."""
-    check_ids(value, ())
-    if is_internal(value):
-        raise ValueError(f"user_id {shown(value)} is reserved (ids starting with '_' are internal)")
-    return value
 
 
 class _Body(BaseModel):
@@ -43,7 +33,7 @@ class _UserBody(_Body):
     @field_validator("user_id")
     @classmethod
     def _user(cls, value: str) -> str:
-        return user_id_of(value)
+        return check_request_user_id(value)
 
 
 class FactIn(_Body):
