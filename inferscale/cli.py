@@ -161,16 +161,12 @@ def cmd_users(args) -> int:
 
 def cmd_facts(args) -> int:
     """List a user's facts: id, source turn, text (or --json)."""
-    from inferscale.errors import UnknownUserError
-
     memory = _memory(args)
     if args.server:
         facts = memory.list(args.user)
     else:
         facts = [{"id": f.fact_id, "source_turn": f.source_turn, "text": f.text, "tokens": len(f.token_ids)}
                  for f in memory.list_facts(args.user)]
-        if not facts:
-            raise UnknownUserError(args.user)
     if args.json:
         print(json.dumps(facts, indent=2, ensure_ascii=False))
     for fact in [] if args.json else facts:

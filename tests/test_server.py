@@ -88,7 +88,7 @@ def test_memory_endpoints_round_trip(front):
         assert "Ana" in best["text"]
         new = memory.update(MAYA, best["id"], "Maya's sister Ana lives in Braga.")
         assert memory.get(MAYA, new["id"])["text"].endswith("Braga.")
-        memory.delete(MAYA, new["id"])
+        assert memory.delete(MAYA, new["id"]) == {"user_id": MAYA, "deleted": new["id"]}
         assert len(memory.list(MAYA)) == len(FACTS) - 1
         with pytest.raises(ServerError) as missing:
             memory.get(MAYA, new["id"])

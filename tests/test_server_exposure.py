@@ -26,6 +26,7 @@ from vllm_server import inferscale_serve
 
 pytestmark = pytest.mark.slow
 MAYA = "maya@example.com"
+MODEL = "qwen2-float32"  # the name the tiny model's directory is served under
 FACTS = ["Maya has a grey cat called Pixel.", "Maya is allergic to peanuts.", "Maya's sister Ana lives in Porto."]
 #: vLLM's routes outside the OpenAI API (both supported releases; dev mode adds the second half)
 ADMIN_ROUTES = ("load", "openapi.json", "docs", "redoc", "scale_elastic_ep", "is_scaling_elastic_ep",
@@ -69,7 +70,7 @@ def engine_url(front) -> str:
 
 
 def chat_body(user: str = MAYA, **extra) -> dict:
-    return {"user": user, "max_tokens": 2, "temperature": 0,
+    return {"model": MODEL, "user": user, "max_tokens": 2, "temperature": 0,
             "messages": [{"role": "user", "content": "What is my cat called?"}], **extra}
 
 

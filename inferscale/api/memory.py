@@ -128,8 +128,12 @@ class MemoryAPI:
     # ------------------------------------------------------------ reading
 
     def list_facts(self, user_id: str) -> list[Fact]:
-        """The user's facts in the order they were stored."""
-        return list(self.context.disk.facts(user_id).values())
+        """The user's facts in the order they were stored; :class:`UnknownUserError` for a user
+        with none (as :meth:`search` and generation answer)."""
+        facts = self.context.disk.facts(user_id)
+        if not facts:
+            raise UnknownUserError(user_id)
+        return list(facts.values())
 
     def search(self, user_id: str, query: str, k: int | None = None) -> list[FoundFact]:
         """The user's k facts most relevant to ``query``, best first."""

@@ -83,17 +83,21 @@ def list_memories(request: Request, user_id: str = USER_QUERY) -> dict[str, Any]
     state, user_id = _state(request), _user(user_id)
     with state.metrics.timed(state.metrics.memory.labels("list")):
         facts = state.memory.list_facts(user_id)
-    if not facts:
-        raise UnknownUserError(user_id)
     return {"user_id": user_id, "results": [fact_json(f) for f in facts]}
+
+
+@router.api_route("/v1/memories/search", methods=["GET", "PUT", "PATCH", "DELETE"], include_in_schema=False)
+def search_by_another_method(request: Request) -> None:
+    """Searching is a POST (its query travels in the body): any other method is a 405, not a
+    request for the fact called ``search``."""
+    raise APIError(405, f"{request.method} /v1/memories/search: searching takes POST with "
+                        f'{{"user_id", "query", "k"}} in the body', headers={"Allow": "POST"})
 
 
 @router.get("/v1/memories/{fact_id}")
 def get_memory(fact_id: str, request: Request, user_id: str = USER_QUERY) -> dict[str, Any]:
     state, user_id = _state(request), _user(user_id)
     facts = {f.fact_id: f for f in state.memory.list_facts(user_id)}
-    if not facts:
-        raise UnknownUserError(user_id)
     if fact_id not in facts:
         raise MissingFactError(user_id, [fact_id])
     return {"user_id": user_id, "result": fact_json(facts[fact_id])}

@@ -12,7 +12,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from inferscale.api import MAX_FACTS
-from inferscale.facts import MAX_USER_ID_CHARS, Fact, check_request_user_id
+from inferscale.facts import MAX_USER_ID_CHARS, Fact, check_request_user_id, shown
 
 MAX_FACT_CHARS = 2_000
 MAX_FACTS_PER_CALL = 256
@@ -21,6 +21,16 @@ MAX_FACT_CHARS_PER_CALL = 100_000
 MAX_MESSAGES = 200
 MAX_MESSAGE_CHARS = 20_000
 MAX_QUERY_CHARS = 4_000
+
+
+def k_of(value: object, name: str = "k", most: int = MAX_FACTS) -> int | None:
+    """How many facts to retrieve, as chat and search take it: None (the config's ``top_k``) or
+    a JSON integer in 1..``most``; never a string (``"3"``) or a boolean."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= most:
+        raise ValueError(f"{name} must be an integer in 1..{most}, got {shown(value)}")
+    return value
 
 
 class _Body(BaseModel):
@@ -76,7 +86,12 @@ class AddMemories(_UserBody):
 
 class SearchMemories(_UserBody):
     query: str = Field(min_length=1, max_length=MAX_QUERY_CHARS)
-    k: int | None = Field(None, ge=1, le=MAX_FACTS)
+    k: int | None = None
+
+    @field_validator("k", mode="before")
+    @classmethod
+    def _k(cls, value: object) -> int | None:
+        return k_of(value)
 
 
 class UpdateMemory(_UserBody):
