@@ -20,6 +20,7 @@ from inferscale import host_memory
 from inferscale.server import gpu, launch, serve
 from inferscale.server.chat import completion_body, parse_chat
 from inferscale.server.convert import chat_chunk, chat_completion
+from inferscale.server.engine_log import EngineLog
 from inferscale.server.errors import APIError, validation_message
 from inferscale.server.schemas import SearchMemories
 
@@ -226,3 +227,31 @@ def test_search_takes_k_as_chat_does(k, shown):
     assert validation_message(info.value.errors()) == f"k: k must be an integer in 1..1024, got {shown}"
     assert SearchMemories.model_validate({"user_id": "ann", "query": "pets", "k": 3}).k == 3
     assert SearchMemories.model_validate({"user_id": "ann", "query": "pets"}).k is None
+
+
+NOISE = [b"(APIServer pid=1) ERROR [async_llm.py:906] AsyncLLM output_handler failed.\n",
+         b"(APIServer pid=1) ERROR [async_llm.py:906] Traceback (most recent call last):\n",
+         b"(APIServer pid=1) ERROR [async_llm.py:906] vllm.v1.engine.exceptions.EngineDeadError: EngineCore ...\n"]
+
+
+def _relayed(lines: list[bytes], stopping: bool) -> bytes:
+    import io
+    import os
+
+    read, write = os.pipe()
+    out, log = io.BytesIO(), EngineLog()
+    if stopping:
+        log.stopping()
+    log.relay(os.fdopen(read, "rb"), out, "test")
+    with os.fdopen(write, "wb") as pipe:
+        pipe.writelines(lines)
+    log.join()
+    return out.getvalue()
+
+
+def test_the_engine_log_drops_vllms_engine_dead_report_only_while_the_front_stops_it():
+    before, after = [b"INFO serving\n"], [b"INFO API server: shutting down\n"]
+    assert _relayed(before + NOISE + after, stopping=True) == b"".join(before + after)
+    assert _relayed(before + NOISE + after, stopping=False) == b"".join(before + NOISE + after)
+    cut = NOISE[:2] + [b"ERROR something else\n"] * 50  # not that report: every line passes
+    assert _relayed(cut, stopping=True) == b"".join(cut)
