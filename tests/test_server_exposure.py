@@ -180,7 +180,8 @@ def test_a_key_given_twice_is_refused_on_every_route(front):
 
 
 JSONISH = st.recursive(st.none() | st.booleans() | st.integers(-(2**70), 2**70)
-                       | st.floats(allow_nan=False, allow_infinity=False) | st.text(max_size=12), lambda inner: st.lists(inner, max_size=3)
+                       | st.floats(allow_nan=False, allow_infinity=False) | st.text(max_size=12),
+                       lambda inner: st.lists(inner, max_size=3)
                        | st.dictionaries(st.text(max_size=8), inner, max_size=3), max_leaves=8)
 CHAT_KEYS = ("model", "user", "messages", "inferscale", "stream", "temperature", "max_tokens", "n", "stop",
              "seed", "top_p", "vllm_xargs", "kv_transfer_params", "cache_salt", "tools", "prompt", "logprobs")
