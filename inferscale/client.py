@@ -65,8 +65,9 @@ class MemoryClient:
         """Change a fact's text; the fact is encoded again under a new id (returned)."""
         return self._call("PUT", f"/memories/{fact_id}", json={"user_id": user_id, "text": text})["result"]
 
-    def delete(self, user_id: str, fact_id: str) -> None:
-        self._call("DELETE", f"/memories/{fact_id}", params={"user_id": user_id})
+    def delete(self, user_id: str, fact_id: str) -> dict:
+        """Delete one fact; the server's answer (``{"user_id", "deleted"}``)."""
+        return self._call("DELETE", f"/memories/{fact_id}", params={"user_id": user_id})
 
     def forget(self, user_id: str) -> dict:
         """Delete everything about a user: facts, K/V, embeddings, Mem0's memories and history."""

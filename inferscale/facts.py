@@ -24,6 +24,9 @@ MAX_USER_FILE_STEM_BYTES = 200
 DOT_NAMES = frozenset((".", ".."))
 #: characters of a refused value shown in its error message
 SHOWN_CHARS = 60
+#: users whose id starts with this are the library's own (the instruction prefix's ``_system``):
+#: no request may name them (:func:`check_request_user_id`)
+INTERNAL_PREFIX = "_"
 #: in a user's file name, these characters are written as %XX ("%" first, so decoding is unique)
 _FILE_ESCAPES = {"%": "%25", "/": "%2F", "\\": "%5C"}
 
@@ -128,6 +131,20 @@ def _check_user_id(value: object) -> str:
     if size > MAX_USER_FILE_STEM_BYTES:
         raise ValueError(f"user_id takes {size} bytes as a file name (at most {MAX_USER_FILE_STEM_BYTES})")
     return value
+
+
+def check_request_user_id(value: object) -> str:
+    """A user id a request may name (HTTP, chat, ``kv_transfer_params``): :func:`check_user_id`'s,
+    and not one of the library's own (:func:`is_internal`)."""
+    check_user_id(value)
+    if is_internal(value):
+        raise ValueError(f"user_id {shown(value)} is reserved (ids starting with {INTERNAL_PREFIX!r} are internal)")
+    return value
+
+
+def is_internal(user_id: str) -> bool:
+    """The library's own users (the instruction prefix), never a client's."""
+    return user_id.startswith(INTERNAL_PREFIX)
 
 
 @lru_cache(maxsize=4096)

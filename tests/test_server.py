@@ -77,7 +77,7 @@ def test_chat_history_follows_the_memory_and_text_mode_reads_the_same_facts(chat
     assert "peanut" in ask(chat, "", messages=history).choices[0].message.content.lower()
     text = ask(chat, "What am I allergic to?", extra_body={"inferscale": {"mode": "text", "k": 5}})
     assert "peanut" in text.choices[0].message.content.lower()
-    assert text.model_extra["inferscale"]["mode"] == "prompt" and len(text.model_extra["inferscale"]["fact_ids"]) == 5
+    assert text.model_extra["inferscale"]["mode"] == "text" and len(text.model_extra["inferscale"]["fact_ids"]) == 5
 
 
 def test_memory_endpoints_round_trip(front):
@@ -88,7 +88,7 @@ def test_memory_endpoints_round_trip(front):
         assert "Ana" in best["text"]
         new = memory.update(MAYA, best["id"], "Maya's sister Ana lives in Braga.")
         assert memory.get(MAYA, new["id"])["text"].endswith("Braga.")
-        memory.delete(MAYA, new["id"])
+        assert memory.delete(MAYA, new["id"]) == {"user_id": MAYA, "deleted": new["id"]}
         assert len(memory.list(MAYA)) == len(FACTS) - 1
         with pytest.raises(ServerError) as missing:
             memory.get(MAYA, new["id"])

@@ -92,14 +92,24 @@ def test_ids_with_slashes_stay_ids(client, state):
     ("post", "/v1/memories", {"json": {"user_id": "bob", "facts": ["x"] * 1000}}, 400, "256"),
     ("post", "/v1/memories/search", {"json": {"user_id": "bob", "query": "x", "k": 10**9}}, 400, "1024"),
     ("post", "/v1/memories/search", {"json": {"user_id": "nobody", "query": "x"}}, 404, "nobody"),
+    ("post", "/v1/memories/search", {"json": {"user_id": "bob", "query": "x", "k": "3"}}, 400,
+     "k must be an integer in 1..1024, got '3'"),  # as chat refuses it
+    ("post", "/v1/memories/search", {"json": {"user_id": "bob", "query": "x", "k": True}}, 400,
+     "k must be an integer in 1..1024, got True"),
+    ("get", "/v1/memories/search", {"params": {"user_id": "bob"}}, 405, "searching takes POST"),
+    ("delete", "/v1/memories/search", {"params": {"user_id": "bob"}}, 405, "searching takes POST"),
+    ("post", "/v1/chat/completions", {"json": {"user": "bob", "messages": [{"role": "user", "content": "hi"}]}},
+     400, "'model' is required"),
+    ("post", "/v1/chat/completions", {"json": {"messages": [{"role": "user", "content": "hi"}]}}, 400,
+     "'model' is required"),  # without a user too, as OpenAI refuses it
     ("get", "/v1/memories", {"params": {"user_id": "nobody"}}, 404, "no memory stored for user 'nobody'"),
     ("get", "/v1/memories", {}, 400, "user_id"),
     ("delete", "/v1/memories/f-0", {"params": {"user_id": "nobody"}}, 404, "nobody"),
     ("put", "/v1/memories/f-0", {"json": {"user_id": "nobody", "text": "x"}}, 404, "nobody"),
     ("post", "/v1/chat/completions", {"content": b"{"}, 400, "not valid JSON"),
     ("post", "/v1/chat/completions", {"content": b"[1, 2]"}, 400, "JSON object"),
-    ("post", "/v1/chat/completions", {"json": {"user": "nobody", "messages": [{"role": "user", "content": "hi"}]}},
-     404, "nobody"),
+    ("post", "/v1/chat/completions", {"json": {"model": "tiny", "user": "nobody",
+                                               "messages": [{"role": "user", "content": "hi"}]}}, 404, "nobody"),
     ("post", "/v1/chat/completions", {"json": {"user": "bob", "inferscale": {"k": 10**9},
                                                "messages": [{"role": "user", "content": "hi"}]}}, 400, "1..1024"),
     ("post", "/v1/chat/completions", {"json": {"user": "bob", "inferscale": {"mode": "magic"},
@@ -111,7 +121,7 @@ def test_ids_with_slashes_stay_ids(client, state):
                                                "messages": [{"role": "user", "content": "hi"}]}}, 400, "logprobs"),
     ("post", "/v1/completions", {"json": {"prompt": [1], "kv_transfer_params": {"inferscale": {}}}}, 400,
      "set by the server"),
-    ("post", "/v1/chat/completions", {"json": {"messages": [{"role": "user", "content": "hi"}],
+    ("post", "/v1/chat/completions", {"json": {"model": "tiny", "messages": [{"role": "user", "content": "hi"}],
                                                "cache_salt": "inferscale-0"}}, 400, "set by the server"),
     ("get", "/admin", {}, 404, "no route"),
     # found by hostile inputs against the live server (were 500s or reached the engine)
@@ -142,6 +152,12 @@ def test_bad_input_is_a_clear_4xx(client, method, path, kwargs, status, needle):
     assert response.status_code == status, response.text
     error = response.json()["error"]
     assert needle in error["message"] and error["code"] == status
+
+
+def test_a_wrong_method_on_search_is_a_405_that_names_the_allowed_one(client):
+    response = client.get("/v1/memories/search", params={"user_id": "bob", "query": "x"})
+    assert response.status_code == 405 and response.headers["allow"] == "POST"
+    assert response.json()["error"]["type"] == "invalid_request_error"
 
 
 def test_a_missing_engine_is_a_503_not_a_crash(client):
@@ -215,7 +231,9 @@ def test_a_memory_the_engine_could_not_load_is_answered_from_the_facts_as_text(s
             chat = {"model": "tiny", "user": "carol", "messages": [{"role": "user", "content": "My cat's name?"}]}
             answer = client.post("/v1/chat/completions", json=chat).json()
             assert answer["choices"][0]["message"]["content"] == "Miso"
-            assert answer["inferscale"]["mode"] == "prompt" and answer["inferscale"]["retried"] == "load_error"
+            assert answer["inferscale"]["mode"] == "text" and answer["inferscale"]["retried"] == "load_error"
+            asked = client.post("/v1/chat/completions", json={**chat, "inferscale": {"mode": "text"}}).json()
+            assert asked["inferscale"]["mode"] == "text" and "retried" not in asked["inferscale"]
             with client.stream("POST", "/v1/chat/completions", json={**chat, "stream": True}) as response:
                 lines = [line for line in response.iter_lines() if line.startswith("data:")]
             first = json.loads(lines[0][5:])
@@ -224,6 +242,6 @@ def test_a_memory_the_engine_could_not_load_is_answered_from_the_facts_as_text(s
         state.engine_url = client_of
         engine.close()
     kinds = ["kv" if body.get("kv_transfer_params") else "text" for body in engine.bodies]
-    assert kinds == ["kv", "text", "kv", "text"], "each chat: the injected request once, then the facts as text"
+    assert kinds == ["kv", "text", "text", "kv", "text"], "each kv chat: the injected request once, then the facts as text; the text chat: once"
     kv, text = engine.bodies[0]["prompt"], engine.bodies[1]["prompt"]
     assert text == kv, "the text request prefills the very tokens the injected one carried"

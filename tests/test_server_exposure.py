@@ -26,6 +26,7 @@ from vllm_server import inferscale_serve
 
 pytestmark = pytest.mark.slow
 MAYA = "maya@example.com"
+MODEL = "qwen2-float32"  # the name the tiny model's directory is served under
 FACTS = ["Maya has a grey cat called Pixel.", "Maya is allergic to peanuts.", "Maya's sister Ana lives in Porto."]
 #: vLLM's routes outside the OpenAI API (both supported releases; dev mode adds the second half)
 ADMIN_ROUTES = ("load", "openapi.json", "docs", "redoc", "scale_elastic_ep", "is_scaling_elastic_ep",
@@ -69,7 +70,7 @@ def engine_url(front) -> str:
 
 
 def chat_body(user: str = MAYA, **extra) -> dict:
-    return {"user": user, "max_tokens": 2, "temperature": 0,
+    return {"model": MODEL, "user": user, "max_tokens": 2, "temperature": 0,
             "messages": [{"role": "user", "content": "What is my cat called?"}], **extra}
 
 
@@ -178,8 +179,9 @@ def test_a_key_given_twice_is_refused_on_every_route(front):
         assert answer.status_code == 400 and "twice" in answer.json()["error"]["message"], (name, answer.text)
 
 
-JSONISH = st.recursive(st.none() | st.booleans() | st.integers(-(2**70), 2**70) | st.floats(allow_nan=False)
-                       | st.text(max_size=12), lambda inner: st.lists(inner, max_size=3)
+JSONISH = st.recursive(st.none() | st.booleans() | st.integers(-(2**70), 2**70)
+                       | st.floats(allow_nan=False, allow_infinity=False) | st.text(max_size=12),
+                       lambda inner: st.lists(inner, max_size=3)
                        | st.dictionaries(st.text(max_size=8), inner, max_size=3), max_leaves=8)
 CHAT_KEYS = ("model", "user", "messages", "inferscale", "stream", "temperature", "max_tokens", "n", "stop",
              "seed", "top_p", "vllm_xargs", "kv_transfer_params", "cache_salt", "tools", "prompt", "logprobs")

@@ -11,6 +11,7 @@ import threading
 import time
 
 import pytest
+from pydantic import ValidationError
 
 import tiny_models
 from inferscale.config import Config
@@ -19,7 +20,9 @@ from inferscale import host_memory
 from inferscale.server import gpu, launch, serve
 from inferscale.server.chat import completion_body, parse_chat
 from inferscale.server.convert import chat_chunk, chat_completion
-from inferscale.server.errors import APIError
+from inferscale.server.engine_log import EngineLog
+from inferscale.server.errors import APIError, validation_message
+from inferscale.server.schemas import SearchMemories
 
 GiB = 1 << 30
 
@@ -166,14 +169,15 @@ def test_a_chat_is_parsed_into_memory_options_conversation_and_sampling():
                        "messages": [{"role": "developer", "content": "Be brief."},
                                     {"role": "user", "content": [{"type": "text", "text": "Hi"},
                                                                  {"type": "text", "text": "there?"}]}]}, 1024)
-    assert (call.user_id, call.mode, call.k, call.stream) == ("ann@example.com", "prompt", 3, True)
+    assert (call.user_id, call.mode, call.k, call.stream) == ("ann@example.com", "text", 3, True)
+    assert call.generation_mode == "prompt"  # answered as "text", as asked
     assert call.messages == [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi\nthere?"}]
     body = completion_body(call, {"prompt_token_ids": [1, 2], "cache_salt": "s"}, {"inferscale": {}}, "served")
     assert body == {"model": "m", "prompt": [1, 2], "cache_salt": "s", "kv_transfer_params": {"inferscale": {}},
                     "max_tokens": 9, "n": 2, "top_k": 5, "stream": True}
-    plain = parse_chat({"messages": [{"role": "user", "content": "hi"}]}, 1024)
+    plain = parse_chat({"model": "m", "messages": [{"role": "user", "content": "hi"}]}, 1024)
     assert plain.user_id is None and plain.mode == "none"
-    default = parse_chat({"user": "ann", "messages": [{"role": "user", "content": "hi"}]}, 1024)
+    default = parse_chat({"model": "m", "user": "ann", "messages": [{"role": "user", "content": "hi"}]}, 1024)
     assert default.mode == "kv" and default.fields["max_tokens"] is None  # up to the context's end, as chat does
 
 
@@ -188,6 +192,11 @@ def test_a_chat_is_parsed_into_memory_options_conversation_and_sampling():
     ({"user": "a", "messages": [{"role": "assistant", "content": None, "tool_calls": [{}]},
                                 {"role": "user", "content": "x"}]}, "tool calls"),
     ({"user": "a", "prompt": [1], "messages": [{"role": "user", "content": "x"}]}, "set by the server"),
+    ({"user": "a"}, "'model' is required"),
+    ({}, "'model' is required"),  # without a user too, as OpenAI refuses it
+    ({"user": "a", "model": ""}, "'model' must be a model's name"),
+    ({"model": "m", "user": "a", "inferscale": {"k": "3"}}, r"inferscale.k must be an integer in 1..1024, got '3'"),
+    ({"model": "m", "user": "a", "inferscale": {"k": True}}, r"inferscale.k must be an integer in 1..1024, got True"),
 ])
 def test_malformed_chats_are_refused(body, needle):
     with pytest.raises(APIError, match=needle) as info:
@@ -209,3 +218,40 @@ def test_completions_are_reshaped_as_chat():
     assert first["choices"][0]["delta"] == {"role": "assistant", "content": "Pi"} and first["inferscale"]
     assert then["choices"][0]["delta"] == {"content": "xel"} and then["choices"][0]["finish_reason"] == "stop"
     assert "inferscale" not in then and then["object"] == "chat.completion.chunk"
+
+
+@pytest.mark.parametrize("k, shown", [("3", "'3'"), (True, "True"), (0, "0"), (1025, "1025"), (2.0, "2.0")])
+def test_search_takes_k_as_chat_does(k, shown):
+    with pytest.raises(ValidationError) as info:
+        SearchMemories.model_validate({"user_id": "ann", "query": "pets", "k": k})
+    assert validation_message(info.value.errors()) == f"k: k must be an integer in 1..1024, got {shown}"
+    assert SearchMemories.model_validate({"user_id": "ann", "query": "pets", "k": 3}).k == 3
+    assert SearchMemories.model_validate({"user_id": "ann", "query": "pets"}).k is None
+
+
+NOISE = [b"(APIServer pid=1) ERROR [async_llm.py:906] AsyncLLM output_handler failed.\n",
+         b"(APIServer pid=1) ERROR [async_llm.py:906] Traceback (most recent call last):\n",
+         b"(APIServer pid=1) ERROR [async_llm.py:906] vllm.v1.engine.exceptions.EngineDeadError: EngineCore ...\n"]
+
+
+def _relayed(lines: list[bytes], stopping: bool) -> bytes:
+    import io
+    import os
+
+    read, write = os.pipe()
+    out, log = io.BytesIO(), EngineLog()
+    if stopping:
+        log.stopping()
+    log.relay(os.fdopen(read, "rb"), out, "test")
+    with os.fdopen(write, "wb") as pipe:
+        pipe.writelines(lines)
+    log.join()
+    return out.getvalue()
+
+
+def test_the_engine_log_drops_vllms_engine_dead_report_only_while_the_front_stops_it():
+    before, after = [b"INFO serving\n"], [b"INFO API server: shutting down\n"]
+    assert _relayed(before + NOISE + after, stopping=True) == b"".join(before + after)
+    assert _relayed(before + NOISE + after, stopping=False) == b"".join(before + NOISE + after)
+    cut = NOISE[:2] + [b"ERROR something else\n"] * 50  # not that report: every line passes
+    assert _relayed(cut, stopping=True) == b"".join(cut)

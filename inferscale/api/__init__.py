@@ -6,7 +6,7 @@
     >>> answer.text, answer.timings
 
 ``mem.memory`` (:class:`MemoryAPI`: add, list, search, update, delete) and
-``mem.generation`` (:class:`GenerationAPI`: retrieve, prompt, generate) share
+``mem.generation`` (:class:`GenerationAPI`: retrieve, prompt, compose, generate) share
 one :class:`Context`; each also works alone (``MemoryAPI(Context(config))``),
 as a server that runs them in separate processes needs.
 
@@ -23,11 +23,13 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from inferscale.api.context import Context, load_config
-from inferscale.api.generation import Answer, GenerationAPI, Mode, PromptRequest
-from inferscale.api.memory import Forgotten, FoundFact, MemoryAPI
+from inferscale.api.generation import Answer, Composed, GenerationAPI, Mode, PromptRequest
+from inferscale.api.memory import ExtractionError, Forgotten, FoundFact, MemoryAPI, Turn, extraction_tokens
+from inferscale.compose.request import MAX_FACTS  # the most facts one request may name (k's bound)
 from inferscale.config import Config
 
-__all__ = ["Answer", "Context", "Forgotten", "FoundFact", "GenerationAPI", "InferScale", "MemoryAPI", "Mode", "PromptRequest"]
+__all__ = ["MAX_FACTS", "Answer", "Composed", "Context", "ExtractionError", "Forgotten", "FoundFact", "GenerationAPI", "InferScale",
+           "MemoryAPI", "Mode", "PromptRequest", "Turn", "extraction_tokens"]
 
 
 class InferScale:

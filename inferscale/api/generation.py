@@ -1,5 +1,8 @@
 """The generation side: retrieve a user's facts, lay out the prompt, answer.
 
+``compose`` is the one path from a question to a request (retrieve, order, lay
+out): ``generate`` and the server's chat both take it.
+
 ``prompt`` builds what vLLM takes (token ids, cache salt, ``kv_transfer_params``)
 and needs no engine, so a server can send it to its own ``vllm serve``. The
 cache salt is keyed with the server secret and the user's epoch
@@ -39,6 +42,15 @@ class PromptRequest:
     @property
     def num_tokens(self) -> int:
         return len(self.prompt["prompt_token_ids"])
+
+
+@dataclass(frozen=True)
+class Composed:
+    """A request laid out from the facts retrieved for it, and what each step took (seconds)."""
+
+    request: PromptRequest
+    retrieval_s: float
+    compose_s: float
 
 
 @dataclass
@@ -81,6 +93,19 @@ class GenerationAPI:
         if retriever.count(user_id) == 0:
             raise UnknownUserError(user_id)
         return retriever.search(user_id, self.context.embedder.embed([query]), k or self.config.top_k)[0]
+
+    def compose(self, user_id: str, query: str, k: int | None = None, mode: Mode = "kv",
+                conversation: Sequence[Mapping[str, str]] | None = None, **prompt_options: Any) -> Composed:
+        """Retrieve the user's top-k facts for ``query``, order them as the composer does, and
+        lay out the request (:meth:`prompt`) that answers ``query``, or ``conversation`` (a chat
+        whose last message ``query`` is) after the memory. ``prompt_options`` go to :meth:`prompt`.
+        Mode ``"none"`` retrieves nothing."""
+        start = time.perf_counter()
+        hits = self.retrieve(user_id, query, k) if mode != "none" else []
+        retrieved = time.perf_counter()
+        asked = query if conversation is None else conversation
+        request = self.prompt(user_id, asked, self.composer.order(hits), mode, **prompt_options)
+        return Composed(request, retrieved - start, time.perf_counter() - retrieved)
 
     def prompt(self, user_id: str, query: str | Sequence[Mapping[str, str]], fact_order: Sequence[str],
                mode: Mode = "kv", fresh_cache: bool = False, recompute_tokens: int | None = None,
@@ -125,19 +150,17 @@ class GenerationAPI:
         from inferscale.connector.compat import first_token_latency, greedy_sampling
 
         start = time.perf_counter()
-        hits = self.retrieve(user_id, query, k) if mode != "none" else []
-        retrieved = time.perf_counter()
-        request = self.prompt(user_id, query, self.composer.order(hits), mode, fresh_cache, recompute_tokens,
-                              key_scale)
+        composed = self.compose(user_id, query, k, mode, fresh_cache=fresh_cache, recompute_tokens=recompute_tokens,
+                                key_scale=key_scale)
+        request = composed.request
         sampling = greedy_sampling(max_tokens, request.kv_transfer_params)
-        composed = time.perf_counter()
         (out,) = self.llm.generate([request.prompt], sampling, use_tqdm=False)
         done = time.perf_counter()
         report = ((out.kv_transfer_params or {}).get("inferscale") or {}) if request.kv_transfer_params else {}
         ttft = first_token_latency(out)
         timings = {
-            "retrieval": (retrieved - start) * 1e3,
-            "compose": (composed - retrieved) * 1e3,
+            "retrieval": composed.retrieval_s * 1e3,
+            "compose": composed.compose_s * 1e3,
             "engine_ttft": ttft * 1e3 if ttft else float("nan"),
             "total": (done - start) * 1e3,
         }

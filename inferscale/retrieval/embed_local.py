@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -15,6 +14,7 @@ from inferscale.devices import auto_device, check_device, module_device
 from inferscale.retrieval.base import Embedder
 from inferscale.retrieval.checks import check_positive, check_texts, unit_rows
 from inferscale.retrieval.query_graphs import QueryGraphs
+from inferscale.threads import torch_threads
 
 logger = logging.getLogger(__name__)
 
@@ -125,19 +125,3 @@ def load_model(model_path: str | None, device: str | None):
         return SentenceTransformer(path, device=str(auto_device(device)), local_files_only=True)
     except OSError as exc:
         raise OSError(f"cannot load a sentence-transformers model from {path!r} without network: {exc}") from exc
-
-
-@contextlib.contextmanager
-def torch_threads(n: int | None) -> Iterator[None]:
-    """Set torch's (process-wide) intra-op thread count for a block, then restore it.
-
-    On 2 cores one thread embeds ≈15× faster beside a busy LLM process than two."""
-    if n is None:
-        yield
-        return
-    before = torch.get_num_threads()
-    torch.set_num_threads(n)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)

@@ -16,11 +16,12 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from inferscale.facts import shown
+from inferscale.facts import check_request_user_id, shown
 from inferscale.server.errors import APIError
-from inferscale.server.schemas import user_id_of
+from inferscale.server.schemas import k_of
 
-#: ``inferscale.mode`` → the generation mode (``text``: the facts as text in the prompt)
+#: ``inferscale.mode`` → the generation mode (``text``: the facts as text in the prompt; ``prompt``,
+#: the Python API's name for it, is taken as an alias). Answers name the mode as it was asked.
 MODES = {"kv": "kv", "text": "prompt", "prompt": "prompt", "none": "none"}
 OPTIONS = ("user_id", "k", "mode")
 #: refused when set: they need a chat template or tool parser that the server's layout replaces
@@ -45,12 +46,17 @@ class ChatCall:
     """A parsed chat request. ``user_id`` None: no memory (vLLM's own chat endpoint answers)."""
 
     user_id: str | None
-    mode: str
+    mode: str  # as asked (a key of MODES)
     k: int | None
     messages: list[dict[str, str]]
     model: str | None
     stream: bool
     fields: dict[str, Any] = field(default_factory=dict)  # sampling fields for vLLM
+
+    @property
+    def generation_mode(self) -> str:
+        """The mode :class:`GenerationAPI` knows it by (``text`` is ``prompt`` there)."""
+        return MODES[self.mode]
 
     @property
     def query(self) -> str:
@@ -64,10 +70,10 @@ def parse_chat(body: Mapping[str, Any], max_k: int) -> ChatCall:
     mode = _mode(options.get("mode"), user_id)
     k = _k(options.get("k"), max_k)
     if user_id is None:
-        return ChatCall(None, "none", k, [], body.get("model"), bool(body.get("stream")))
+        return ChatCall(None, mode, k, [], _model(body.get("model")), bool(body.get("stream")))
     _refuse_fields(body)
     messages = _messages(body.get("messages"))
-    return ChatCall(user_id, mode, k, messages, body.get("model"), bool(body.get("stream")), _sampling(body))
+    return ChatCall(user_id, mode, k, messages, _model(body.get("model")), bool(body.get("stream")), _sampling(body))
 
 
 def completion_body(call: ChatCall, prompt: Mapping[str, Any], kv_transfer_params: dict | None,
@@ -119,7 +125,7 @@ def _user(body: Mapping[str, Any], options: Mapping[str, Any]) -> str | None:
     if user_id is None:
         return None
     try:
-        return user_id_of(user_id)
+        return check_request_user_id(user_id)
     except ValueError as exc:
         raise APIError(400, str(exc), "user") from None
 
@@ -132,14 +138,22 @@ def _mode(value: Any, user_id: str | None) -> str:
                        "inferscale.mode")
     if user_id is None and MODES[value] != "none":
         raise APIError(400, f"mode {value!r} needs a user: set 'user' or inferscale.user_id", "user")
-    return MODES[value]
+    return value
 
 
 def _k(value: Any, max_k: int) -> int | None:
+    try:
+        return k_of(value, "inferscale.k", max_k)
+    except ValueError as exc:
+        raise APIError(400, str(exc), "inferscale.k") from None
+
+
+def _model(value: Any) -> str:
+    """The model a chat names, required as OpenAI requires it."""
     if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= max_k:
-        raise APIError(400, f"inferscale.k must be an integer in 1..{max_k}, got {shown(value)}", "inferscale.k")
+        raise APIError(400, "'model' is required: the served model's name (GET /v1/models lists it)", "model")
+    if not isinstance(value, str) or not value:
+        raise APIError(400, f"'model' must be a model's name, got {shown(value)}", "model")
     return value
 
 

@@ -28,21 +28,23 @@ from inferscale.errors import (
 logger = logging.getLogger(__name__)
 
 _TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
-          409: "conflict_error", 413: "invalid_request_error", 502: "engine_error", 503: "unavailable_error"}
+          405: "invalid_request_error", 409: "conflict_error", 413: "invalid_request_error", 502: "engine_error", 503: "unavailable_error"}
 
 
 class APIError(Exception):
     """A refusal with an HTTP status and a message for the client."""
 
-    def __init__(self, status: int, message: str, param: str | None = None):
+    def __init__(self, status: int, message: str, param: str | None = None, headers: dict[str, str] | None = None):
         super().__init__(message)
-        self.status, self.message, self.param = status, message, param
+        self.status, self.message, self.param, self.headers = status, message, param, headers
 
 
-def error_response(status: int, message: str, param: str | None = None) -> JSONResponse:
+def error_response(status: int, message: str, param: str | None = None,
+                   headers: dict[str, str] | None = None) -> JSONResponse:
+    """``headers``: e.g. a 405's ``Allow``."""
     body = {"error": {"message": message, "type": _TYPES.get(status, "server_error"), "param": param,
                       "code": status}}
-    return JSONResponse(body, status_code=status)
+    return JSONResponse(body, status_code=status, headers=headers)
 
 
 def from_library(exc: InferScaleError) -> APIError:
@@ -63,7 +65,7 @@ def install(app: FastAPI) -> None:
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, exc: APIError):
-        return error_response(exc.status, exc.message, exc.param)
+        return error_response(exc.status, exc.message, exc.param, exc.headers)
 
     @app.exception_handler(InferScaleError)
     async def _library_error(request: Request, exc: InferScaleError):
@@ -72,7 +74,7 @@ def install(app: FastAPI) -> None:
 
     @app.exception_handler(HTTPException)
     async def _http(request: Request, exc: HTTPException):  # FastAPI's and Starlette's own refusals
-        return error_response(exc.status_code, str(exc.detail))
+        return error_response(exc.status_code, str(exc.detail), headers=exc.headers)
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, exc: RequestValidationError):
@@ -93,7 +95,10 @@ def validation_message(errors) -> str:
             return f"the request body is not valid JSON ({err.get('msg', '')})"
         if tuple(err.get("loc", ())) == ("body",) and err.get("type") in ("model_attributes_type", "dict_type"):
             return "the request body must be a JSON object (Content-Type: application/json)"
-        parts.append(f"{where}: {err.get('msg', 'invalid')}")
+        message = err.get("msg", "invalid")
+        if err.get("type") == "value_error":  # a validator's own message, without pydantic's "Value error, "
+            message = str(err.get("ctx", {}).get("error", message))
+        parts.append(f"{where}: {message}")
     return "; ".join(parts) or "invalid request"
 
 

@@ -19,6 +19,7 @@ import os
 import signal
 import socket
 import subprocess
+import sys
 import time
 import urllib.request
 from collections.abc import Sequence
@@ -26,6 +27,7 @@ from pathlib import Path
 
 from inferscale.config import Config
 from inferscale.errors import ConfigError, InferScaleError
+from inferscale.server.engine_log import EngineLog
 
 logger = logging.getLogger(__name__)
 
@@ -67,11 +69,9 @@ def arg_value(args: Sequence[str], name: str) -> str | None:
 def context_length(config: Config, model_max: int) -> int:
     """The engine's ``--max-model-len``: the config's, raised so Mem0's extraction fits
     (rounded up to 1024), and at most the model's own."""
-    from inferscale.encode.extract import CONTEXT_HEADROOM, MEM0_PROMPT_TOKENS, Mem0Extractor
+    from inferscale.api import extraction_tokens
 
-    options = Mem0Extractor.Options(llm_base_url="http://unused/v1", store_dir="unused",
-                                    max_facts_per_turn=config.max_facts_per_turn)
-    extraction = math.ceil((MEM0_PROMPT_TOKENS + CONTEXT_HEADROOM + options.output_tokens) / ROUND_TOKENS)
+    extraction = math.ceil(extraction_tokens(config) / ROUND_TOKENS)
     return min(max(config.model.max_model_len, extraction * ROUND_TOKENS), model_max)
 
 
@@ -114,6 +114,7 @@ class EngineProcess:
     def __init__(self, cmd: list[str], port: int, env: dict[str, str] | None = None):
         self.cmd, self.port, self.env = cmd, port, env
         self.proc: subprocess.Popen | None = None
+        self.log = EngineLog()
 
     @property
     def url(self) -> str:
@@ -121,7 +122,10 @@ class EngineProcess:
 
     def start(self) -> None:
         logger.info("starting the engine (vLLM) on %s: %s ...", self.url, " ".join(self.cmd[1:5]))
-        self.proc = subprocess.Popen(self.cmd, env=self.env, start_new_session=True, preexec_fn=_stop_with_parent)
+        self.proc = subprocess.Popen(self.cmd, env=self.env, start_new_session=True, preexec_fn=_stop_with_parent,
+                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        self.log.relay(self.proc.stdout, sys.stdout.buffer, "stdout")
+        self.log.relay(self.proc.stderr, sys.stderr.buffer, "stderr")
 
     def exit_code(self) -> int | None:
         return None if self.proc is None else self.proc.poll()
@@ -141,18 +145,25 @@ class EngineProcess:
         raise EngineError(f"the engine did not answer on {self.url}/health within {timeout_s:.0f} s")
 
     def stop(self, timeout_s: float = 30.0) -> None:
-        """SIGTERM the engine's process group (API server, engine core, workers), then SIGKILL."""
-        if self.proc is None or self.proc.poll() is not None:
+        """Stop the engine in order: SIGTERM its API server alone, which stops its engine core and
+        workers; then whatever of its process group is left (SIGTERM, then SIGKILL past the timeout)."""
+        if self.proc is None:
             return
-        logger.info("stopping the engine (pid %d)", self.proc.pid)
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(self.proc.pid, signal.SIGTERM)
+        if self.proc.poll() is None:
+            logger.info("stopping the engine (pid %d)", self.proc.pid)
+            self.log.stopping()
+            _signal(self.proc.pid, signal.SIGTERM, group=False)
+            try:
+                self.proc.wait(timeout=timeout_s)
+            except subprocess.TimeoutExpired:
+                logger.warning("the engine did not stop within %.0f s; stopping its processes", timeout_s)
+        _signal(self.proc.pid, signal.SIGTERM, group=True)  # what the API server left, if anything
         try:
-            self.proc.wait(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(self.proc.pid, signal.SIGKILL)
             self.proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            _signal(self.proc.pid, signal.SIGKILL, group=True)
+            self.proc.wait(timeout=10)
+        self.log.join()
 
     def _healthy(self) -> bool:
         try:
@@ -160,6 +171,12 @@ class EngineProcess:
                 return response.status == 200
         except OSError:
             return False
+
+
+def _signal(pid: int, signum: int, group: bool) -> None:
+    """Signal the process, or its process group, if there is still one."""
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        (os.killpg if group else os.kill)(pid, signum)
 
 
 def _stop_with_parent() -> None:

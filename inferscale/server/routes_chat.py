@@ -2,7 +2,7 @@
 
 Retrieval, composition (memory, then the conversation), tokenization with the
 model's chat template and the cache salt happen here, through
-:meth:`GenerationAPI.retrieve` and :meth:`GenerationAPI.prompt`; vLLM gets
+:meth:`GenerationAPI.compose` (the path ``generate`` takes too); vLLM gets
 token ids on ``/v1/completions`` and prefills only what is not injected.
 Without a user, the request goes to vLLM's own chat endpoint unchanged.
 
@@ -18,15 +18,13 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
-import time
 from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from inferscale.api import PromptRequest
-from inferscale.compose.request import MAX_FACTS
+from inferscale.api import MAX_FACTS, PromptRequest
 from inferscale.errors import CorruptDataError, MissingFactError
 from inferscale.server import forward
 from inferscale.server.bodies import read_json
@@ -45,7 +43,7 @@ async def chat_completions(request: Request) -> Response:
     state: ServerState = request.app.state.inferscale
     body = await read_json(request)
     call = parse_chat(body, MAX_FACTS)
-    state.metrics.chats.labels(call.mode).inc()
+    state.metrics.chats.labels(call.generation_mode).inc()
     if call.user_id is None:
         return await _plain_chat(state, body)
     return await _answer(state, call)
@@ -69,7 +67,7 @@ async def _answer(state: ServerState, call: ChatCall, retried: str | None = None
 
 def _load_failed(call: ChatCall, completion: Any) -> bool:
     """The engine ended an injected request with an error (its memory could not be loaded)."""
-    if call.mode != "kv" or not isinstance(completion, dict):
+    if call.generation_mode != "kv" or not isinstance(completion, dict):
         return False
     choices = completion.get("choices") or [{}]
     return isinstance(choices[0], dict) and choices[0].get("finish_reason") == "error"
@@ -85,7 +83,7 @@ def _parsed(data: str) -> Any:
 async def _as_text(state: ServerState, call: ChatCall) -> Response:
     logger.warning("inferscale: the engine could not load %s's memory; answering with the facts as text",
                    call.user_id)
-    return await _answer(state, dataclasses.replace(call, mode="prompt"), retried="load_error")
+    return await _answer(state, dataclasses.replace(call, mode="text"), retried="load_error")
 
 
 def compose(state: ServerState, call: ChatCall) -> tuple[PromptRequest, dict[str, Any]]:
@@ -101,18 +99,15 @@ def compose(state: ServerState, call: ChatCall) -> tuple[PromptRequest, dict[str
 
 
 def _compose(state: ServerState, call: ChatCall) -> tuple[PromptRequest, dict[str, Any]]:
-    generation, metrics = state.generation, state.metrics
-    start = time.perf_counter()
-    with metrics.timed(metrics.retrieval):
-        hits = generation.retrieve(call.user_id, call.query, call.k) if call.mode != "none" else []
-    retrieved = time.perf_counter()
-    with metrics.timed(metrics.compose):
-        prompt = generation.prompt(call.user_id, call.messages, generation.composer.order(hits), call.mode)
-    composed = time.perf_counter()
+    composed = state.generation.compose(call.user_id, call.query, call.k, call.generation_mode,
+                                        conversation=call.messages)
+    state.metrics.retrieval.observe(composed.retrieval_s)
+    state.metrics.compose.observe(composed.compose_s)
+    prompt = composed.request
     info = {"mode": call.mode, "fact_ids": prompt.fact_ids, "memory_tokens": prompt.memory_tokens,
             "prompt_tokens": prompt.num_tokens,
-            "timings_ms": {"retrieval": round((retrieved - start) * 1e3, 3),
-                           "compose": round((composed - retrieved) * 1e3, 3)}}
+            "timings_ms": {"retrieval": round(composed.retrieval_s * 1e3, 3),
+                           "compose": round(composed.compose_s * 1e3, 3)}}
     return prompt, info
 
 
@@ -151,6 +146,5 @@ async def _plain_chat(state: ServerState, body: dict[str, Any]) -> Response:
     """No user: vLLM's own chat endpoint answers, exactly as ``vllm serve`` would."""
     refuse_reserved(body)
     body.pop("inferscale", None)
-    if "model" in body:
-        body["model"] = state.engine_model(body["model"])
+    body["model"] = state.engine_model(body["model"])
     return await forward.relay(state.client, state.client.build_request("POST", "/v1/chat/completions", json=body))

@@ -25,13 +25,13 @@ from fastapi import APIRouter, Depends, Query, Request
 from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import JSONResponse
 
-from inferscale.encode.window import Turn
+from inferscale.api import ExtractionError, Turn
 from inferscale.errors import ConfigError, MissingFactError, UnknownUserError
-from inferscale.facts import MAX_USER_ID_CHARS
+from inferscale.facts import MAX_USER_ID_CHARS, check_request_user_id
 from inferscale.server import forward
 from inferscale.server.bodies import model_body
 from inferscale.server.errors import APIError
-from inferscale.server.schemas import AddMemories, MessageIn, SearchMemories, UpdateMemory, fact_json, user_id_of
+from inferscale.server.schemas import AddMemories, MessageIn, SearchMemories, UpdateMemory, fact_json
 from inferscale.server.state import ServerState
 from inferscale.server.write_queue import chunks
 
@@ -46,7 +46,7 @@ def _state(request: Request) -> ServerState:
 
 def _user(user_id: str) -> str:
     try:
-        return user_id_of(user_id)
+        return check_request_user_id(user_id)
     except ValueError as exc:
         raise APIError(400, str(exc), "user_id") from None
 
@@ -83,17 +83,21 @@ def list_memories(request: Request, user_id: str = USER_QUERY) -> dict[str, Any]
     state, user_id = _state(request), _user(user_id)
     with state.metrics.timed(state.metrics.memory.labels("list")):
         facts = state.memory.list_facts(user_id)
-    if not facts:
-        raise UnknownUserError(user_id)
     return {"user_id": user_id, "results": [fact_json(f) for f in facts]}
+
+
+@router.api_route("/v1/memories/search", methods=["GET", "PUT", "PATCH", "DELETE"], include_in_schema=False)
+def search_by_another_method(request: Request) -> None:
+    """Searching is a POST (its query travels in the body): any other method is a 405, not a
+    request for the fact called ``search``."""
+    raise APIError(405, f"{request.method} /v1/memories/search: searching takes POST with "
+                        f'{{"user_id", "query", "k"}} in the body', headers={"Allow": "POST"})
 
 
 @router.get("/v1/memories/{fact_id}")
 def get_memory(fact_id: str, request: Request, user_id: str = USER_QUERY) -> dict[str, Any]:
     state, user_id = _state(request), _user(user_id)
     facts = {f.fact_id: f for f in state.memory.list_facts(user_id)}
-    if not facts:
-        raise UnknownUserError(user_id)
     if fact_id not in facts:
         raise MissingFactError(user_id, [fact_id])
     return {"user_id": user_id, "result": fact_json(facts[fact_id])}
@@ -177,8 +181,6 @@ def _turns(messages: list[MessageIn]) -> list[Turn]:
 
 def _extract(state: ServerState, user_id: str, turns: list[Turn]) -> list[tuple[str, str]]:
     """Mem0's extraction of the conversation, by the served model."""
-    from inferscale.encode.extract import ExtractionError
-
     try:
         return state.memory.extract_facts(user_id, turns, state.engine_v1, progress=False, user_speaker="user",
                                           name_speakers=False, llm_model=state.served_model)

@@ -11,9 +11,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from inferscale.compose.request import MAX_FACTS
-from inferscale.facts import MAX_USER_ID_CHARS, Fact, shown
-from inferscale.storage.layout import check_ids, is_internal
+from inferscale.api import MAX_FACTS
+from inferscale.facts import MAX_USER_ID_CHARS, Fact, check_request_user_id, shown
 
 MAX_FACT_CHARS = 2_000
 MAX_FACTS_PER_CALL = 256
@@ -24,12 +23,13 @@ MAX_MESSAGE_CHARS = 20_000
 MAX_QUERY_CHARS = 4_000
 
 
-def user_id_of(value: object) -> str:
-    """A user id a client may name: what Mem0 accepts and the store can hold (not ``.`` or
-    ``..``); ids starting with '_' are internal."""
-    check_ids(value, ())
-    if is_internal(value):
-        raise ValueError(f"user_id {shown(value)} is reserved (ids starting with '_' are internal)")
+def k_of(value: object, name: str = "k", most: int = MAX_FACTS) -> int | None:
+    """How many facts to retrieve, as chat and search take it: None (the config's ``top_k``) or
+    a JSON integer in 1..``most``; never a string (``"3"``) or a boolean."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= most:
+        raise ValueError(f"{name} must be an integer in 1..{most}, got {shown(value)}")
     return value
 
 
@@ -43,7 +43,7 @@ class _UserBody(_Body):
     @field_validator("user_id")
     @classmethod
     def _user(cls, value: str) -> str:
-        return user_id_of(value)
+        return check_request_user_id(value)
 
 
 class FactIn(_Body):
@@ -86,7 +86,12 @@ class AddMemories(_UserBody):
 
 class SearchMemories(_UserBody):
     query: str = Field(min_length=1, max_length=MAX_QUERY_CHARS)
-    k: int | None = Field(None, ge=1, le=MAX_FACTS)
+    k: int | None = None
+
+    @field_validator("k", mode="before")
+    @classmethod
+    def _k(cls, value: object) -> int | None:
+        return k_of(value)
 
 
 class UpdateMemory(_UserBody):

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from inferscale.errors import MissingFactError, ModelMismatchError
-from inferscale.facts import check_id_list, check_user_id
+from inferscale.facts import INTERNAL_PREFIX, check_id_list, check_user_id, is_internal
 from inferscale.kv import FactKV
 
 
@@ -67,22 +67,14 @@ class KVLayout:
         return cls(*dims, dtype)
 
 
-#: users whose id starts with this are the library's own (the instruction prefix's ``_system``);
-#: requests cannot name them (:func:`inferscale.compose.request.parse_params`)
-INTERNAL_PREFIX = "_"
+__all__ = ["INTERNAL_PREFIX", "KVLayout", "check_ids", "check_layout", "is_internal", "require_facts"]
 
 
 def check_ids(user_id: str, fact_ids: Iterable[str]) -> None:
     """User ids as Mem0 takes them (directory and file names escape them); fact ids short
     ASCII names (they become file and tensor names)."""
     check_user_id(user_id)
-    if user_id in (".", ".."):
-        raise ValueError(f"user_id {user_id!r} is not a usable name")
     check_id_list(list(fact_ids), "fact_id")
-
-
-def is_internal(user_id: str) -> bool:
-    return user_id.startswith(INTERNAL_PREFIX)
 
 
 def check_layout(user_id: str, facts: Mapping[str, FactKV], expected: KVLayout | None) -> KVLayout | None:
