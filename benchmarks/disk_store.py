@@ -105,7 +105,11 @@ def planner_call(data: Path):
 
     from inferscale.compose.blend import Blend
     from inferscale.compose.request import make_params
-    from inferscale.inject.planner import plan_request
+
+    try:
+        from inferscale.inject.planner import plan_request
+    except ImportError:  # a tree from before the write path moved out of connector/
+        from inferscale.connector.planner import plan_request
 
     request = json.loads((data / "request.json").read_text())
     params = make_params("bench", request["fact_ids"])
