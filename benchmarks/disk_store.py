@@ -118,7 +118,7 @@ def planner_call(data: Path):
         from inferscale.compose.salt import CacheSalts
 
         salts = CacheSalts(b"benchmark-secret-0123456789abcdef")
-        salt = salts.segment("bench", store(data).generation("bench"), request["segment"])
+        salt = salts.segment("bench", store(data).epoch("bench"), request["segment"])
         return lambda: plan_request(store(data), salts, request["prompt"], params, salt, 0, Blend())
     from inferscale.compose.request import segment_salt
 

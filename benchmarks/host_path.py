@@ -7,7 +7,7 @@ facts of a Llama-3.1-8B K/V shape (random memory as ``ttft.py`` writes it):
 * ``metadata``  — scheduler: the load's cache blocks (``load_blocks`` + ``LoadSpec``);
 * ``metadata_slots`` — the baseline of ``metadata``: as the scheduler did it before the worker
   derived each token's slot itself, a slot per token (NumPy) and the set of blocks. Not in the sums.
-* ``sources``   — worker: the facts' blocks in the memory tier, the check of their versions and the
+* ``sources``   — worker: the facts' blocks in the memory tier, the check of their epochs and the
   sources table (``SegmentLoader.sources``);
 * ``launch``    — worker, on a GPU: the table to the device, the rotary table and the fused
   write's launch on the current stream, with its event (``KVWriter._write_fused``'s work);
@@ -145,7 +145,7 @@ def steps(k: int, data: Path, device: torch.device) -> dict:
     fact_ids = [f"f{i}" for i in range(k)]
     segment = list(prefix) + [t for f in fact_ids for t in facts[f].token_ids]
     params = {"inferscale": {"user_id": "bench", "fact_ids": fact_ids}}
-    salt = salts.segment("bench", disk.generation("bench"), segment)
+    salt = salts.segment("bench", disk.epoch("bench"), segment)
     prompt = segment + list(range(1000, 1030))
     block_ids = list(range(len(prompt) // BLOCK + 1))
     store = HBMStore(HBMStore.Options(device=str(device)))
@@ -163,7 +163,7 @@ def steps(k: int, data: Path, device: torch.device) -> dict:
         blocks = load_blocks(block_ids, BLOCK, 0, planned.claim_len)
         set(blocks)  # (the blocks to report should the load fail)
         return LoadSpec("r", planned.request, 0, planned.claim_len, planned.segment_len, blocks, BLOCK,
-                        planned.versions, 1.0)
+                        planned.epochs, 1.0)
 
     def metadata_slots():
         positions = np.arange(0, planned.claim_len, dtype=np.int64)

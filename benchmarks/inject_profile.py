@@ -131,7 +131,7 @@ def bench_salt(config, segment: list[int]) -> str:
         return segment_salt("bench", segment, 0)
     from inferscale.storage.disk import DiskStore
 
-    epoch = DiskStore(DiskStore.Options(root=str(config.kv_path))).generation("bench")
+    epoch = DiskStore(DiskStore.Options(root=str(config.kv_path))).epoch("bench")
     return CacheSalts.from_file(config.secret_path).segment("bench", epoch, segment, 0)
 
 

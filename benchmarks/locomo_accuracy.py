@@ -438,7 +438,7 @@ def cache_salts(data_dir: Path):
 
     config = Config(data_dir=str(data_dir))
     salts, disk = CacheSalts.from_file(config.secret_path), DiskStore(DiskStore.Options(root=str(config.kv_path)))
-    return lambda user, segment, *recipe: salts.segment(user, disk.generation(user), segment, *recipe)
+    return lambda user, segment, *recipe: salts.segment(user, disk.epoch(user), segment, *recipe)
 
 
 def run_method(llm, method: Method, k: int, items, prompts, fact_ids, max_tokens: int, salt_of) -> list[dict]:

@@ -35,7 +35,7 @@ def bench_salt(config, segment: list[int]) -> str:
     from inferscale.compose.salt import CacheSalts
     from inferscale.storage.disk import DiskStore
 
-    epoch = DiskStore(DiskStore.Options(root=str(config.kv_path))).generation("bench")
+    epoch = DiskStore(DiskStore.Options(root=str(config.kv_path))).epoch("bench")
     return CacheSalts.from_file(config.secret_path).segment("bench", epoch, segment, 0)
 
 

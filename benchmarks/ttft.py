@@ -344,7 +344,7 @@ def query_to_first_token(llm, disk, prefix, facts, ks, question, reps: int, salt
             segment = list(prefix)
             for token_ids in disk.token_ids("bench", order):
                 segment.extend(token_ids)
-            salt = salts.segment("bench", disk.generation("bench"), segment, 0)
+            salt = salts.segment("bench", disk.epoch("bench"), segment, 0)
             prompt = {"prompt_token_ids": segment + question, "cache_salt": f"{salt}:{uuid.uuid4().hex}"}
             sampling = greedy_sampling(1, make_params("bench", order, 0))
             marks.append(time.perf_counter())
@@ -514,7 +514,7 @@ def main() -> None:
                   max_model_len=8192, enforce_eager=not args.cuda_graphs, enable_prefix_caching=not args.no_prefix_caching,
                   tensor_parallel_size=args.tp, **({"block_size": args.block_size} if args.block_size else {}),
                   kv_transfer_config=KVTransferConfig(**kv_transfer_config(config)), **memory)
-        salts, epoch = CacheSalts.from_file(config.secret_path), disk.generation("bench")
+        salts, epoch = CacheSalts.from_file(config.secret_path), disk.epoch("bench")
         rows += measure(llm, prefix, facts, ks, budgets, question, args.reps, store, salts, epoch,
                         prefix_caching=not args.no_prefix_caching)
         if args.embedder and store == stores[0]:

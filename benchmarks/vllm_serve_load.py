@@ -99,7 +99,7 @@ class Requests:
         self.question_tokens, self.max_tokens = question_tokens, max_tokens
         self.salts = CacheSalts.from_file(config.secret_path)
         disk = DiskStore(DiskStore.Options(root=str(config.kv_path)))
-        self.epochs = {user: disk.generation(user) for user in tokens}
+        self.epochs = {user: disk.epoch(user) for user in tokens}
         self.rng = random.Random(seed)
 
     def body(self, system: str, user: str) -> dict:

@@ -92,7 +92,7 @@ def _segment(disk: DiskStore, facts) -> list[int]:
 
 
 def _salt(disk: DiskStore, segment, recompute_tokens=None, salts=SALTS) -> str:
-    return salts.segment("ann", disk.generation("ann"), segment, recompute_tokens)
+    return salts.segment("ann", disk.epoch("ann"), segment, recompute_tokens)
 
 
 def test_planner_claims_the_head_and_leaves_the_tail(disk):
@@ -146,9 +146,9 @@ def _spec(disk, order, start, end, key_scale=1.0, recompute=None) -> LoadSpec:
     """A load as the scheduler sends it for the memory on disk now."""
     segment = _segment(disk, order)
     memory = SegmentRequest("ann", tuple(order), recompute, None)
-    versions = (disk.generation(SYSTEM_USER), disk.generation("ann"))
+    epochs = (disk.epoch(SYSTEM_USER), disk.epoch("ann"))
     blocks = load_blocks(range(len(segment) // 4 + 1), 4, start, end)  # slot = position
-    return LoadSpec("r1", memory, start, end, len(segment), blocks, 4, versions, key_scale)
+    return LoadSpec("r1", memory, start, end, len(segment), blocks, 4, epochs, key_scale)
 
 
 @settings(max_examples=200, deadline=None)
@@ -203,7 +203,7 @@ def test_loader_never_writes_another_version_of_the_memory(disk):
     disk.put("ann", {"a": FactKV(a.token_ids, a.keys + 1, a.values)})
     assert torch.equal(loader.load(scheduled, num_layers=2, head_size=8).keys, before.keys)
     now = _spec(disk, order, 0, 18)
-    assert now.versions != scheduled.versions
+    assert now.epochs != scheduled.epochs
     segment = loader.load(now, num_layers=2, head_size=8)  # a stale tier fails the version check: reloaded
     expected = _loader(disk).load(now, num_layers=2, head_size=8)
     assert torch.equal(segment.keys, expected.keys) and not torch.equal(segment.keys, before.keys)
@@ -266,12 +266,12 @@ def test_fused_sources_point_at_the_segments_stored_rows(disk):
     with pytest.raises(ValueError):
         loader.sources(_spec(disk, order, 0, 19), num_layers=2, head_size=8)
     forged = LoadSpec("r1", spec.request, 6, 18, spec.segment_len, spec.blocks, spec.block_size,
-                      (spec.versions[0], "other"), 1.25)
+                      (spec.epochs[0], "other"), 1.25)
     with pytest.raises(ValueError, match="changed since"):
         loader.sources(forged, num_layers=2, head_size=8)
     assert sources.table[SLOT].tolist() == spec.slots.tolist() == list(range(6, 18))  # (slot = position here)
     for blocks, size in ((spec.blocks[:-1], spec.block_size), ([*spec.blocks, 99], spec.block_size), (spec.blocks, 0)):
-        bad = LoadSpec("r1", spec.request, 6, 18, spec.segment_len, blocks, size, spec.versions, 1.25)
+        bad = LoadSpec("r1", spec.request, 6, 18, spec.segment_len, blocks, size, spec.epochs, 1.25)
         for read in (loader.sources, loader.load):  # never a slot guessed past the blocks the scheduler sent
             with pytest.raises(ValueError, match="cache blocks"):
                 read(bad, num_layers=2, head_size=8)

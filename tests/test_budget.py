@@ -39,9 +39,9 @@ def load(loader: SegmentLoader, disk: DiskStore, user: str) -> None:
     request = SegmentRequest(user, tuple(disk.list(user)), 0, None)
     segment = [t for ids in disk.token_ids(SYSTEM_USER, [PREFIX_FACT]) + disk.token_ids(user, request.fact_ids)
                for t in ids]
-    versions = (disk.generation(SYSTEM_USER), disk.generation(user))
+    epochs = (disk.epoch(SYSTEM_USER), disk.epoch(user))
     spec = LoadSpec("r", request, 0, len(segment), len(segment), load_blocks(range(len(segment)), 1, 0, len(segment)),
-                    1, versions)
+                    1, epochs)
     loader.load(spec, num_layers=2, head_size=8)
 
 

@@ -39,9 +39,9 @@ def test_ties_break_by_fact_id():
 
 
 def test_segment_is_prefix_then_facts_in_order(store):
-    versions, parts = segment_parts(store, "ann", ["c", "a"])
+    epochs, parts = segment_parts(store, "ann", ["c", "a"])
     assert [t for part in parts for t in part] == [1, 2, 3, 30, 31, 32, 10, 11]
-    assert versions == (store.generation(SYSTEM_USER), store.generation("ann"))
+    assert epochs == (store.epoch(SYSTEM_USER), store.epoch("ann"))
     batch = gather_segment(store, "ann", ["c", "a"])
     assert batch.keys.shape == (L, 8, H, D)
     assert torch.equal(batch.values[:, 3:6], store.get("ann", ["c"]).values)

@@ -28,7 +28,7 @@ def nest(store: DiskStore, user: str, depth: int = 100_000) -> None:
 
 def test_a_deeply_nested_index_is_corrupt_data_for_its_user_alone(store):
     nest(store, "ann")
-    for read in (store.list, store.facts, store.generation, store.embeddings, lambda u: store.token_ids(u, ["f0"])):
+    for read in (store.list, store.facts, store.epoch, store.embeddings, lambda u: store.token_ids(u, ["f0"])):
         with pytest.raises(CorruptDataError, match="nested too deeply"):
             read("ann")
     assert store.list("bob") == ["f0", "f1", "f2"]

@@ -128,7 +128,7 @@ def test_two_stores_on_one_root(disk):
     assert disk.list("alice") == ["f0", "f1", "f2", "f7"]  # the cached index sees the new one
     disk.delete("alice", ["f0"])
     assert other.list("alice") == ["f1", "f2", "f7"] and other.token_ids("alice", ["f7"]) == [(70000, 70001)]
-    assert other.generation("alice") == disk.generation("alice")
+    assert other.epoch("alice") == disk.epoch("alice")
     with pytest.raises(UnknownUserError):
         disk.load_user("nobody")
 
@@ -178,15 +178,15 @@ def test_deleted_and_replaced_facts_leave_the_disk(disk):
 
 
 def test_index_reads_never_touch_the_kv(disk):
-    """What the scheduler reads (token ids, ids, records, sizes, generation) comes from the
+    """What the scheduler reads (token ids, ids, records, sizes, epoch) comes from the
     index alone: with every K/V file gone it still reads, and K/V reads refuse."""
     facts = make_facts(4)
     disk.put("alice", facts, {"f2": Fact("f2", "alice", "Alice rows.")})
-    generation = disk.generation("alice")
+    epoch = disk.epoch("alice")
     for path in segments(disk):
         path.unlink()
     store = fresh(disk)
-    assert store.list("alice") == list(facts) and store.generation("alice") == generation
+    assert store.list("alice") == list(facts) and store.epoch("alice") == epoch
     assert store.token_ids("alice", ["f3", "f0"]) == [facts["f3"].token_ids, facts["f0"].token_ids]
     assert store.facts("alice")["f2"].text == "Alice rows." and store.nbytes("alice") == sum(
         kv.nbytes for kv in facts.values())
@@ -363,7 +363,7 @@ def test_corrupt_index_is_refused(disk, damage):
     damage(path)
     store = fresh(disk)
     for call in (lambda: store.list("alice"), lambda: store.token_ids("alice", ["f0"]),
-                 lambda: store.generation("alice"), lambda: store.get("alice", ["f0"]),
+                 lambda: store.epoch("alice"), lambda: store.get("alice", ["f0"]),
                  lambda: disk.put("alice", {"f5": make_fact(1)})):
         with pytest.raises(CorruptDataError, match="index.json"):
             call()
@@ -382,7 +382,7 @@ def test_token_ids_outside_the_vocabulary_range_are_refused(disk, bad):
     path = disk.user_dir("alice") / "index.json"
     index = index_format.UserIndex.decode(path.read_bytes(), "alice", str(path))
     entry = index.facts["f0"]
-    forged = index_format.UserIndex(index.user_id, index.generation, index.layout,
+    forged = index_format.UserIndex(index.user_id, index.epoch, index.layout,
                                     {"f0": index_format.FactEntry(entry.segment, (bad, *entry.token_ids[1:]), entry.record)},
                                     index.segments)
     path.write_bytes(forged.encode())
@@ -455,7 +455,7 @@ def test_format_1_and_2_files_are_read(disk, version):
     store = fresh(disk)
     assert store.users() == ["alice"] and store.list("alice") == list(facts)
     assert_batch(store.get("alice", ["f2", "f0"]), facts, ["f2", "f0"])
-    assert store.token_ids("alice", ["f1"]) == [facts["f1"].token_ids] and store.generation("alice")
+    assert store.token_ids("alice", ["f1"]) == [facts["f1"].token_ids] and store.epoch("alice")
     assert store.facts("alice")["f1"].text == ("Alice has a cat." if version == "2" else "")
     assert store.embeddings("alice")[0] == ["f1"]
 
@@ -475,7 +475,7 @@ def test_format_2_token_ids_are_read_without_the_kv(disk):
 def test_first_write_converts_to_format_3(disk, change):
     facts = make_facts(3)
     legacy = write_legacy(disk.root, "alice", facts, "2", RECORD, {"f1": torch.ones(3)})
-    before = fresh(disk).generation("alice")
+    before = fresh(disk).epoch("alice")
     if change == "put":
         added = {"f9": make_fact(2, seed=90)}
         disk.put("alice", added)
@@ -485,7 +485,7 @@ def test_first_write_converts_to_format_3(disk, change):
         expected = {f: facts[f] for f in ("f1", "f2")}
     assert not legacy.exists() and index_of(disk)["format_version"] == "3"
     store = fresh(disk)
-    assert store.list("alice") == list(expected) and store.generation("alice") != before
+    assert store.list("alice") == list(expected) and store.epoch("alice") != before
     assert_batch(store.get("alice", list(expected)), expected, list(expected))
     assert store.facts("alice")["f1"].text == "Alice has a cat." and store.embeddings("alice")[0] == ["f1"]
     # a crash right after the conversion leaves the old file behind: the index wins, the next write removes it
@@ -498,7 +498,7 @@ def test_first_write_converts_to_format_3(disk, change):
 def test_deleting_a_format_2_user_removes_the_file(disk):
     legacy = write_legacy(disk.root, "alice", make_facts(2), "2")
     disk.delete("alice")
-    assert not legacy.exists() and disk.users() == [] and disk.generation("alice") is None
+    assert not legacy.exists() and disk.users() == [] and disk.epoch("alice") is None
 
 
 def test_benchmark_script_runs(tmp_path):

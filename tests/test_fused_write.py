@@ -252,7 +252,7 @@ def test_loader_reads_pinned_blocks_in_place_when_asked():
     store.put(SYSTEM_USER, {PREFIX_FACT: FactKV((7, 8, 9), torch.randn(2, 3, 1, 8), torch.randn(2, 3, 1, 8))})
     store.put("ann", {f"f{i}": FactKV((i, i + 1), torch.randn(2, 2, 1, 8), torch.randn(2, 2, 1, 8)) for i in range(3)})
     spec = LoadSpec("r", SegmentRequest("ann", ("f2", "f0")), 0, 7, 7, [0, 1], 4,
-                    (store.generation(SYSTEM_USER), store.generation("ann")))
+                    (store.epoch(SYSTEM_USER), store.epoch("ann")))
     own = {b.data_ptr() for b in store.blocks("ann", ["f2", "f0"], "cpu")}
     for host_in_place in (True, False):
         loader = SegmentLoader(store, None, None, slice(0, 1), "cuda", torch.float32, host_in_place=host_in_place)

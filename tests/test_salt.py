@@ -77,22 +77,22 @@ def test_salt_is_an_hmac_of_the_documented_message():
 
 
 def test_a_recreated_user_gets_a_new_epoch(tmp_path):
-    """The epoch is the user's generation: renewed by every write, never reused, even
+    """The epoch is the user's epoch: renewed by every write, never reused, even
     for a user deleted and stored again with the very same facts."""
     disk = DiskStore(DiskStore.Options(root=str(tmp_path)))
     facts = make_facts(3)
     disk.put("alice", facts)
-    seen = [disk.generation("alice")]
+    seen = [disk.epoch("alice")]
     disk.put("alice", {"f9": facts["f0"]})
-    seen.append(disk.generation("alice"))
+    seen.append(disk.epoch("alice"))
     disk.delete("alice", ["f9"])
-    seen.append(disk.generation("alice"))
+    seen.append(disk.epoch("alice"))
     disk.delete("alice")
-    assert disk.generation("alice") is None
+    assert disk.epoch("alice") is None
     disk.put("alice", facts)
-    seen.append(disk.generation("alice"))
+    seen.append(disk.epoch("alice"))
     assert len(set(seen)) == len(seen)
-    assert disk.generation("alice") == DiskStore(DiskStore.Options(root=str(tmp_path))).generation("alice")
+    assert disk.epoch("alice") == DiskStore(DiskStore.Options(root=str(tmp_path))).epoch("alice")
     salts = {KEY.segment("alice", epoch, [1, 2, 3]) for epoch in seen}
     assert len(salts) == len(seen)
 

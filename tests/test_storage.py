@@ -354,14 +354,14 @@ def test_tiered_loads_user_on_first_use(tmp_path, memory_name):
     assert ensure_user(memory, disk, "alice") is False
     assert ensure_user(memory, disk, "nobody") is False and memory.users() == ["alice"]
     assert_batch(memory.get("alice", ["f3", "f1"], "cpu"), facts, ["f3", "f1"])
-    assert memory.generation("alice") == disk.generation("alice")
+    assert memory.epoch("alice") == disk.epoch("alice")
     assert ensure_user(disk, disk, "alice") is False  # the disk store needs no loading
 
 
 @pytest.mark.parametrize("memory_name", MEMORY_TIERS)
-def test_stale_memory_is_told_by_generation_not_by_token_ids(tmp_path, memory_name):
+def test_stale_memory_is_told_by_epoch_not_by_token_ids(tmp_path, memory_name):
     """Another process re-encodes a fact under the same token ids: the memory tier
-    notices (the user's generation changed) and serves the new K/V."""
+    notices (the user's epoch changed) and serves the new K/V."""
     disk = DiskStore(DiskStore.Options(root=str(tmp_path)))
     memory = make_store(memory_name, tmp_path)
     facts = make_facts(3)
@@ -389,16 +389,16 @@ def test_benchmark_script_runs(tmp_path):
 
 
 @pytest.mark.parametrize("name", STORES)
-def test_versioned_token_ids_are_one_versions(name, tmp_path):
-    """What the scheduler salts a request with: the user's generation and the facts' token ids,
+def test_epoch_token_ids_are_one_epochs(name, tmp_path):
+    """What the scheduler salts a request with: the user's epoch and the facts' token ids,
     together; the errors of token_ids for an unknown user or fact."""
     store = make_store(name, tmp_path)
     facts = make_facts(4)
     store.put("alice", facts)
-    generation, token_ids = store.versioned_token_ids("alice", ["f3", "f1"])
-    assert generation == store.generation("alice")
+    epoch, token_ids = store.epoch_token_ids("alice", ["f3", "f1"])
+    assert epoch == store.epoch("alice")
     assert token_ids == store.token_ids("alice", ["f3", "f1"]) == [facts["f3"].token_ids, facts["f1"].token_ids]
     with pytest.raises(MissingFactError):
-        store.versioned_token_ids("alice", ["f1", "nope"])
+        store.epoch_token_ids("alice", ["f1", "nope"])
     with pytest.raises(UnknownUserError):
-        store.versioned_token_ids("bob", ["f1"])
+        store.epoch_token_ids("bob", ["f1"])

@@ -51,11 +51,11 @@ def tiers(tmp_path) -> Tiers:
     return Tiers(PinnedHostStore(PinnedHostStore.Options(device="cpu")), disk)
 
 
-def spec_for(disk: DiskStore, user: str, req_id: str = "r", versions=None) -> LoadSpec:
+def spec_for(disk: DiskStore, user: str, req_id: str = "r", epochs=None) -> LoadSpec:
     request = SegmentRequest(user, tuple(disk.list(user)), 0, None)
     length = sum(map(len, disk.token_ids(SYSTEM_USER, [PREFIX_FACT]) + disk.token_ids(user, request.fact_ids)))
-    versions = versions or (disk.generation(SYSTEM_USER), disk.generation(user))
-    return LoadSpec(req_id, request, 0, length, length, load_blocks(range(length), 1, 0, length), 1, versions)
+    epochs = epochs or (disk.epoch(SYSTEM_USER), disk.epoch(user))
+    return LoadSpec(req_id, request, 0, length, length, load_blocks(range(length), 1, 0, length), 1, epochs)
 
 
 def writer_for(tiers: Tiers, **tuning) -> tuple[KVWriter, ConnectorStats]:
@@ -86,7 +86,7 @@ def test_each_layer_is_written_through_the_backend_op(tiers):
 def test_a_failed_load_reports_its_blocks_and_the_others_are_written(tiers):
     writer, _ = writer_for(tiers)
     good = spec_for(tiers.disk, "ann")
-    stale = spec_for(tiers.disk, "ann", "stale", versions=("old", "old"))
+    stale = spec_for(tiers.disk, "ann", "stale", epochs=("old", "old"))
     cache = RecordingCache()
     writer.write_step([stale, good], cache)
     assert writer.take_load_errors() == set(stale.blocks)
@@ -144,9 +144,9 @@ def check_fused_step(tmp_path: str) -> None:
     first = spec_for(disk, "ann")
     length = first.end
     second = LoadSpec("s", first.request, 3, length, length, load_blocks(range(100, 200), 4, 3, length), 4,
-                      first.versions)
+                      first.epochs)
     first = LoadSpec("r", first.request, 0, length, length, load_blocks(range(length), 4, 0, length), 4,
-                     first.versions)
+                     first.epochs)
     cache = FlashAttentionCache(200, 2, 4, SIZE)
     writer.write_step([first, second], cache)
     assert writer.take_load_errors() == set()

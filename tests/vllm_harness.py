@@ -153,7 +153,7 @@ def memory_request(data_dir: Path, user_id: str, fact_ids: list[str], segment_id
     """kv_transfer_params and the cache salt the server gives a request for this memory:
     keyed with the secret of ``data_dir`` (the engine's), at the user's current epoch."""
     config = Config(data_dir=str(data_dir))
-    epoch = DiskStore(DiskStore.Options(root=str(config.kv_path))).generation(user_id)
+    epoch = DiskStore(DiskStore.Options(root=str(config.kv_path))).epoch(user_id)
     salt = CacheSalts.from_file(config.secret_path).segment(user_id, epoch, segment_ids, recompute_tokens, key_scale)
     return make_params(user_id, fact_ids, recompute_tokens, key_scale), salt
 

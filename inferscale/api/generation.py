@@ -126,7 +126,7 @@ class GenerationAPI:
         segment = list(ctx.prefix_ids)
         for ids in ctx.disk.token_ids(user_id, list(fact_order)):
             segment.extend(ids)
-        epoch = ctx.disk.generation(user_id)
+        epoch = ctx.disk.epoch(user_id)
         if epoch is None:  # deleted since its token ids were read
             raise UnknownUserError(user_id)
         ids, order = segment + question, list(fact_order)

@@ -60,7 +60,7 @@ class SegmentRequest:
 
     def salt(self, salts: CacheSalts, epoch: str, segment_token_ids: Sequence[int]) -> str:
         """The cache salt this request must carry for a segment of these tokens,
-        made from the user's memory at ``epoch`` (:meth:`KVStore.generation`)."""
+        made from the user's memory at ``epoch`` (:meth:`KVStore.epoch`)."""
         return salts.segment(self.user_id, epoch, segment_token_ids, self.recompute_tokens, self.key_scale)
 
 

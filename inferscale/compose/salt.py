@@ -8,8 +8,8 @@ connector injects memory only into a request carrying the right salt, and
 only that request's salt reads the blocks back from the prefix cache.
 
 A salt is HMAC-SHA256, keyed with the server secret (:mod:`inferscale.secret`),
-over the user, the user's *epoch* (the generation of their stored memory,
-renewed on every write and never reused, :meth:`KVStore.generation`), and, for
+over the user, the user's *epoch* (the id of their stored memory's version,
+renewed on every write and never reused, :meth:`KVStore.epoch`), and, for
 injected memory, the segment's token ids and recipe (recompute budget, key
 scale). Deleting, updating or re-encoding a user's memory changes the epoch,
 so salts issued before never match again; prompt-mode requests (facts as text)

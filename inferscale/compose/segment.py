@@ -34,11 +34,11 @@ class Segment:
 
 def segment_parts(store: KVStore, user_id: str, fact_ids: Sequence[str]
                   ) -> tuple[tuple[str, str], list[tuple[int, ...]]]:
-    """The versions (epochs) of the instruction prefix and of the user's memory, and the token
-    ids of the segment's parts (the prefix, then each fact) in those versions; read without
+    """The epochs of the instruction prefix and of the user's memory, and the token
+    ids of the segment's parts (the prefix, then each fact) in those epochs; read without
     moving any K/V."""
-    prefix_epoch, (prefix,) = store.versioned_token_ids(SYSTEM_USER, [PREFIX_FACT])
-    epoch, facts = store.versioned_token_ids(user_id, list(fact_ids))
+    prefix_epoch, (prefix,) = store.epoch_token_ids(SYSTEM_USER, [PREFIX_FACT])
+    epoch, facts = store.epoch_token_ids(user_id, list(fact_ids))
     return (prefix_epoch, epoch), [tuple(prefix), *facts]
 
 

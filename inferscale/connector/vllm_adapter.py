@@ -121,7 +121,7 @@ class InferScaleConnector(compat.KVConnectorBase_V1):
             start = plan.claim_len - plan.num_external
             blocks = load_blocks(block_ids, self.block_size, start, plan.claim_len)
             meta.loads.append(LoadSpec(req_id, plan.request, start, plan.claim_len, plan.segment_len, blocks,
-                                       self.block_size, plan.versions, plan.blend.key_scale))
+                                       self.block_size, plan.epochs, plan.blend.key_scale))
             self._loaded_blocks[req_id] = set(blocks)
         return meta
 

@@ -33,10 +33,10 @@ class LoadSpec:
     cache ``blocks`` of ``block_size`` slots each, as the request's block table
     lays them out: token ``start`` in ``blocks[0]`` at slot ``start % block_size``
     (:func:`load_blocks`; the worker derives each token's slot, :attr:`slots`,
-    so that a block id and not a slot per token crosses to it). ``versions`` are
+    so that a block id and not a slot per token crosses to it). ``epochs`` are
     the epochs of the instruction prefix and of the user's memory whose token ids
     the scheduler matched the prompt (and the request's cache salt) against: the
-    worker loads K/V only from those versions, so K/V is never written under other
+    worker loads K/V only from those epochs, so K/V is never written under other
     tokens or from another version of the user's memory (an epoch is never reused,
     so one version's token ids never change). The facts' keys are multiplied by ``key_scale``
     (:mod:`inferscale.compose.blend`).
@@ -49,7 +49,7 @@ class LoadSpec:
     segment_len: int
     blocks: Sequence[int]  # the cache blocks of tokens start..end-1 (:func:`load_blocks`)
     block_size: int
-    versions: tuple[str, str]
+    epochs: tuple[str, str]
     key_scale: float = 1.0
 
     @property
@@ -145,9 +145,9 @@ class SegmentLoader:
     def _held(self, spec: LoadSpec, in_place: bool) -> tuple[HeldBlocks, HeldBlocks, np.ndarray | None] | None:
         """The segment's blocks: the prefix's, the user's and the rows of the request's facts among
         them (None: all, in order; :meth:`_fact_blocks`); None when the memory tier does not hold
-        the scheduled versions."""
+        the scheduled epochs."""
         self._hold(spec.user_id)
-        if not self._holds_versions(spec):
+        if not self._holds_epochs(spec):
             return None
         try:
             prefix = self._prefix(in_place)
@@ -160,11 +160,11 @@ class SegmentLoader:
     def _prefix(self, in_place: bool) -> HeldBlocks:
         """The instruction prefix's blocks, looked up once per version of it and place (every
         request starts with it; a pinned store's prefix is then copied once)."""
-        generation = self.store.generation(SYSTEM_USER)
+        epoch = self.store.epoch(SYSTEM_USER)
         held = self._prefix_held.get(in_place)
-        if held is None or held[0] != generation:
+        if held is None or held[0] != epoch:
             blocks, rows = self._fact_blocks(SYSTEM_USER, [PREFIX_FACT], in_place)
-            held = self._prefix_held[in_place] = (generation, blocks if rows is None else blocks.select(rows))
+            held = self._prefix_held[in_place] = (epoch, blocks if rows is None else blocks.select(rows))
         return held[1]
 
     def _fact_blocks(self, user_id: str, fact_ids: Sequence[str], in_place: bool
@@ -174,10 +174,10 @@ class SegmentLoader:
         order; :meth:`MemoryTier.held_rows`)."""
         return self.store.held_rows(user_id, fact_ids, _HOST if in_place else self.device)
 
-    def _holds_versions(self, spec: LoadSpec) -> bool:
-        """Whether the memory tier holds the prefix and the user's memory in the versions the
+    def _holds_epochs(self, spec: LoadSpec) -> bool:
+        """Whether the memory tier holds the prefix and the user's memory in the epochs the
         request was scheduled with."""
-        return (self.store.generation(SYSTEM_USER), self.store.generation(spec.user_id)) == tuple(spec.versions)
+        return (self.store.epoch(SYSTEM_USER), self.store.epoch(spec.user_id)) == tuple(spec.epochs)
 
     def slot_mapping(self, spec: LoadSpec) -> torch.Tensor:
         """The spec's cache slots on the loader's device, copied without a host sync."""
@@ -187,9 +187,9 @@ class SegmentLoader:
         return slots.pin_memory().to(self.device, non_blocking=True)
 
     def _gather(self, spec: LoadSpec) -> KVBatch | None:
-        """The segment's pre-RoPE K/V; None when the memory tier does not hold the scheduled versions."""
+        """The segment's pre-RoPE K/V; None when the memory tier does not hold the scheduled epochs."""
         self._hold(spec.user_id)
-        if not self._holds_versions(spec):
+        if not self._holds_epochs(spec):
             return None
         try:
             return gather_segment(self.store, spec.user_id, spec.request.fact_ids, self.device)
@@ -201,7 +201,7 @@ class SegmentLoader:
         A copy it holds is not compared with the disk on every request (a stat per user): the
         version check does that, and a stale copy fails it and is reloaded (:meth:`_read`)."""
         for user in (SYSTEM_USER, user_id):
-            if self.store.generation(user) is None:
+            if self.store.epoch(user) is None:
                 ensure_user(self.store, self.disk, user)
 
     def _refresh(self, user_id: str) -> None:

@@ -44,8 +44,8 @@ class Plan:
     request: SegmentRequest | None
     segment_len: int = 0
     num_external: int = 0
-    #: the versions (epochs) of the instruction prefix and of the user's memory it was matched against
-    versions: tuple[str, str] = ("", "")
+    #: the epochs of the instruction prefix and of the user's memory it was matched against
+    epochs: tuple[str, str] = ("", "")
     fallback: Fallback | None = None
     detail: str = ""
     claim_len: int = 0
@@ -84,7 +84,7 @@ def plan_request(
         return Plan(request, fallback=Fallback.MISSING_CACHE_SALT,
                     detail="request lacks the cache_salt of its prompt's head (not made by this server)")
     try:
-        versions, parts = segment_parts(store, request.user_id, request.fact_ids)
+        epochs, parts = segment_parts(store, request.user_id, request.fact_ids)
     except UnknownUserError as exc:
         return Plan(request, fallback=Fallback.UNKNOWN_USER, detail=str(exc))
     except MissingFactError as exc:
@@ -95,12 +95,12 @@ def plan_request(
         return Plan(request, fallback=Fallback.STORE_ERROR, detail=f"{type(exc).__name__}: {exc}")
     blend = blend.override(request.recompute_tokens, request.key_scale)
     segment = list(chain.from_iterable(parts))
-    salt = request.salt(salts, versions[1], segment)
-    return _match(request, parts, segment, prompt, cache_salt, salt, versions, num_computed_tokens, blend)
+    salt = request.salt(salts, epochs[1], segment)
+    return _match(request, parts, segment, prompt, cache_salt, salt, epochs, num_computed_tokens, blend)
 
 
 def _match(request: SegmentRequest, parts: list[tuple[int, ...]], segment: list[int], prompt: list[int],
-           cache_salt: str | None, salt: str, versions: tuple[str, str], num_computed: int, blend: Blend) -> Plan:
+           cache_salt: str | None, salt: str, epochs: tuple[str, str], num_computed: int, blend: Blend) -> Plan:
     m = len(segment)
     if not salt_matches(cache_salt, salt):  # checked first: a request without it learns nothing more
         return Plan(request, m, fallback=Fallback.MISSING_CACHE_SALT,
@@ -113,7 +113,7 @@ def _match(request: SegmentRequest, parts: list[tuple[int, ...]], segment: list[
         return Plan(request, m, fallback=Fallback.TOKEN_MISMATCH,
                     detail=f"prompt differs from the memory segment at token {first} of {m}")
     claim = injected_length([len(p) for p in parts], blend.recompute_tokens)
-    return Plan(request, m, num_external=max(0, claim - num_computed), versions=versions, claim_len=claim,
+    return Plan(request, m, num_external=max(0, claim - num_computed), epochs=epochs, claim_len=claim,
                 blend=blend)
 
 

@@ -54,24 +54,24 @@ class KVStore(ABC):
         """Bytes of K/V held for the user."""
 
     @abstractmethod
-    def generation(self, user_id: str) -> str | None:
-        """The version of the user's facts this store holds: an id that changes
+    def epoch(self, user_id: str) -> str | None:
+        """The epoch of the user's facts this store holds: an id that changes
         whenever they change and is never reused (None: the store holds no facts
-        of the user). It is the user's epoch in cache salts (:mod:`inferscale.compose.salt`)."""
+        of the user). It keys the user's cache salts (:mod:`inferscale.compose.salt`)."""
 
     def token_ids(self, user_id: str, fact_ids: Sequence[str]) -> list[tuple[int, ...]]:
         """The facts' token ids (no K/V moved); default goes through :meth:`get`."""
         return self.get(user_id, fact_ids, "cpu").token_ids
 
-    def versioned_token_ids(self, user_id: str, fact_ids: Sequence[str]) -> tuple[str, list[tuple[int, ...]]]:
-        """(the user's generation, the facts' token ids); a store that can reads both from one
+    def epoch_token_ids(self, user_id: str, fact_ids: Sequence[str]) -> tuple[str, list[tuple[int, ...]]]:
+        """(the user's epoch, the facts' token ids); a store that can reads both from one
         version (the default reads them one after the other). Raises :class:`UnknownUserError`
         and :class:`MissingFactError` as :meth:`token_ids` does."""
         token_ids = self.token_ids(user_id, fact_ids)
-        generation = self.generation(user_id)
-        if generation is None:  # deleted since its token ids were read
+        epoch = self.epoch(user_id)
+        if epoch is None:  # deleted since its token ids were read
             raise UnknownUserError(user_id)
-        return generation, token_ids
+        return epoch, token_ids
 
     def has_user(self, user_id: str) -> bool:
         return bool(self.list(user_id))

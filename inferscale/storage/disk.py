@@ -3,7 +3,7 @@
 Format 3 (``docs/storage-format.md``; a user's directory and file names escape ``/``, ``\\``
 and ``%`` in the id, :func:`~inferscale.facts.user_file_stem`)::
 
-    <root>/users/<user_id>/index.json             facts, token ids, records, segments, generation
+    <root>/users/<user_id>/index.json             facts, token ids, records, segments, epoch
     <root>/users/<user_id>/seg-<hex>.safetensors  K/V (and embeddings), never modified once written
     <root>/<user_id>.safetensors                  a format 1/2 file: read; its first write converts it
     <root>/.lock                                  writers' lock
@@ -19,7 +19,7 @@ files it left behind are removed by the next write (the writing side:
 ``<root>/.lock``; readers take none (a segment removed under a reader sends it
 back to the new index).
 
-``list``/``token_ids``/``facts``/``nbytes``/``generation`` read only the
+``list``/``token_ids``/``facts``/``nbytes``/``epoch`` read only the
 index (verified by its own checksum; cached by the file's identity,
 :mod:`inferscale.storage.index_cache`). Reads that return K/V (``get``, ``load_user``, ``read_user``) verify every segment
 they read, whole, against its checksum and the index.
@@ -152,18 +152,18 @@ class DiskStore(DiskWrites, KVStore):
         return index.nbytes if index else 0
 
     def token_ids(self, user_id: str, fact_ids: Sequence[str]) -> list[tuple[int, ...]]:
-        return self.versioned_token_ids(user_id, fact_ids)[1]
+        return self.epoch_token_ids(user_id, fact_ids)[1]
 
-    def versioned_token_ids(self, user_id: str, fact_ids: Sequence[str]) -> tuple[str, list[tuple[int, ...]]]:
+    def epoch_token_ids(self, user_id: str, fact_ids: Sequence[str]) -> tuple[str, list[tuple[int, ...]]]:
         """Both from one read of the user's index (one version, one stat)."""
         index = self._require_index(user_id)
         require_facts(user_id, fact_ids, index.facts)
-        return index.generation, [index.facts[f].token_ids for f in fact_ids]
+        return index.epoch, [index.facts[f].token_ids for f in fact_ids]
 
-    def generation(self, user_id: str) -> str | None:
+    def epoch(self, user_id: str) -> str | None:
         """The user's epoch: a random id renewed on every write (None: no such user)."""
         index = self._index(user_id)
-        return index.generation if index else None
+        return index.epoch if index else None
 
     # -- beyond the interface --------------------------------------------------
 
@@ -172,9 +172,9 @@ class DiskStore(DiskWrites, KVStore):
         return self.read_user(user_id)[1]
 
     def read_user(self, user_id: str) -> tuple[str, dict[str, FactKV]]:
-        """(generation, all facts verified, in order) of one version of the user (to fill a memory tier)."""
+        """(epoch, all facts verified, in order) of one version of the user (to fill a memory tier)."""
         index, user = self._read(user_id, None)
-        return index.generation, {f: user.facts[f] for f in index.facts}
+        return index.epoch, {f: user.facts[f] for f in index.facts}
 
     def facts(self, user_id: str) -> dict[str, Fact]:
         """The user's facts (text, source turn, token ids), no K/V read; a fact

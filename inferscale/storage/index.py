@@ -3,11 +3,11 @@
 ``<root>/users/<user_id>/index.json`` lists the user's facts in insertion
 order — token ids, record (text, source turn) and the segment file holding
 their K/V — the segments with their checksums, the layout, and the
-*generation*: a random id renewed on every write. It is small, so the
+*epoch*: a random id renewed on every write. It is small, so the
 scheduler reads it (and verifies its own checksum) without touching any K/V;
 the K/V segments are verified when they are read (``docs/storage-format.md``).
 
-Why a random generation is the user's epoch (:mod:`inferscale.compose.salt`):
+Why the epoch is a random id (:mod:`inferscale.compose.salt`):
 it changes on every write (add, update, delete, re-encode), it is never
 reused (128 random bits), and it needs no record that outlives the user — a
 user deleted and created again gets a new one, so no salt issued before the
@@ -36,7 +36,12 @@ _SEGMENT_NAME = re.compile(r"^seg-[0-9a-f]{32}\.safetensors$")
 _HEX64 = re.compile(r"^[0-9a-f]{64}$")
 
 
-def new_generation() -> str:
+#: the index's JSON key for the epoch: "generation", the name it was written under
+#: (kept so that existing index files stay readable and the format stays 3)
+EPOCH_KEY = "generation"
+
+
+def new_epoch() -> str:
     return secrets.token_hex(16)
 
 
@@ -64,7 +69,7 @@ class FactEntry:
 @dataclass(frozen=True)
 class UserIndex:
     user_id: str
-    generation: str
+    epoch: str
     layout: KVLayout
     facts: Mapping[str, FactEntry]  # insertion order
     segments: Mapping[str, SegmentInfo]  # oldest first
@@ -108,7 +113,7 @@ class UserIndex:
             "format": FORMAT,
             "format_version": VERSION,
             "user_id": self.user_id,
-            "generation": self.generation,
+            EPOCH_KEY: self.epoch,
             "layout": self.layout.to_dict(),
             "segments": [{"name": n, "sha256": s.sha256, "bytes": s.nbytes} for n, s in self.segments.items()],
             "facts": [_fact_json(f, e) for f, e in self.facts.items()],
@@ -136,7 +141,7 @@ class UserIndex:
             raise CorruptDataError(f"{where}: index checksum mismatch (the file was altered or damaged)")
         try:
             segments = _segments(body["segments"])
-            return cls(user_id, _generation(body["generation"]), KVLayout.from_dict(body["layout"]),
+            return cls(user_id, _epoch(body[EPOCH_KEY]), KVLayout.from_dict(body["layout"]),
                        _facts(body["facts"], segments), segments)
         except (ValueError, TypeError, KeyError) as exc:
             raise CorruptDataError(f"{where}: inconsistent index ({exc})") from exc
@@ -166,16 +171,16 @@ def _check_header(body: Mapping, user_id: str, where: str) -> None:
     if body.get("format_version") != VERSION:
         raise CorruptDataError(f"{where}: unsupported index format_version {body.get('format_version')!r} "
                                f"(this version reads {VERSION})")
-    missing = {"user_id", "generation", "layout", "segments", "facts", CHECKSUM_KEY} - set(body)
+    missing = {"user_id", EPOCH_KEY, "layout", "segments", "facts", CHECKSUM_KEY} - set(body)
     if missing:
         raise CorruptDataError(f"{where}: index lacks {sorted(missing)}")
     if body["user_id"] != user_id:
         raise CorruptDataError(f"{where}: holds user {body['user_id']!r}, expected {user_id!r}")
 
 
-def _generation(value) -> str:
+def _epoch(value) -> str:
     if not isinstance(value, str) or not re.fullmatch(r"[0-9a-f]{32}", value):
-        raise ValueError(f"bad generation {value!r}")
+        raise ValueError(f"bad epoch {value!r}")
     return value
 
 

@@ -42,9 +42,9 @@ def read_index(path: Path, user_id: str) -> UserIndex:
     except Exception as exc:  # anything unreadable is corrupt, whatever the parser raised
         raise CorruptDataError(f"{path}: not a readable {kvfile.FORMAT} file ({exc})") from exc
     segments = {path.name: SegmentInfo(metadata[kvfile.CHECKSUM_KEY], stat.st_size)}
-    return UserIndex(user_id, generation(stat), layout, facts, segments, metadata["format_version"])
+    return UserIndex(user_id, epoch(stat), layout, facts, segments, metadata["format_version"])
 
 
-def generation(stat: os.stat_result) -> str:
+def epoch(stat: os.stat_result) -> str:
     """A legacy file's epoch: derived from its identity (it changes whenever the file is rewritten)."""
     return hashlib.sha256(repr(("legacy", *identity(stat))).encode()).hexdigest()[:32]

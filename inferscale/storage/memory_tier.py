@@ -36,7 +36,7 @@ class MemoryTier(Protocol):
     #: True: blocks lie in page-locked host memory, which a GPU kernel may read in place
     pinned: bool
 
-    def generation(self, user_id: str) -> str | None:
+    def epoch(self, user_id: str) -> str | None:
         """The version of the user's facts held (the disk's, when :meth:`load` put them there);
         None: none held."""
 
@@ -47,8 +47,8 @@ class MemoryTier(Protocol):
         """Raise :class:`~inferscale.errors.CapacityError` when a user of ``nbytes`` of K/V could
         never be held (checked before the disk tier reads them)."""
 
-    def load(self, user_id: str, facts: Mapping[str, FactKV], generation: str) -> None:
-        """Hold exactly ``facts`` for the user, as version ``generation`` of the disk tier."""
+    def load(self, user_id: str, facts: Mapping[str, FactKV], epoch: str) -> None:
+        """Hold exactly ``facts`` for the user, as version ``epoch`` of the disk tier."""
 
     def delete(self, user_id: str, fact_ids: Sequence[str] | None = None) -> None:
         """Forget some facts of a user, or the whole user when ``fact_ids`` is None (idempotent)."""
@@ -69,7 +69,7 @@ class MemoryTier(Protocol):
 
 
 #: every name of the contract: its attributes, then its methods
-CONTRACT = ("name", "volatile", "pinned", "generation", "has_user", "check_room", "load", "delete", "get",
+CONTRACT = ("name", "volatile", "pinned", "epoch", "has_user", "check_room", "load", "delete", "get",
             "blocks", "held_rows")
 _ATTRIBUTES = CONTRACT[:3]
 

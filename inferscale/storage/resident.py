@@ -13,7 +13,7 @@ the instruction prefix every request reads) are never evicted. A user larger
 than the room that can be made is refused (:class:`CapacityError`). While a
 user is replaced, its old and new copies briefly coexist.
 
-**Generation.** Each user's copy carries the generation of the version it
+**Epoch.** Each user's copy carries the epoch of the version it
 holds: the disk's, when it was loaded from there (:meth:`load`,
 :func:`inferscale.storage.tiered.ensure_user`), or a new one at every ``put``.
 """
@@ -35,7 +35,7 @@ from inferscale.errors import CapacityError, UnknownUserError
 from inferscale.kv import FactKV, KVBatch
 from inferscale.storage.base import KVStore
 from inferscale.storage.blocks import HeldBlocks, batch_from_blocks, empty_batch, gather_blocks, move_blocks
-from inferscale.storage.index import new_generation
+from inferscale.storage.index import new_epoch
 from inferscale.storage.layout import KVLayout, check_ids, check_layout, is_internal, require_facts
 from inferscale.storage.lru import UsageOrder
 
@@ -52,7 +52,7 @@ class UserKV:
     layout: KVLayout
     blocks: Mapping[str, torch.Tensor]
     token_ids: Mapping[str, tuple[int, ...]]
-    generation: str
+    epoch: str
 
     @property
     def nbytes(self) -> int:
@@ -114,7 +114,7 @@ class ResidentStore(KVStore):
         """Blocks for every fact in ``sources`` (same order), in this store's memory."""
 
     def put(self, user_id: str, facts: Mapping[str, FactKV]) -> None:
-        """Add or replace facts of one user (a new generation)."""
+        """Add or replace facts of one user (a new epoch)."""
         check_ids(user_id, facts)
         if not facts:
             return
@@ -127,10 +127,10 @@ class ResidentStore(KVStore):
             sources.update(facts)
             token_ids.update((fact_id, kv.token_ids) for fact_id, kv in facts.items())
             self._make_room(user_id, _nbytes(layout, token_ids.values()))
-            self._install(user_id, UserKV(layout, self._place(layout, sources), token_ids, new_generation()))
+            self._install(user_id, UserKV(layout, self._place(layout, sources), token_ids, new_epoch()))
 
-    def load(self, user_id: str, facts: Mapping[str, FactKV], generation: str) -> None:
-        """Hold exactly ``facts`` for the user, as version ``generation`` of another tier.
+    def load(self, user_id: str, facts: Mapping[str, FactKV], epoch: str) -> None:
+        """Hold exactly ``facts`` for the user, as version ``epoch`` of another tier.
         Raises :class:`CapacityError` (holding nothing for the user) when they do not fit."""
         check_ids(user_id, facts)
         layout = check_layout(user_id, facts, None)
@@ -140,7 +140,7 @@ class ResidentStore(KVStore):
                 return
             token_ids = {fact_id: kv.token_ids for fact_id, kv in facts.items()}
             self._make_room(user_id, _nbytes(layout, token_ids.values()))
-            self._install(user_id, UserKV(layout, self._place(layout, facts), token_ids, generation))
+            self._install(user_id, UserKV(layout, self._place(layout, facts), token_ids, epoch))
 
     def get(self, user_id: str, fact_ids: Sequence[str], device: torch.device | str | None = None) -> KVBatch:
         target = resolve_device(device, self.device)
@@ -208,7 +208,7 @@ class ResidentStore(KVStore):
                 self._drop(user_id)
                 return
             token_ids = {f: old.token_ids[f] for f in keep}
-            self._install(user_id, UserKV(old.layout, self._place(old.layout, keep), token_ids, new_generation()))
+            self._install(user_id, UserKV(old.layout, self._place(old.layout, keep), token_ids, new_epoch()))
 
     def list(self, user_id: str) -> list[str]:
         user = self._users.get(user_id)
@@ -221,9 +221,9 @@ class ResidentStore(KVStore):
         user = self._users.get(user_id)
         return user.nbytes if user else 0
 
-    def generation(self, user_id: str) -> str | None:
+    def epoch(self, user_id: str) -> str | None:
         user = self._users.get(user_id)
-        return user.generation if user else None
+        return user.epoch if user else None
 
     def check_room(self, user_id: str, nbytes: int) -> None:
         """Raise :class:`CapacityError` when ``nbytes`` exceed what evicting every other user

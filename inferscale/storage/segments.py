@@ -4,7 +4,7 @@ Reading verifies each segment whole (its own checksum, :func:`kvfile.decode`)
 and against the index: the checksum the index recorded for it, the facts the
 index places in it, their token ids, the layout. A write (:func:`next_version`)
 puts the facts it adds, and the live facts of the segments it rewrites, into
-one new segment, and gives the user a new generation.
+one new segment, and gives the user a new epoch.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from pathlib import Path
 
 from inferscale.errors import CorruptDataError
 from inferscale.storage import kvfile
-from inferscale.storage.index import FactEntry, SegmentInfo, UserIndex, new_generation
+from inferscale.storage.index import FactEntry, SegmentInfo, UserIndex, new_epoch
 
 
 def read_segments(index: UserIndex, paths: Mapping[str, Path]) -> kvfile.UserFile:
@@ -84,4 +84,4 @@ def make_index(user_id: str, current: UserIndex | None, layout, entries: dict[st
     if new_segment is not None:
         name, sha256, nbytes = new_segment
         segments[name] = SegmentInfo(sha256, nbytes)
-    return UserIndex(user_id, new_generation(), layout, entries, segments)
+    return UserIndex(user_id, new_epoch(), layout, entries, segments)

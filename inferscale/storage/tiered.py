@@ -3,7 +3,7 @@
 The disk store is the source of truth and the only one writers write; the
 memory store is a cache of whole users. :func:`ensure_user` makes the memory
 store hold the disk's current version of a user, told by the user's
-generation (renewed by every write to the disk, read from the user's index),
+epoch (renewed by every write to the disk, read from the user's index),
 not by comparing facts: a fact re-encoded under the same token ids is a new
 version too.
 """
@@ -27,8 +27,8 @@ def ensure_user(memory: MemoryTier | KVStore, disk: DiskStore, user_id: str) -> 
     """
     if not memory.volatile:
         return False
-    current = disk.generation(user_id)
-    if current is not None and memory.generation(user_id) == current:
+    current = disk.epoch(user_id)
+    if current is not None and memory.epoch(user_id) == current:
         return False
     try:
         memory.check_room(user_id, disk.nbytes(user_id))
@@ -36,9 +36,9 @@ def ensure_user(memory: MemoryTier | KVStore, disk: DiskStore, user_id: str) -> 
         memory.delete(user_id)  # no stale copy stays
         raise
     try:
-        generation, facts = disk.read_user(user_id)
+        epoch, facts = disk.read_user(user_id)
     except UnknownUserError:
         memory.delete(user_id)
         return False
-    memory.load(user_id, facts, generation)
+    memory.load(user_id, facts, epoch)
     return True
