@@ -8,6 +8,7 @@ import math
 import os
 
 import pytest
+import torch
 
 import vllm_harness
 from inferscale import MissingFactError, UnknownUserError
@@ -99,8 +100,13 @@ def test_memory_side_lists_searches_updates_and_deletes(mem):
     with pytest.raises(MissingFactError):
         memory.delete_fact("ivy", new.fact_id)
     assert "ivy" in memory.users()
-    memory.delete_user("ivy")
-    assert "ivy" not in memory.users()
+    # what Mem0 kept of ivy with InferScale as its vector store goes too
+    from inferscale.retrieval.mem0_files import CollectionFiles, UserMemories
+
+    mem0_files = CollectionFiles(memory.config.mem0_path / "vectors" / "mem0")
+    mem0_files.save(UserMemories("ivy", ["m1"], torch.zeros(1, 4), [{"data": "Ivy has a cat."}]))
+    gone = memory.delete_user("ivy")
+    assert "ivy" not in memory.users() and not mem0_files.path("ivy").exists() and gone.mem0_memories == 1
     with pytest.raises(UnknownUserError):
         memory.list_facts("ivy")  # as search and generate answer
     with pytest.raises(UnknownUserError):

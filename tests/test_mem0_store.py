@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from inferscale.errors import ConfigError, CorruptDataError
-from inferscale.retrieval.mem0_files import CollectionFiles, UserMemories
+from inferscale.retrieval.mem0_files import CollectionFiles, UserMemories, forget_user_files
 
 ALICE = ["I adopted a grey cat named Oscar.", "My sister Ana lives in Porto.",
          "I am allergic to peanuts.", "I take Portuguese lessons on Tuesdays."]
@@ -141,6 +141,20 @@ def test_collection_files_round_trip(tmp_path):
     files.path("a/b%c").write_bytes(b"not a safetensors file")
     with pytest.raises(CorruptDataError, match="not a readable inferscale-mem0/1 file"):
         list(files.load())
+
+
+def test_forgetting_a_user_removes_their_file_in_every_collection(tmp_path):
+    root = tmp_path / "mem0" / "vectors"
+    vectors = torch.randn(2, 8)
+    first, second = CollectionFiles(root / "mem0"), CollectionFiles(root / "other")
+    first.save(UserMemories("ann", ["m1", "m2"], vectors, [{}, {}]))
+    first.save(UserMemories("bob", ["m3"], vectors[:1], [{}]))
+    second.save(UserMemories("ann", ["m4"], vectors[:1], [{}]))
+    assert forget_user_files(root, "ann") == 3
+    assert [u.user_id for u in first.load()] == ["bob"] and list(second.load()) == []
+    assert forget_user_files(root, "ann") == 0 and forget_user_files(tmp_path / "none", "ann") == 0
+    first.path("bob").write_bytes(b"not a safetensors file")  # unreadable: removed all the same
+    assert forget_user_files(root, "bob") == 0 and not first.path("bob").exists()
 
 
 def test_importing_the_entry_point_does_not_import_mem0(tmp_path):

@@ -32,7 +32,7 @@ class Forgotten:
 
     user_id: str
     facts: int  # facts with their K/V and embeddings
-    mem0_memories: int  # memories in Mem0's own store (their history and the session's messages too)
+    mem0_memories: int  # in Mem0's store or <data_dir>/mem0/vectors (their history, the session too)
     #: the user had memory stored (an unreadable one counts, with ``facts`` 0)
     found: bool = True
 
@@ -101,8 +101,10 @@ class MemoryAPI:
 
     def delete_user(self, user_id: str) -> Forgotten:
         """Forget a user: every fact with its K/V and embedding, and what Mem0's
-        extraction kept (its memories, their history, the session's messages)."""
+        extraction kept (its memories, their history, the session's messages), also where
+        InferScale is Mem0's vector store (``<data_dir>/mem0/vectors``)."""
         from inferscale.encode.extract import forget_user
+        from inferscale.retrieval.mem0_files import forget_user_files
 
         disk = self.context.disk
         found = user_id in disk.users()
@@ -113,6 +115,7 @@ class MemoryAPI:
         disk.delete(user_id)
         self.context.retriever.delete(user_id)
         mem0 = forget_user(self.config.mem0_path, user_id)
+        mem0 += forget_user_files(self.config.mem0_path / "vectors", user_id)
         return Forgotten(user_id, facts, mem0, found or mem0 > 0)
 
     def extract_facts(self, user_id: str, turns: Sequence[Turn], llm_base_url: str, progress: bool = True,

@@ -68,8 +68,30 @@ class CollectionFiles:
             for path in self.users_dir.glob(f"*{SUFFIX}"):
                 files.remove(path)
 
+    def remove(self, user_id: str) -> int:
+        """Delete the user's file; the memories it held (0 if none, or if it was unreadable)."""
+        path = self.path(user_id)
+        with files.exclusive_lock(self.root / ".lock"):
+            if not path.exists():
+                return 0
+            try:
+                held = len(read_user_file(path).ids)
+            except CorruptDataError:  # unreadable: removed all the same
+                held = 0
+            files.remove(path)
+            return held
+
     def path(self, user_id: str) -> Path:
         return self.users_dir / f"{user_file_stem(user_id, check=False)}{SUFFIX}"
+
+
+def forget_user_files(vectors_root: str | Path, user_id: str) -> int:
+    """Delete ``user_id``'s file in every collection under ``vectors_root`` (``<data_dir>/mem0/vectors``,
+    where Mem0's memories live when InferScale is its vector store); the memories they held."""
+    root = Path(vectors_root).expanduser()
+    if not root.is_dir():
+        return 0
+    return sum(CollectionFiles(c).remove(user_id) for c in sorted(root.iterdir()) if (c / "users").is_dir())
 
 
 def encode(user: UserMemories) -> bytes:
