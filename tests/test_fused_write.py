@@ -186,6 +186,18 @@ def _triton_dir() -> Path:
     return Path(os.environ.get("INFERSCALE_CACHE", Path(__file__).resolve().parents[1] / ".cache")) / "triton"
 
 
+def run_interpreted(code: str) -> None:
+    """Run ``code`` in a child Python under Triton's interpreter (the CPU's way to run the kernel);
+    skip when that Triton is not installed, fail with the child's error when the code fails."""
+    if not (_triton_dir() / "triton").is_dir():
+        pytest.skip(f"Triton for the interpreter is not installed in {_triton_dir()} (./dev puts it there)")
+    env = {**os.environ, "TRITON_INTERPRET": "1",
+           "PYTHONPATH": os.pathsep.join([str(_triton_dir()), str(Path(__file__).parent),
+                                          os.environ.get("PYTHONPATH", "")])}
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+
+
 @pytest.mark.parametrize("via", ["launch", "counted", "capped"])
 @pytest.mark.parametrize("case", range(len(CASES)), ids=[f"{c[0]}-{c[1]}-{c[2]}-{c[3]}" for c in CASES])
 def test_fused_write_matches_rope_and_touches_only_its_slots(case, via):
@@ -193,14 +205,7 @@ def test_fused_write_matches_rope_and_touches_only_its_slots(case, via):
         pytest.importorskip("triton")
         check(case, "cuda", via=via)
         return
-    if not (_triton_dir() / "triton").is_dir():
-        pytest.skip(f"Triton for the interpreter is not installed in {_triton_dir()} (./dev puts it there)")
-    env = {**os.environ, "TRITON_INTERPRET": "1",
-           "PYTHONPATH": os.pathsep.join([str(_triton_dir()), str(Path(__file__).parent),
-                                          os.environ.get("PYTHONPATH", "")])}
-    code = f"import test_fused_write as t; t.check({case}, via={via!r})"
-    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stderr[-3000:]
+    run_interpreted(f"import test_fused_write as t; t.check({case}, via={via!r})")
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="pinned host memory read by a GPU kernel")

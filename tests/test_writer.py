@@ -4,9 +4,6 @@ loads reported, and a fused write that cannot run says so once."""
 from __future__ import annotations
 
 import logging
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -162,13 +159,6 @@ def check_fused_step(tmp_path: str) -> None:
 
 
 def test_the_fused_write_of_a_step_lands_where_the_per_layer_write_would(tmp_path):
-    from test_fused_write import _triton_dir
+    from test_fused_write import run_interpreted
 
-    if not (_triton_dir() / "triton").is_dir():
-        pytest.skip(f"Triton for the interpreter is not installed in {_triton_dir()} (./dev puts it there)")
-    env = {**os.environ, "TRITON_INTERPRET": "1",
-           "PYTHONPATH": os.pathsep.join([str(_triton_dir()), str(Path(__file__).parent),
-                                          os.environ.get("PYTHONPATH", "")])}
-    code = f"import test_writer as t; t.check_fused_step({str(tmp_path)!r})"
-    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stderr[-3000:]
+    run_interpreted(f"import test_writer as t; t.check_fused_step({str(tmp_path)!r})")
