@@ -34,6 +34,8 @@ convert() {
     && OMP_NUM_THREADS=4 PYTHONPATH=$NOW nice python3 -m inferscale.cli convert /tmp/$1.gguf --out "$3" --dtype bfloat16
 }
 Q05=/tmp/qwen2.5-coder-0.5b-instruct-bfloat16 Q15=/tmp/qwen2.5-coder-1.5b-instruct-bfloat16
+# once per machine: a second run of this script (other steps) finds the models converted
+[[ -f /tmp/converted ]] || \
 ( convert q05 1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32 $Q05 > "$RUN/convert05.log" 2>&1
   convert q15 cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046 $Q15 > "$RUN/convert15.log" 2>&1
   touch /tmp/converted ) &

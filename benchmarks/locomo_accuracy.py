@@ -95,10 +95,29 @@ class Method:
     key_scale: float = 1.0
     neighbours: int = 0  # > 0: the "neighbours" policy, each fact behind its nearest facts (window unused)
     order: str = "relevance"  # the composer: "relevance" (most relevant last) or "stored" (as stored)
+    # "0/5/20": every fact encoded behind 0, 5 and 20 facts; each slot of a segment reads the encoding
+    # whose window is nearest to the number of facts before that slot (the window unused)
+    slots: str = ""
 
     @property
     def encoding(self) -> tuple[int, str, int]:
         return (0 if self.neighbours else self.window), self.style, self.neighbours
+
+    @property
+    def encodings(self) -> list[tuple[int, str, int]]:
+        """Every encoding a request of this method may read."""
+        return [(-w, self.style, 0) for w in self.windows] if self.slots else [self.encoding]
+
+    @property
+    def windows(self) -> list[int]:
+        return sorted(int(w) for w in self.slots.split("/")) if self.slots else []
+
+    def encoding_at(self, slot: int) -> tuple[int, str, int]:
+        """The encoding the fact at ``slot`` (that many facts before it) reads."""
+        if not self.slots:
+            return self.encoding
+        best = min(self.windows, key=lambda w: (abs(w - slot), -w))
+        return -best, self.style, 0
 
 
 def _kv(**kw) -> Method:
@@ -125,7 +144,7 @@ def method_sets() -> dict[str, list[Method]]:
     windows = [_kv(window=w) for w in (0, 5, 20)] + [_kv(closing="answer")]
     return {
         "grid": first + budgets + scales + styles + windows,
-        "smoke": [_prompt(), _kv(), _kv(**fw), _kv(**fw, recompute_tokens=64)],
+        "smoke": [_prompt(), _kv(), _kv(**fw), _kv(**fw, recompute_tokens=64), _kv(slots="0/5/20")],
         # the product's defaults on a GPU (facts window 5, closing line, B = 256) vs the same prompt
         "default": [_prompt(closing="answer"), _kv(**fw, closing="answer", recompute_tokens=256)],
         # offline context that matches the serving context (nearest facts), small tails, key scales
@@ -134,7 +153,30 @@ def method_sets() -> dict[str, list[Method]]:
         # the stored-order composer against relevance order, with facts windows and small tails
         "order": order_grid(),
         "order05": order_check(),
+        # what recovers accuracy at no per-request cost (key scales, slot-matched windows) against small tails
+        "tradeoff": tradeoff_grid(),
+        "tradeoff05": tradeoff_check(),
     }
+
+
+def tradeoff_grid() -> list[Method]:
+    """Ways to recover cross-fact attention that cost a request nothing — a key scale (a softmax
+    temperature over the injected facts), a wider facts window, several windows per fact read by
+    slot (a fact behind as many facts as precede it when read) — against tails that fit at 5x or
+    near it (B = 32, 64) and larger ones. Anchors first; the closing line everywhere."""
+    close = dict(closing="answer")
+    anchors = [_prompt(**close), _kv(window=-5, **close), _kv(window=-5, **close, recompute_tokens=256)]
+    free = [_kv(window=-5, **close, key_scale=1.05), _kv(slots="0/5/20", **close), _kv(window=-5, **close, key_scale=1.1),
+            _kv(window=-20, **close), _kv(window=-5, **close, key_scale=0.95)]
+    tails = [_kv(window=-5, **close, recompute_tokens=b) for b in (64, 32, 128)]
+    return anchors + free + tails + [_kv(slots="0/5/20", **close, recompute_tokens=64)]
+
+
+def tradeoff_check() -> list[Method]:
+    """The smaller model's share of :func:`tradeoff_grid`: the anchors and the free candidates."""
+    close = dict(closing="answer")
+    return [_prompt(**close), _kv(window=-5, **close, recompute_tokens=256), _kv(window=-5, **close),
+            _kv(window=-5, **close, key_scale=1.05), _kv(slots="0/5/20", **close), _kv(window=-5, **close, recompute_tokens=64)]
 
 
 def order_grid() -> list[Method]:
@@ -265,10 +307,20 @@ def recall_at(items: list[Item], convs, ks) -> dict:
 
 
 def user_of(conv: str, encoding: tuple[int, str, int]) -> str:
+    """The user an encoding is stored under. Every facts window (and no context at all, window 0)
+    shares one user, its fact ids tagged by window (:func:`source_tag`), so one request can read
+    several windows."""
     window, style, neighbours = encoding
     if neighbours:
         return f"{conv}.n{neighbours}.{style}"
-    return f"{conv}.w{window}.{style}" if window >= 0 else f"{conv}.f{-window}.{style}"
+    return f"{conv}.w{window}.{style}" if window > 0 else f"{conv}.facts.{style}"
+
+
+def source_tag(encoding: tuple[int, str, int], source: str | None) -> str | None:
+    """What a fact id is made from besides user and text: the source turn, and for the facts
+    windows (which share a user) the window."""
+    window, _, neighbours = encoding
+    return f"{source}|f{-window}" if window <= 0 and not neighbours else source
 
 
 def window_policy(window: int, neighbours: int = 0):
@@ -347,7 +399,8 @@ def encode_all(args, convs, needed, encodings, model_dir: str, data_dir: Path, p
             start = time.perf_counter()
             for cid, indices in needed.items():
                 user, conv = user_of(cid, encoding), convs[cid]
-                facts = [Fact(make_fact_id(user, text, src), user, text, src) for text, src in conv.all_facts()]
+                facts = [Fact(make_fact_id(user, text, source_tag(encoding, src)), user, text, src)
+                         for text, src in conv.all_facts()]
                 only = {facts[j].fact_id for j in indices}
                 related = {facts[j].fact_id: [facts[r].fact_id for r in reversed(ranks[cid][j][:neighbours])]
                            for j in indices} if neighbours else None
@@ -355,7 +408,8 @@ def encode_all(args, convs, needed, encodings, model_dir: str, data_dir: Path, p
                                      related=related)
                 disk.put(user, {fid: cast(kv) for fid, kv in kvs.items()})
                 ids[(cid, encoding)] = {j: facts[j].fact_id for j in indices}
-            print(f"encoded {user_of('', encoding).lstrip('.')}: {sum(map(len, needed.values()))} facts "
+            name = user_of('', encoding).lstrip('.') + (f" f{-window}" if window <= 0 and not neighbours else "")
+            print(f"encoded {name}: {sum(map(len, needed.values()))} facts "
                   f"in {time.perf_counter() - start:.1f} s", flush=True)
     return ids
 
@@ -422,8 +476,8 @@ def request(method: Method, item: Item, k: int, prompts: Prompts, fact_ids: dict
     ids = segment + prompts.query(method.closing, item.question)
     if method.mode == "prompt":
         return {"prompt_token_ids": ids, "cache_salt": f"text:{nonce}"}, None
-    user = user_of(item.conv, method.encoding)
-    facts = [fact_ids[(item.conv, method.encoding)][j] for j in order]
+    user = user_of(item.conv, method.encoding_at(0))
+    facts = [fact_ids[(item.conv, method.encoding_at(slot))][j] for slot, j in enumerate(order)]
     salt = salt_of(user, segment, method.recompute_tokens, method.key_scale)
     params = make_params(user, facts, method.recompute_tokens, method.key_scale)
     return {"prompt_token_ids": ids, "cache_salt": f"{salt}:{nonce}"}, params
@@ -554,7 +608,7 @@ def main(argv=None) -> None:
     prompts = Prompts(AutoTokenizer.from_pretrained(model), convs)
     data_dir = Path(tempfile.mkdtemp(prefix="locomo-"))
     start = time.perf_counter()
-    encodings = sorted({m.encoding for m in methods if m.mode == "kv"})
+    encodings = sorted({e for m in methods if m.mode == "kv" for e in m.encodings})
     needed = needed_facts(items, max(ks))
     fact_ids = encode_all(args, convs, needed, encodings, model, data_dir, prompts.prefix, getattr(torch, args.dtype))
     encode_s = time.perf_counter() - start

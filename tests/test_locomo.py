@@ -98,6 +98,17 @@ def test_segment_order_follows_the_composer():
     assert stored.order == "stored" and stored.encoding == (-5, "bullet", 0)
 
 
+def test_slot_methods_read_the_window_nearest_each_slot():
+    slots = {m.name: m for m in harness.method_sets()["tradeoff"]}["kv[slots=0/5/20,closing=answer]"]
+    assert slots.encodings == [(0, "bullet", 0), (-5, "bullet", 0), (-20, "bullet", 0)]
+    assert [slots.encoding_at(j)[0] for j in (0, 2, 3, 7, 12, 13, 49)] == [0, 0, -5, -5, -5, -20, -20]
+    # every facts window shares one user, its fact ids told apart by the window
+    assert len({harness.user_of("c", e) for e in slots.encodings}) == 1
+    assert len({harness.source_tag(e, "D1:3") for e in slots.encodings}) == 3
+    plain = harness.Method("kv", window=-5)
+    assert plain.encodings == [plain.encoding] and plain.encoding_at(9) == plain.encoding
+
+
 @pytest.mark.slow
 @needs_data
 def test_harness_runs_on_every_conversation(tmp_path):
