@@ -83,26 +83,51 @@ def table(result: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def short_name(method: str) -> str:
+    """A method's name without the closing line every method has."""
+    name = method.replace("closing=answer", "").replace(",,", ",").replace("[,", "[").replace(",]", "]")
+    return name.replace("[]", "")
+
+
 def plot(result: dict, path: Path) -> None:
+    """F1 (all, multi-hop) at ``result["k"]`` against requests/s. The goal region (at least 5x
+    prompt injection, F1 within the allowed gap of it) is shaded; a point far below the rest
+    (a collapsed method) is drawn on the bottom edge with a downward marker and its F1."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     k = str(result["k"])
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4.5))
-    for ax, (cat, label) in zip(axes, (("all", "all questions"), ("1", "multi-hop"))):
-        for p in result["points"]:
-            if k not in p["f1"]:
-                continue
+    shown = [p for p in result["points"] if k in p["f1"]]
+    base = next((p for p in shown if p["method"] == result["baseline"]), None)
+    fig, axes = plt.subplots(1, 2, figsize=(12, 5))
+    for ax, (cat, label, gap) in zip(axes, (("all", "all questions", 0.01), ("1", "multi-hop", 0.02))):
+        values = sorted(p["f1"][k][cat] for p in shown)
+        floor = values[len(values) // 2] - 0.06  # the median point sets the scale
+        below = 0
+        for p in shown:
+            y = p["f1"][k][cat]
             style = "*" if p["method"] == result["default"] else "s" if p["system"] == "prompt" else "o"
-            ax.plot(p["requests_per_s"], p["f1"][k][cat], style, markersize=11 if style == "*" else 6)
-            ax.annotate(p["method"].replace("closing=answer", "").replace("[,", "[").replace(",]", "]"),
-                        (p["requests_per_s"], p["f1"][k][cat]), fontsize=6, xytext=(3, 3), textcoords="offset points")
+            text = short_name(p["method"])
+            lift = 3
+            if y < floor:
+                style, text, y, lift, below = "v", f"{text}: {y:.3f}", floor, 3 + 9 * below, below + 1
+            ax.plot(p["requests_per_s"], y, style, markersize=12 if style == "*" else 6)
+            ax.annotate(text, (p["requests_per_s"], y), fontsize=6, xytext=(3, lift), textcoords="offset points")
+        if base:
+            goal_x, goal_y = 5 * base["requests_per_s"], base["f1"][k][cat] - gap
+            ax.axvline(goal_x, color="grey", lw=0.8, ls="--")
+            ax.axhline(goal_y, color="grey", lw=0.8, ls="--")
+            ax.fill_between([goal_x, max(goal_x, ax.get_xlim()[1]) * 1.05], goal_y, ax.get_ylim()[1] + 0.01,
+                            color="tab:green", alpha=0.08, label=f"goal: ≥ 5× prompt, F1 ≥ prompt − {gap}")
+            ax.legend(fontsize=7, loc="lower left")
+        ax.set_ylim(bottom=floor - 0.005)
         ax.set_xlabel(f"requests/s at {result['users']} users")
         ax.set_ylabel(f"token F1 at k = {k}, {label}")
         ax.grid(alpha=0.3)
-    fig.suptitle(f"{result['model']}: accuracy against throughput (★ the default, ■ prompt injection)", fontsize=9)
+    fig.suptitle(f"{result['model']}: accuracy against throughput "
+                 "(★ the default, ■ prompt injection, ▼ off the scale)", fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=130)
 
