@@ -20,6 +20,10 @@
 #     nvidia-cudnn-cu13 9.24.0.43: 527.5, nvidia-cusparselt-cu13 0.8.1: 162.3,
 #     nvidia-nccl-cu13 2.30.7: 206.0, nvidia-nvshmem-cu13 3.4.5: 57.6, cuda-bindings 13.5.0: 8.0
 #
+# pip install --dry-run --ignore-installed of "vllm>=0.26,<0.34" (the gpu extra) for cp312 manylinux x86_64 in a
+# fresh venv resolves 198 packages: vllm 0.33.0, torch 2.14.0, triton 3.8.0, transformers 5.20.2,
+# flashinfer-python 0.7.2.post1, torchvision 0.29.0, cuda-toolkit 13.0.3, nvidia-cudnn-cu13 9.24.0.43.
+#
 # Plan (the carry limit is 64 MiB a call, the machine is held at most 30 minutes):
 #   1. The bundle carries vLLM 0.33.0 (slimmed), its missing dependencies, torch 2.14.0, triton 3.8.0
 #      (its AMD backend removed) and torchvision 0.29.0; it reuses the image's CUDA 13 libraries
