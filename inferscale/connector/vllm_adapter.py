@@ -15,13 +15,18 @@ how many memory tokens each request skips; only a picklable
 :class:`InferScaleMetadata` crosses to the workers. Worker side: the KV store's
 tiers live here (:func:`~inferscale.storage.tiers.build_tiers`) and
 :class:`~inferscale.inject.writer.KVWriter` writes each step's loads into vLLM's
-paged cache, which the adapter hands it as a :class:`ForwardCaches`.
+paged cache through the layout read from the caches vLLM registers
+(:class:`~inferscale.inject.layout.PagedLayers`), confirmed at engine start by a
+one-block self-test per layer. If a layer's layout is not understood, the worker
+says so in one log line, writes nothing, and tells the scheduler side
+(:class:`InjectionReadiness`, at engine start), which then claims no tokens: every
+request is prefilled normally.
 """
 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -32,6 +37,7 @@ from inferscale.compose.salt import CacheSalts
 from inferscale.config import Config
 from inferscale.connector import compat
 from inferscale.connector.metrics import InferScalePromMetrics, InferScaleStats, stats_or_none
+from inferscale.inject.layout import LayoutError, PagedLayers
 from inferscale.inject.loader import LoadSpec, kv_head_range, load_blocks
 from inferscale.inject.planner import NO_MEMORY, Plan, plan_request
 from inferscale.inject.report import client_report
@@ -56,23 +62,30 @@ def config_from_extra(extra: dict[str, Any] | None) -> Config:
     return Config.from_env()
 
 
-@dataclass(frozen=True)
-class ForwardCaches:
-    """vLLM's paged caches during one forward pass, by layer index (a
-    :class:`~inferscale.inject.writer.PagedCache`)."""
+@dataclass
+class InjectionReadiness(compat.KVConnectorHandshakeMetadata):
+    """A worker's word, at engine start, on whether memory can be written into its caches."""
 
-    forward_context: Any
-    layer_names: list[str]
+    ready: bool
+    reason: str = ""
 
-    def _layer(self, index: int) -> torch.nn.Module:
-        return self.forward_context.no_compile_layers[self.layer_names[index]]
 
-    def views(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        return [compat.kv_cache_views(self._layer(i), self.forward_context) for i in range(len(self.layer_names))]
+def checked_caches(caches: list[torch.Tensor], backend_writes: list, kv_heads: int, head_size: int
+                   ) -> tuple[PagedLayers | None, InjectionReadiness]:
+    """The caches with their layouts confirmed by the self-test, or None and why not (logged once)."""
+    try:
+        return PagedLayers.check(caches, backend_writes, kv_heads, head_size), InjectionReadiness(True)
+    except LayoutError as exc:
+        reason = f"the KV cache layout is not understood: {exc}"
+        logger.warning("inferscale: memory injection is off, every request is prefilled normally: %s", reason)
+        return None, InjectionReadiness(False, reason)
 
-    def write(self, layer: int, key: torch.Tensor, value: torch.Tensor, slots: torch.Tensor) -> None:
-        module = self._layer(layer)
-        compat.write_kv(module, key, value, compat.layer_kv_cache(module, self.forward_context), slots)
+
+def claim_nothing(plan: Plan, reason: str) -> Plan:
+    """A plan that would inject memory, turned into a fallback: the workers cannot write it."""
+    if not plan.num_external:
+        return plan
+    return replace(plan, num_external=0, claim_len=0, fallback=Fallback.INJECTION_OFF, detail=reason)
 
 
 class InferScaleConnector(compat.KVConnectorBase_V1):
@@ -80,7 +93,7 @@ class InferScaleConnector(compat.KVConnectorBase_V1):
     side hands each step's loads to its :class:`KVWriter`."""
 
     def __init__(self, vllm_config, role, kv_cache_config=None):
-        compat.check_release()
+        compat.check_release(connector=type(self))
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         self.config = config_from_extra(vllm_config.kv_transfer_config.kv_connector_extra_config)
         self.block_size = vllm_config.cache_config.block_size
@@ -93,6 +106,7 @@ class InferScaleConnector(compat.KVConnectorBase_V1):
             self._pending: dict[str, Plan] = {}
             self._loaded_blocks: dict[str, set[int]] = {}
             self._failed: set[str] = set()
+            self.off_reason = ""  # why the workers cannot inject ("": they can, or have not said)
         else:
             self._init_worker(vllm_config)
 
@@ -102,6 +116,7 @@ class InferScaleConnector(compat.KVConnectorBase_V1):
         began = time.perf_counter()
         plan = plan_request(self.disk, self.salts, request.prompt_token_ids or [], request.kv_transfer_params,
                             request.cache_salt, num_computed_tokens, self.blend)
+        plan = claim_nothing(plan, self.off_reason) if self.off_reason else plan
         if plan is not NO_MEMORY:
             self._plans[request.request_id] = plan
             self.stats.record_plan(time.perf_counter() - began)
@@ -131,7 +146,10 @@ class InferScaleConnector(compat.KVConnectorBase_V1):
             if blocks & invalid:
                 self._failed.add(req_id)
 
-    def request_finished(self, request, block_ids) -> tuple[bool, dict | None]:
+    def set_xfer_handshake_metadata(self, metadata: dict[int, InjectionReadiness]) -> None:
+        self.off_reason = next((m.reason for m in metadata.values() if not getattr(m, "ready", True)), "")
+
+    def request_finished(self, request, block_ids, *extra: Any) -> tuple[bool, dict | None]:
         req_id = request.request_id
         plan = self._plans.pop(req_id, None)
         self._pending.pop(req_id, None)
@@ -164,20 +182,30 @@ class InferScaleConnector(compat.KVConnectorBase_V1):
                                        self.stats, counts=rank == 0)  # every rank loads the same users
         self.layer_names: list[str] = []
         self._layer_of: dict[str, int] = {}
+        self.caches: PagedLayers | None = None
+        self.readiness = InjectionReadiness(False, "the KV caches were never registered")
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         self.layer_names = sorted(kv_caches, key=compat.layer_index)
         self._layer_of = {name: index for index, name in enumerate(self.layer_names)}
-        first = kv_caches[self.layer_names[0]]
-        self.writer.register(len(self.layer_names), first.device, first.dtype)
+        tensors = [kv_caches[name] for name in self.layer_names]
+        writes = [compat.backend_cache_write(self._vllm_config, name, kv_caches[name]) for name in self.layer_names]
+        heads = self.writer.heads.stop - self.writer.heads.start
+        self.caches, self.readiness = checked_caches(tensors, writes, heads, self.writer.head_size)
+        self.writer.register(len(tensors), tensors[0].device, tensors[0].dtype)
+
+    def get_handshake_metadata(self) -> InjectionReadiness:
+        return self.readiness
 
     def start_load_kv(self, forward_context, **kwargs: Any) -> None:
         """Queue this step's loads; the forward pass waits for each layer in
         :meth:`wait_for_layer_load`, or for all of them now when it will not ask."""
         loads = getattr(self._get_connector_metadata(), "loads", ())
-        if loads:
+        if loads and self.caches is None:  # nothing is written into a layout not understood
+            self.writer.refuse_step(loads)
+        elif loads:
             waits = getattr(forward_context, "attn_metadata", None) is not None
-            self.writer.write_step(loads, ForwardCaches(forward_context, self.layer_names), waits)
+            self.writer.write_step(loads, self.caches, waits)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         index = self._layer_of.get(layer_name)

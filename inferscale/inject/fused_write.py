@@ -17,9 +17,10 @@ block may lie in GPU memory or, under unified addressing, in pinned host memory
 a range of layers per launch, while the forward runs; ``"copy"`` copies them
 first, which is faster when the whole read must come before the forward
 (``benchmarks/fused_write_speed.py``). The destination is described by
-:class:`CacheViews`: the backend's own K and V views of each layer's cache
-(``[num_blocks, block_size, heads, head_size]`` with any strides;
-:func:`compat.kv_cache_views`).
+:class:`CacheViews`: each layer's K and V views of its cache
+(``[num_blocks, block_size, heads, head_size]`` with any strides, as the layout
+read from the registered caches and confirmed at engine start gives them:
+:mod:`inferscale.inject.layout`).
 
 The arithmetic matches :meth:`RotaryEmbedding.rotate_range`: float32
 ``x * cos + partner(x) * sin`` from the same table (whose rows hold a pair's
@@ -73,7 +74,9 @@ class CacheViews:
         for k, v in views:
             if tuple(k.stride()) != strides or tuple(v.stride()) != strides or k.shape != key.shape \
                     or k.dtype != key.dtype or v.dtype != key.dtype:
-                raise ValueError("the layers' cache views differ in shape, strides or dtype")
+                raise ValueError("the layers' cache views differ in shape, strides or dtype (K and V included)")
+        if key.dtype not in _TL_DTYPES:
+            raise ValueError(f"a {key.dtype} cache (known: {', '.join(map(str, _TL_DTYPES))})")
         bases = torch.tensor([[k.data_ptr() for k, _ in views], [v.data_ptr() for _, v in views]],
                              dtype=torch.int64, device=key.device)
         _, block_size, num_heads, head_size = key.shape

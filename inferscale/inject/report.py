@@ -12,7 +12,9 @@ is told one coarse code, whatever the reason:
   fact, another user's fact, wrong or stale salt, token mismatch, prompt too
   short, unreadable index);
 * ``load_error``: the worker could not load memory the scheduler had accepted
-  (only a request carrying the right salt gets this far); vLLM recomputed it.
+  (only a request carrying the right salt gets this far); vLLM recomputed it. Also
+  what every request is told when the engine's cache layout was not understood at
+  start and nothing is injected (a property of the engine, not of any memory).
 
 The precise reason (:class:`~inferscale.inject.stats.Fallback`) and its
 detail go to the server log only; the connector's counters count the coarse code.
@@ -32,7 +34,7 @@ def client_code(fallback: Fallback) -> str:
     """The coarse code a client sees for a fallback."""
     if fallback is Fallback.INVALID_PARAMS:
         return INVALID_PARAMS
-    if fallback is Fallback.LOAD_ERROR:
+    if fallback in (Fallback.LOAD_ERROR, Fallback.INJECTION_OFF):
         return LOAD_ERROR
     return REFUSED
 

@@ -179,7 +179,7 @@ def _fill(table, prefix_addresses, prefix_lengths, fact_addresses, fact_lengths,
 def ready() -> bool:
     """Whether the table can be built here: :func:`_fill` compiled now (a fraction of a second, once
     per process), not on the first request's path. False, with the reason logged, where Numba is
-    missing or cannot compile it: the connector then writes each layer through the backend's op
+    missing or cannot compile it: the connector then writes each layer through the cache's views
     instead of the fused write."""
     one = np.ones(1, dtype=np.int64)
     try:

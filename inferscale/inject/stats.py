@@ -38,6 +38,8 @@ class Fallback(str, Enum):
     PROMPT_TOO_SHORT = "prompt_too_short"
     STORE_ERROR = "store_error"
     LOAD_ERROR = "load_error"
+    #: the engine's KV cache layout was not understood at start: nothing is injected
+    INJECTION_OFF = "injection_off"
 
 
 class ConnectorStats:

@@ -5,11 +5,12 @@
 kernel writes every layer for every request (:mod:`~inferscale.inject.fused_write`), replayed
 from CUDA graphs with ``Config.tuning.write_graphs``, reading pinned host blocks in place a group of
 layers at a time with ``Config.tuning.pinned_reads = "overlap"``; elsewhere each layer's K/V is
-gathered and rotated (:meth:`SegmentLoader.load`) and written through the attention backend's
-own op, layer by layer, overlapping the forward pass (:mod:`~inferscale.inject.layer_loads`).
+gathered and rotated (:meth:`SegmentLoader.load`) and written through the cache's views,
+layer by layer, overlapping the forward pass (:mod:`~inferscale.inject.layer_loads`).
 
-The engine's cache is handed in as a :class:`PagedCache` (the adapter's, over vLLM's forward
-context); a load that fails is never raised into the engine: its blocks are reported
+The engine's cache is handed in as a :class:`PagedCache` (the adapter's
+:class:`~inferscale.inject.layout.PagedLayers`: vLLM's registered caches with the layout the
+engine-start self-test confirmed; nothing is written where none was); a load that fails is never raised into the engine: its blocks are reported
 (:meth:`KVWriter.take_load_errors`) and vLLM recomputes them.
 """
 
@@ -42,12 +43,12 @@ class PagedCache(Protocol):
     """The engine's paged KV cache during one step, layer by layer (index 0 = the first decoder layer)."""
 
     def views(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """Every layer's K and V views ``[num_blocks, block_size, kv_heads, head_size]`` as the
-        backend's own write addresses them; a ValueError says why the layout is not known."""
+        """Every layer's K and V views ``[num_blocks, block_size, kv_heads, head_size]`` for the
+        fused write; a ValueError says why it cannot address them."""
 
     def write(self, layer: int, key: torch.Tensor, value: torch.Tensor, slots: torch.Tensor) -> None:
         """Write K/V ``[tokens, kv_heads, head_size]`` into ``layer``'s cache at ``slots``
-        through the attention backend's own op."""
+        through the layout confirmed for it (:mod:`~inferscale.inject.layout`)."""
 
 
 def by_stored_kind(ready: list) -> list[list]:
@@ -108,6 +109,12 @@ class KVWriter:
             self.layer_loads.wait_all()
         self._host_time("load", time.perf_counter() - began)
 
+    def refuse_step(self, loads: Sequence[LoadSpec]) -> None:
+        """Write none of this step's loads (the caches' layout is not understood): their blocks
+        are reported (:meth:`take_load_errors`) and vLLM recomputes them."""
+        for spec in loads:
+            self._load_errors.update(spec.blocks)
+
     def wait_layer(self, index: int) -> None:
         """Make the forward stream wait for layer ``index``'s writes (no host wait)."""
         if self.layer_loads is not None and self.layer_loads.is_pending(index):
@@ -129,9 +136,9 @@ class KVWriter:
 
     def _fused_views(self, cache: PagedCache) -> fused_write.CacheViews | None:
         """The paged caches as the fused kernel addresses them; None when it is off
-        (``Config.tuning.fused_write``) or cannot run (no Triton, the CPU, a cache layout, dtype or
-        vLLM release it does not know (said once, in the log), no Numba to build its sources table): then each layer is
-        written through the backend's op. Looked at once, on the first step."""
+        (``Config.tuning.fused_write``) or cannot run (no Triton, a cache on the CPU, K and V views
+        of different strides, a dtype it does not know (said once, in the log), no Numba to build its
+        sources table): then each layer is written through the cache's views. Looked at once, on the first step."""
         if self._cache_views is None:
             self._cache_views = False
             if self._fused_allowed:
@@ -139,7 +146,7 @@ class KVWriter:
                     self._cache_views = fused_write.CacheViews.of(cache.views())
                 except ValueError as exc:
                     logger.warning("inferscale: the fused cache write is off: %s; each layer is written "
-                                   "through the attention backend's op", exc)
+                                   "through its cache's views", exc)
                     return None
                 if self.config.tuning.write_graphs and self._cache_views.bases.device.type == "cuda":
                     self._write_graphs = WriteGraphs(self._cache_views, self.heads.start, self.rope.rotary_dim,
