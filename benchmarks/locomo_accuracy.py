@@ -98,26 +98,29 @@ class Method:
     # "0/5/20": every fact encoded behind 0, 5 and 20 facts; each slot of a segment reads the encoding
     # whose window is nearest to the number of facts before that slot (the window unused)
     slots: str = ""
+    # the content part of the facts' stored keys scaled at encoding, around the key bias:
+    # k = b + c (k - b), a softmax temperature 1/c on what the keys say (see content_scaled)
+    content_scale: float = 1.0
 
     @property
-    def encoding(self) -> tuple[int, str, int]:
-        return (0 if self.neighbours else self.window), self.style, self.neighbours
+    def encoding(self) -> tuple[int, str, int, float]:
+        return (0 if self.neighbours else self.window), self.style, self.neighbours, self.content_scale
 
     @property
     def encodings(self) -> list[tuple[int, str, int]]:
         """Every encoding a request of this method may read."""
-        return [(-w, self.style, 0) for w in self.windows] if self.slots else [self.encoding]
+        return [(-w, self.style, 0, self.content_scale) for w in self.windows] if self.slots else [self.encoding]
 
     @property
     def windows(self) -> list[int]:
         return sorted(int(w) for w in self.slots.split("/")) if self.slots else []
 
-    def encoding_at(self, slot: int) -> tuple[int, str, int]:
+    def encoding_at(self, slot: int) -> tuple[int, str, int, float]:
         """The encoding the fact at ``slot`` (that many facts before it) reads."""
         if not self.slots:
             return self.encoding
         best = min(self.windows, key=lambda w: (abs(w - slot), -w))
-        return -best, self.style, 0
+        return -best, self.style, 0, self.content_scale
 
 
 def _kv(**kw) -> Method:
@@ -144,7 +147,8 @@ def method_sets() -> dict[str, list[Method]]:
     windows = [_kv(window=w) for w in (0, 5, 20)] + [_kv(closing="answer")]
     return {
         "grid": first + budgets + scales + styles + windows,
-        "smoke": [_prompt(), _kv(), _kv(**fw), _kv(**fw, recompute_tokens=64), _kv(slots="0/5/20")],
+        "smoke": [_prompt(), _kv(), _kv(**fw), _kv(**fw, recompute_tokens=64), _kv(slots="0/5/20"),
+                  _kv(**fw, content_scale=1.1)],
         # the product's defaults on a GPU (facts window 5, closing line, B = 256) vs the same prompt
         "default": [_prompt(closing="answer"), _kv(**fw, closing="answer", recompute_tokens=256)],
         # offline context that matches the serving context (nearest facts), small tails, key scales
@@ -156,6 +160,7 @@ def method_sets() -> dict[str, list[Method]]:
         # what recovers accuracy at no per-request cost (key scales, slot-matched windows) against small tails
         "tradeoff": tradeoff_grid(),
         "tradeoff05": tradeoff_check(),
+        "temperature": temperature_grid(),
     }
 
 
@@ -170,6 +175,16 @@ def tradeoff_grid() -> list[Method]:
             _kv(window=-20, **close), _kv(window=-5, **close, key_scale=0.95)]
     tails = [_kv(window=-5, **close, recompute_tokens=b) for b in (64, 32, 128)]
     return anchors + free + tails + [_kv(slots="0/5/20", **close, recompute_tokens=64)]
+
+
+def temperature_grid() -> list[Method]:
+    """A temperature on the facts' key content (around the key bias, fixed at encoding) against
+    the per-request key scale, which also scales the bias; anchors first."""
+    close = dict(closing="answer")
+    anchors = [_prompt(**close), _kv(window=-5, **close), _kv(window=-5, **close, recompute_tokens=256)]
+    content = [_kv(window=-5, **close, content_scale=c) for c in (1.05, 1.1, 1.2, 0.9)]
+    return anchors + content + [_kv(window=-5, **close, content_scale=1.1, recompute_tokens=64),
+                                _kv(window=-20, **close, content_scale=1.1)]
 
 
 def tradeoff_check() -> list[Method]:
@@ -306,20 +321,21 @@ def recall_at(items: list[Item], convs, ks) -> dict:
 # ---------------------------------------------------------------- encoding
 
 
-def user_of(conv: str, encoding: tuple[int, str, int]) -> str:
+def user_of(conv: str, encoding: tuple[int, str, int, float]) -> str:
     """The user an encoding is stored under. Every facts window (and no context at all, window 0)
     shares one user, its fact ids tagged by window (:func:`source_tag`), so one request can read
     several windows."""
-    window, style, neighbours = encoding
+    window, style, neighbours, scale = encoding
+    scaled = f".c{scale:g}" if scale != 1.0 else ""
     if neighbours:
-        return f"{conv}.n{neighbours}.{style}"
-    return f"{conv}.w{window}.{style}" if window > 0 else f"{conv}.facts.{style}"
+        return f"{conv}.n{neighbours}.{style}{scaled}"
+    return f"{conv}.w{window}.{style}{scaled}" if window > 0 else f"{conv}.facts.{style}{scaled}"
 
 
-def source_tag(encoding: tuple[int, str, int], source: str | None) -> str | None:
+def source_tag(encoding: tuple[int, str, int, float], source: str | None) -> str | None:
     """What a fact id is made from besides user and text: the source turn, and for the facts
     windows (which share a user) the window."""
-    window, _, neighbours = encoding
+    window, _, neighbours, _ = encoding
     return f"{source}|f{-window}" if window <= 0 and not neighbours else source
 
 
@@ -362,6 +378,41 @@ def related_ranks(convs, cache: Path | None, embedder_name: str) -> dict[str, li
     return out
 
 
+def stored_key_biases(model) -> list:
+    """Per layer, the bias in the keys the encoder stores, ``[kv_heads, head_size]`` (None where
+    the stored keys have none: no bias, or a k_norm after the projection)."""
+    from inferscale.encode.capture import attention_modules
+
+    out = []
+    for attn in attention_modules(model):
+        bias = None
+        if getattr(attn, "k_norm", None) is None and getattr(attn.k_proj, "bias", None) is not None:
+            bias = attn.k_proj.bias.detach().float().cpu()
+        out.append(bias)
+    return out
+
+
+def content_scaled(kv, biases: list, scale: float):
+    """``kv`` with its keys' content scaled around the key bias: ``b + scale (k - b)``.
+
+    A key is ``k = W x + b``; the query's logit on it is ``q . R(k) = q . R(W x) + q . R(b)``. The
+    bias term depends only on the two positions (it draws the model's positional patterns, its
+    attention sinks among them) and is large on Qwen2 models (|b| up to 354 on the 1.5B's layer 0).
+    Scaling the whole key by ``c`` scales that term too, on the injected facts only, and moves their
+    attention against the prefix and the question; scaling ``W x`` alone is a temperature on what
+    the keys say."""
+    from inferscale.kv import FactKV
+
+    keys = kv.keys.float().clone()
+    for layer, bias in enumerate(biases):
+        if bias is None:
+            keys[layer] *= scale
+        else:
+            b = bias.view(keys.shape[2], keys.shape[3]).to(keys.device)
+            keys[layer] = b + scale * (keys[layer] - b)
+    return FactKV(kv.token_ids, keys.to(kv.keys.dtype), kv.values)
+
+
 def needed_facts(items: list[Item], k: int) -> dict[str, list[int]]:
     """The facts any question retrieves in its top k, per conversation."""
     out: dict = defaultdict(set)
@@ -387,13 +438,14 @@ def encode_all(args, convs, needed, encodings, model_dir: str, data_dir: Path, p
     ids: dict = {}
     with FactEncoder.from_spec(model_dir, dtype="float32", batch_size=args.encode_batch) as encoder:
         encoder.model.to(device)
+        key_biases = stored_key_biases(encoder.model)
 
         def cast(kv: FactKV) -> FactKV:
             return FactKV(kv.token_ids, kv.keys.to(kv_dtype), kv.values.to(kv_dtype))
 
         disk.put(SYSTEM_USER, {PREFIX_FACT: cast(encoder.encode_ids(prefix_ids))})
         for encoding in encodings:
-            window, style, neighbours = encoding
+            window, style, neighbours, scale = encoding
             encoder.window = window_policy(window, neighbours)
             encoder.fact_style = style
             start = time.perf_counter()
@@ -406,6 +458,8 @@ def encode_all(args, convs, needed, encodings, model_dir: str, data_dir: Path, p
                            for j in indices} if neighbours else None
                 kvs = encoder.encode(facts, conv.turns, progress=False, prefix_ids=prefix_ids, only=only,
                                      related=related)
+                if scale != 1.0:
+                    kvs = {fid: content_scaled(kv, key_biases, scale) for fid, kv in kvs.items()}
                 disk.put(user, {fid: cast(kv) for fid, kv in kvs.items()})
                 ids[(cid, encoding)] = {j: facts[j].fact_id for j in indices}
             name = user_of('', encoding).lstrip('.') + (f" f{-window}" if window <= 0 and not neighbours else "")

@@ -95,18 +95,44 @@ def test_segment_order_follows_the_composer():
     with pytest.raises(ValueError, match="unknown composer order"):
         harness.segment_order(retrieved, "random")
     stored = {m.name: m for m in harness.method_sets()["order"]}["kv[window=-5,closing=answer,order=stored]"]
-    assert stored.order == "stored" and stored.encoding == (-5, "bullet", 0)
+    assert stored.order == "stored" and stored.encoding == (-5, "bullet", 0, 1.0)
 
 
 def test_slot_methods_read_the_window_nearest_each_slot():
     slots = {m.name: m for m in harness.method_sets()["tradeoff"]}["kv[slots=0/5/20,closing=answer]"]
-    assert slots.encodings == [(0, "bullet", 0), (-5, "bullet", 0), (-20, "bullet", 0)]
+    assert slots.encodings == [(0, "bullet", 0, 1.0), (-5, "bullet", 0, 1.0), (-20, "bullet", 0, 1.0)]
     assert [slots.encoding_at(j)[0] for j in (0, 2, 3, 7, 12, 13, 49)] == [0, 0, -5, -5, -5, -20, -20]
     # every facts window shares one user, its fact ids told apart by the window
     assert len({harness.user_of("c", e) for e in slots.encodings}) == 1
     assert len({harness.source_tag(e, "D1:3") for e in slots.encodings}) == 3
     plain = harness.Method("kv", window=-5)
     assert plain.encodings == [plain.encoding] and plain.encoding_at(9) == plain.encoding
+
+
+def test_content_scale_leaves_the_key_bias_alone():
+    """b + c (k - b): the bias term of every logit (positional, the same with and without the
+    scale) is kept; without a bias the whole key is scaled. Each scale is its own user."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from inferscale.kv import FactKV
+
+    qwen2 = AutoModelForCausalLM.from_pretrained(tiny_models.tiny_model_dir("qwen2", "float32"))
+    llama = AutoModelForCausalLM.from_pretrained(tiny_models.tiny_model_dir("llama", "float32"))
+    biases = harness.stored_key_biases(qwen2)
+    assert len(biases) == qwen2.config.num_hidden_layers and all(b is not None for b in biases)
+    assert all(b is None for b in harness.stored_key_biases(llama))
+    heads, size = qwen2.config.num_key_value_heads, qwen2.config.hidden_size // qwen2.config.num_attention_heads
+    keys = torch.randn(len(biases), 3, heads, size)
+    kv = FactKV((1, 2, 3), keys, torch.randn_like(keys))
+    scaled = harness.content_scaled(kv, biases, 1.5)
+    for layer, bias in enumerate(biases):
+        b = bias.view(heads, size)
+        torch.testing.assert_close(scaled.keys[layer] - b, 1.5 * (keys[layer] - b))
+    torch.testing.assert_close(harness.content_scaled(kv, [None] * len(biases), 1.5).keys, 1.5 * keys)
+    assert scaled.values is kv.values and scaled.token_ids == kv.token_ids
+    plain, warm = harness.Method("kv", window=-5), harness.Method("kv", window=-5, content_scale=1.1)
+    assert harness.user_of("c", plain.encoding) != harness.user_of("c", warm.encoding)
 
 
 @pytest.mark.slow

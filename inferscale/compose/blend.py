@@ -15,8 +15,10 @@ before it in the segment. Two knobs trade speed for that lost attention:
 * **key scale** ``c``: the injected facts' keys are multiplied by ``c``,
   which multiplies their attention logits by ``c`` — a softmax temperature
   of ``1/c`` over the injected facts only (RoPE is a rotation, so scaling
-  commutes with it). The instruction prefix, exact by construction, is left
-  alone.
+  commutes with it) — on models without a key bias. With one (``k = W x + b``,
+  Qwen2) the scale also multiplies ``q · R(b)``, a term of every logit set by
+  the positions alone, and shifts attention between the facts and the rest.
+  The instruction prefix, exact by construction, is left alone.
 """
 
 from __future__ import annotations

@@ -58,7 +58,8 @@ class Config:
     closing: str = DEFAULT_CLOSING
     #: memory tokens at the segment's tail vLLM recomputes: an integer or "auto" (by device)
     recompute_tokens: int | str = "auto"
-    #: the injected facts' keys are multiplied by this (attention temperature 1/key_scale)
+    #: the injected facts' keys are multiplied by this: a temperature 1/key_scale on models without
+    #: a key bias; with one (Qwen2) it also scales the bias's positional term (docs/connector.md)
     key_scale: float = 1.0
     #: at most this many facts are kept per conversation turn (Mem0 extraction or given facts)
     max_facts_per_turn: int = 5
