@@ -32,19 +32,21 @@ def engine_client(base_url: str) -> httpx.AsyncClient:
     return httpx.AsyncClient(base_url=base_url, timeout=httpx.Timeout(None, connect=10.0))
 
 
-async def post_json(client: httpx.AsyncClient, path: str, body: dict[str, Any]) -> tuple[int, Any]:
+async def post_json(client: httpx.AsyncClient, path: str, body: dict[str, Any],
+                    headers: dict[str, str] | None = None) -> tuple[int, Any]:
     """POST a JSON body; (status, parsed JSON answer)."""
     try:
-        response = await client.post(path, json=body)
+        response = await client.post(path, json=body, headers=headers)
     except httpx.HTTPError as exc:
         raise _unavailable(exc) from None
     return response.status_code, _json(response.content)
 
 
-async def open_stream(client: httpx.AsyncClient, path: str, body: dict[str, Any]) -> httpx.Response:
+async def open_stream(client: httpx.AsyncClient, path: str, body: dict[str, Any],
+                      headers: dict[str, str] | None = None) -> httpx.Response:
     """POST and keep the answer open (the caller closes it)."""
     try:
-        return await client.send(client.build_request("POST", path, json=body), stream=True)
+        return await client.send(client.build_request("POST", path, json=body, headers=headers), stream=True)
     except httpx.HTTPError as exc:
         raise _unavailable(exc) from None
 
