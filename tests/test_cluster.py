@@ -190,4 +190,4 @@ def test_with_redis_down_chats_fall_back_to_plain_prefill_and_writes_fail_loudly
     assert response.status_code == 503 and "store_unavailable" in response.text, response.text
     cluster.start_redis(port)  # its append-only file brings back what was committed
     assert listed(front_a, "user2@example.com") == before
-    assert injected(chat(cluster, front_b, "user2@example.com"))
+    assert from_memory(chat(cluster, front_b, "user2@example.com"))

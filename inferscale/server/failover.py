@@ -25,7 +25,9 @@ from inferscale.server.errors import APIError
 
 logger = logging.getLogger(__name__)
 
-#: the engine's (or router's) answers that mean "no replica answered", worth sending again
+#: the engine's (or router's) answers that mean "no replica answered", worth sending again; a
+#: router also answers 500 with a plain-text body when the replica it picked refuses connections
+#: (vLLM's own errors are JSON, and are not sent again)
 RETRY_STATUSES = frozenset({502, 503, 504})
 FIRST_PAUSE_S, MAX_PAUSE_S = 0.2, 2.0
 
@@ -36,7 +38,7 @@ async def post_json(state, path: str, body: dict[str, Any], headers: dict[str, s
     while True:
         try:
             status, answer = await forward.post_json(state.client, path, body, headers)
-            if status not in RETRY_STATUSES or time.monotonic() >= deadline:
+            if not _no_replica(status, answer) or time.monotonic() >= deadline:
                 return status, answer
         except APIError:
             if time.monotonic() >= deadline:
@@ -49,13 +51,24 @@ async def open_stream(state, path: str, body: dict[str, Any], headers: dict[str,
     while True:
         try:
             response = await forward.open_stream(state.client, path, body, headers)
-            if response.status_code not in RETRY_STATUSES or time.monotonic() >= deadline:
+            if response.status_code not in (*RETRY_STATUSES, 500) or time.monotonic() >= deadline:
                 return response
+            content = await response.aread()
             await response.aclose()
+            if not _no_replica(response.status_code, forward.parsed(content)):
+                return forward.replayed_response(response, content)
         except APIError:
             if time.monotonic() >= deadline:
                 raise
         pause = await _pause(state, pause)
+
+
+def _no_replica(status: int, answer: Any) -> bool:
+    """A router's answer for a replica that is gone (not the engine's own refusal)."""
+    if status in RETRY_STATUSES:
+        return True
+    error = answer.get("error") if isinstance(answer, dict) else None
+    return status == 500 and isinstance(error, dict) and error.get("type") == forward.NOT_JSON
 
 
 async def _pause(state, pause: float) -> float:

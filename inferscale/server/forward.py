@@ -110,11 +110,26 @@ async def reset_prefix_cache(client: httpx.AsyncClient, attempts: int = 25, paus
     return False
 
 
+#: the error type of an answer whose body was not JSON (vLLM answers JSON; a router may not)
+NOT_JSON = "engine_error"
+
+
+def parsed(content: bytes) -> Any:
+    """An answer's body as JSON, or an error in OpenAI's shape holding its text."""
+    return _json(content)
+
+
+def replayed_response(response: httpx.Response, content: bytes) -> httpx.Response:
+    """A response whose body was read, to be passed on as if it had not been."""
+    return httpx.Response(response.status_code, headers=response.headers, content=content,
+                          request=response.request)
+
+
 def _json(content: bytes) -> Any:
     try:
         return json.loads(content)
     except ValueError:
-        return {"error": {"message": content.decode(errors="replace")[:500], "type": "engine_error"}}
+        return {"error": {"message": content.decode(errors="replace")[:500], "type": NOT_JSON}}
 
 
 def _unavailable(exc: Exception) -> APIError:
