@@ -63,3 +63,8 @@ class CapacityError(InferScaleError):
 
 class ModelMismatchError(InferScaleError, ValueError):
     """Stored KV does not fit the model it is asked to serve (layers, heads, head size)."""
+
+
+class StoreUnavailableError(InferScaleError, ConnectionError):
+    """The shared store of record (e.g. Redis) did not answer: nothing was read, and a write
+    that raises it committed nothing. Chats fall back to plain prefill; writes fail."""

@@ -27,8 +27,9 @@ from inferscale.api.generation import Answer, Composed, GenerationAPI, Mode, Pro
 from inferscale.api.memory import ExtractionError, Forgotten, FoundFact, MemoryAPI, Turn, extraction_tokens
 from inferscale.compose.request import MAX_FACTS  # the most facts one request may name (k's bound)
 from inferscale.config import Config
+from inferscale.session import SESSION_HEADER
 
-__all__ = ["MAX_FACTS", "Answer", "Composed", "Context", "ExtractionError", "Forgotten", "FoundFact", "GenerationAPI", "InferScale",
+__all__ = ["MAX_FACTS", "SESSION_HEADER", "Answer", "Composed", "Context", "ExtractionError", "Forgotten", "FoundFact", "GenerationAPI", "InferScale",
            "MemoryAPI", "Mode", "PromptRequest", "Turn", "extraction_tokens"]
 
 

@@ -15,12 +15,14 @@ from collections.abc import Mapping
 from functools import cached_property
 from pathlib import Path
 
+from inferscale.api.freshness import IndexedEpochs
 from inferscale.compose.prompt import PromptFormat
 from inferscale.compose.salt import CacheSalts
 from inferscale.config import Config, build
 from inferscale.errors import CorruptDataError
 from inferscale.facts import fact_id_key
 from inferscale.secret import load_secret
+from inferscale.session import session_key
 from inferscale.storage.disk import DiskStore
 from inferscale.storage.tiers import disk_tier
 
@@ -84,6 +86,15 @@ class Context:
         return fact_id_key(load_secret(self.config.secret_path))
 
     @cached_property
+    def session_secret(self) -> bytes:
+        return load_secret(self.config.secret_path)
+
+    def session_id(self, user_id: str) -> str:
+        """The key a router keeps the user on one replica by (:mod:`inferscale.session`): no user
+        id, derived with the server secret."""
+        return session_key(self.session_secret, user_id)
+
+    @cached_property
     def embedder(self):
         return build("embedder", self.config.embedder)
 
@@ -91,12 +102,21 @@ class Context:
     def retriever(self):
         """The index, rebuilt from the stored embeddings of every user."""
         retriever = build("retriever", self.config.retriever)
+        self.indexed = IndexedEpochs(self.disk, retriever)
         for user_id in self.disk.users():
             try:
+                epoch = self.disk.epoch(user_id)
                 ids, vectors = self.disk.embeddings(user_id)
             except CorruptDataError as exc:  # that user's memory is unreadable; everyone else's serves
                 logger.error("memory of %r left out of the index: %s", user_id, exc)
                 continue
             if ids:
                 retriever.add(user_id, ids, vectors)
+            self.indexed.note(user_id, epoch)
         return retriever
+
+    def retriever_for(self, user_id: str):
+        """The retriever, with the user's index at the store's current version of them (another
+        replica may have changed it: :mod:`inferscale.api.freshness`)."""
+        self.retriever  # noqa: B018  (built first)
+        return self.indexed.sync(user_id)

@@ -89,7 +89,7 @@ class GenerationAPI:
         return self._llm
 
     def retrieve(self, user_id: str, query: str, k: int | None = None) -> list[Hit]:
-        retriever = self.context.retriever
+        retriever = self.context.retriever_for(user_id)
         if retriever.count(user_id) == 0:
             raise UnknownUserError(user_id)
         return retriever.search(user_id, self.context.embedder.embed([query]), k or self.config.top_k)[0]

@@ -143,11 +143,18 @@ class MemoryAPI:
         facts = self.context.disk.facts(user_id)
         if not facts:
             raise UnknownUserError(user_id)
-        hits = self.context.retriever.search(user_id, self.context.embedder.embed([query]), k or self.config.top_k)[0]
+        retriever = self.context.retriever_for(user_id)
+        hits = retriever.search(user_id, self.context.embedder.embed([query]), k or self.config.top_k)[0]
         return [FoundFact(facts[h.fact_id], h.score) for h in hits if h.fact_id in facts]
 
     def users(self) -> list[str]:
         return [u for u in self.context.disk.users() if u != SYSTEM_USER]
+
+    @property
+    def store_description(self) -> str:
+        """Where the facts are kept (for logs)."""
+        describe = getattr(self.context.disk, "describe", None)
+        return describe() if describe else str(getattr(self.context.disk, "root", self.config.kv_path))
 
     # ------------------------------------------------------------ internals
 

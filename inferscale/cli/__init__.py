@@ -32,12 +32,13 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv=None) -> int:
     parser = build_parser()
     argv = list(sys.argv[1:] if argv is None else argv)
-    if len(argv) > 1 and argv[0] == "serve" and not argv[1].startswith("-"):
+    if len(argv) > 1 and argv[0] in ("serve", "engine") and not argv[1].startswith("-"):
         argv[1:2] = ["--model", argv[1]]  # MODEL comes first, so vLLM's own values are never taken for it
     args, rest = parser.parse_known_args(argv)
-    if rest and args.func is not serve.cmd_serve:
+    takes_vllm_args = args.func in (serve.cmd_serve, serve.cmd_engine)
+    if rest and not takes_vllm_args:
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
-    if args.func is serve.cmd_serve:
+    if takes_vllm_args:
         args.vllm_args = rest
     setup_logging()
     from inferscale.client import ServerError

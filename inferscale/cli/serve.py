@@ -30,8 +30,17 @@ def cmd_serve(args) -> int:
                            api_key=args.api_key or os.environ.get("INFERSCALE_API_KEY") or None,
                            encoder_device=args.encoder_device, engine_timeout_s=args.engine_timeout,
                            forget_resets_prefix_cache=args.forget_resets_prefix_cache,
-                           vllm_args=tuple(args.vllm_args))
+                           vllm_args=tuple(args.vllm_args), engine_url=args.engine_url,
+                           engine_retry_s=args.engine_retry)
     return serve(options)
+
+
+def cmd_engine(args) -> int:
+    """One replica for a router: vLLM's OpenAI server with the connector, no front (docs/cluster.md)."""
+    from inferscale.server.replica import run_replica
+
+    config = config_of(args)
+    return run_replica(config, args.model or config.model.path, args.host, args.port, tuple(args.vllm_args))
 
 
 def add_parsers(sub) -> None:
@@ -57,7 +66,22 @@ def add_parsers(sub) -> None:
     serve.add_argument("--forget-resets-prefix-cache", action="store_true",
                        help="forgetting a user also empties vLLM's prefix cache, so none of their K/V can be served "
                             "from it again (every user's cached prefixes go; see docs/server.md)")
+    serve.add_argument("--engine-url", help="an engine not started here: a router in front of `inferscale engine` "
+                                            "replicas, e.g. http://127.0.0.1:30000 (docs/cluster.md)")
+    serve.add_argument("--engine-retry", type=float, default=30.0,
+                       help="with --engine-url: seconds a chat is sent again while no replica answers (default 30)")
     serve.set_defaults(func=cmd_serve, vllm_args=[])
+
+    engine = sub.add_parser("engine", help=cmd_engine.__doc__, allow_abbrev=False,
+                            usage="inferscale engine [MODEL] [options] [vLLM's own arguments]",
+                            description="A replica behind a router: vLLM with the connector, reading memory "
+                                        "from the config's store (e.g. redis), on --host:--port.")
+    engine.add_argument("--model", help=argparse.SUPPRESS)
+    engine.add_argument("--config", help="TOML config file (default: INFERSCALE_* environment)")
+    engine.add_argument("--data-dir", help="where memory is stored (with the disk store)")
+    engine.add_argument("--host", default="127.0.0.1", help="the replica's address (default 127.0.0.1)")
+    engine.add_argument("--port", type=int, default=8100, help="the replica's port (default 8100)")
+    engine.set_defaults(func=cmd_engine, vllm_args=[])
 
     config_cmd = sub.add_parser("serve-config", help=cmd_serve_config.__doc__)
     config_cmd.add_argument("--config")

@@ -25,7 +25,7 @@ BACKEND_DEFAULTS = {
 #: with them); "jasper" is left out, as it is registered only where it can be imported
 BUILTIN_NAMES: Mapping[str, frozenset[str]] = {
     "retriever": frozenset({"exact", "faiss"}),
-    "kv_store": frozenset({"hbm", "pinned", "disk"}),
+    "kv_store": frozenset({"hbm", "pinned", "disk", "redis"}),
     "window": frozenset({"facts", "neighbours", "turns", "tokens", "none"}),
     "composer": frozenset({"relevance"}),
     "embedder": frozenset({"minilm", "openai"}),

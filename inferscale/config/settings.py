@@ -45,6 +45,9 @@ class Config:
     model: ModelSpec = ModelSpec()
     retriever: BackendSpec = BackendSpec("exact")
     kv_store: BackendSpec = BackendSpec("pinned")
+    #: the store of record (a kv_store backend that is durable): "disk" under <data_dir>/kv, or a
+    #: store replicas share ("redis", or "disk" with a root on a shared filesystem: docs/cluster.md)
+    store: BackendSpec = BackendSpec("disk")
     #: what each fact is encoded behind (a window policy)
     window: BackendSpec = BackendSpec("facts", {"window": 5})
     composer: BackendSpec = BackendSpec("relevance")
@@ -122,7 +125,7 @@ class Config:
             raise ConfigError(f"unknown config key(s) {sorted(unknown)} — known: {sorted(known)}")
         kwargs: dict[str, Any] = {}
         for key, value in data.items():
-            if key in BACKEND_DEFAULTS:
+            if key in BACKEND_DEFAULTS or key == "store":
                 kwargs[key] = BackendSpec.parse(value, key)
             elif key == "model":
                 kwargs[key] = ModelSpec.parse(value)
@@ -138,6 +141,7 @@ class Config:
         """Raise :class:`~inferscale.errors.UnknownBackendError` (a ``ConfigError`` listing the
         known names) if a backend this config names is not registered by any plugin."""
         check_backend_names({kind: getattr(self, kind).name for kind in BACKEND_DEFAULTS})
+        check_backend_names({"kv_store": self.store.name})
 
     @classmethod
     def from_toml(cls, path: str | os.PathLike) -> Config:

@@ -22,6 +22,7 @@ from inferscale.errors import (
     InferScaleError,
     MissingFactError,
     ModelMismatchError,
+    StoreUnavailableError,
     UnknownUserError,
 )
 
@@ -56,6 +57,10 @@ def from_library(exc: InferScaleError) -> APIError:
         return APIError(500, f"the stored memory could not be read (reference {ref}); see the server log")
     if isinstance(exc, ConfigError):
         return APIError(400, str(exc))
+    if isinstance(exc, StoreUnavailableError):
+        ref = _log_internal(exc)
+        return APIError(503, f"store_unavailable: the memory store did not answer (reference {ref}); "
+                             f"nothing was written, try again")
     ref = _log_internal(exc)
     return APIError(500, f"internal error (reference {ref}); see the server log")
 

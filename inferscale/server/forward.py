@@ -32,19 +32,21 @@ def engine_client(base_url: str) -> httpx.AsyncClient:
     return httpx.AsyncClient(base_url=base_url, timeout=httpx.Timeout(None, connect=10.0))
 
 
-async def post_json(client: httpx.AsyncClient, path: str, body: dict[str, Any]) -> tuple[int, Any]:
+async def post_json(client: httpx.AsyncClient, path: str, body: dict[str, Any],
+                    headers: dict[str, str] | None = None) -> tuple[int, Any]:
     """POST a JSON body; (status, parsed JSON answer)."""
     try:
-        response = await client.post(path, json=body)
+        response = await client.post(path, json=body, headers=headers)
     except httpx.HTTPError as exc:
         raise _unavailable(exc) from None
     return response.status_code, _json(response.content)
 
 
-async def open_stream(client: httpx.AsyncClient, path: str, body: dict[str, Any]) -> httpx.Response:
+async def open_stream(client: httpx.AsyncClient, path: str, body: dict[str, Any],
+                      headers: dict[str, str] | None = None) -> httpx.Response:
     """POST and keep the answer open (the caller closes it)."""
     try:
-        return await client.send(client.build_request("POST", path, json=body), stream=True)
+        return await client.send(client.build_request("POST", path, json=body, headers=headers), stream=True)
     except httpx.HTTPError as exc:
         raise _unavailable(exc) from None
 
@@ -108,11 +110,26 @@ async def reset_prefix_cache(client: httpx.AsyncClient, attempts: int = 25, paus
     return False
 
 
+#: the error type of an answer whose body was not JSON (vLLM answers JSON; a router may not)
+NOT_JSON = "engine_error"
+
+
+def parsed(content: bytes) -> Any:
+    """An answer's body as JSON, or an error in OpenAI's shape holding its text."""
+    return _json(content)
+
+
+def replayed_response(response: httpx.Response, content: bytes) -> httpx.Response:
+    """A response whose body was read, to be passed on as if it had not been."""
+    return httpx.Response(response.status_code, headers=response.headers, content=content,
+                          request=response.request)
+
+
 def _json(content: bytes) -> Any:
     try:
         return json.loads(content)
     except ValueError:
-        return {"error": {"message": content.decode(errors="replace")[:500], "type": "engine_error"}}
+        return {"error": {"message": content.decode(errors="replace")[:500], "type": NOT_JSON}}
 
 
 def _unavailable(exc: Exception) -> APIError:

@@ -76,12 +76,12 @@ def context_length(config: Config, model_max: int) -> int:
 
 
 def engine_command(model_dir: Path, served_name: str, config: Config, port: int, max_model_len: int | None,
-                   vllm_args: Sequence[str], device_type: str) -> list[str]:
+                   vllm_args: Sequence[str], device_type: str, host: str = LOOPBACK) -> list[str]:
     """vLLM's server with the connector (``max_model_len`` None: the user's own in ``vllm_args``)."""
     from inferscale.connector import compat
     from inferscale.connector.engine import kv_transfer_config
 
-    cmd = [*compat.server_command(), "--model", str(model_dir), "--host", LOOPBACK, "--port", str(port),
+    cmd = [*compat.server_command(), "--model", str(model_dir), "--host", host, "--port", str(port),
            "--served-model-name", served_name, "--dtype", config.model.dtype, "--enable-prefix-caching",
            "--kv-transfer-config", json.dumps(kv_transfer_config(config))]
     if max_model_len is not None:

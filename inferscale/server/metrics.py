@@ -31,6 +31,8 @@ class FrontMetrics:
         self.memory = Histogram("inferscale_memory_operation_seconds", "Memory operations (add, list, search, "
                                 "update, delete, forget), by kind.", ["operation"], buckets=SLOW_BUCKETS,
                                 registry=self.registry)
+        self.engine_retries = Counter("inferscale_engine_retries", "Requests sent to the engine again because no "
+                                      "replica answered (inferscale serve --engine-url).", registry=self.registry)
         self.errors = Counter("inferscale_errors", "Requests answered with an error, by HTTP status.", ["status"],
                               registry=self.registry)
 

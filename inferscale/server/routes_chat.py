@@ -24,9 +24,9 @@ from fastapi import APIRouter, Request
 from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from inferscale.api import MAX_FACTS, PromptRequest
-from inferscale.errors import CorruptDataError, MissingFactError
-from inferscale.server import forward
+from inferscale.api import MAX_FACTS, SESSION_HEADER, PromptRequest
+from inferscale.errors import CorruptDataError, MissingFactError, StoreUnavailableError
+from inferscale.server import failover, forward
 from inferscale.server.bodies import read_json
 from inferscale.server.chat import ChatCall, completion_body, parse_chat, refuse_reserved
 from inferscale.server.convert import chat_chunk, chat_completion
@@ -36,6 +36,8 @@ logger = logging.getLogger(__name__)
 router = APIRouter()
 #: ``inferscale.fallback`` of a chat answered without the user's memory, which could not be read
 UNREADABLE = "unreadable_memory"
+#: ``inferscale.fallback`` of a chat answered by plain prefill: the store of record did not answer
+STORE_UNAVAILABLE = "store_unavailable"
 
 
 @router.post("/v1/chat/completions")
@@ -55,9 +57,10 @@ async def _answer(state: ServerState, call: ChatCall, retried: str | None = None
         info["retried"] = retried
     call = dataclasses.replace(call, model=state.engine_model(call.model))
     upstream = completion_body(call, prompt.prompt, prompt.kv_transfer_params, state.served_model)
+    headers = {SESSION_HEADER: state.generation.context.session_id(call.user_id)}
     if call.stream:
-        return await _stream(state, call, upstream, info)
-    status, answer = await forward.post_json(state.client, "/v1/completions", upstream)
+        return await _stream(state, call, upstream, info, headers)
+    status, answer = await failover.post_json(state, "/v1/completions", upstream, headers)
     if status != 200:
         return JSONResponse(answer, status_code=status)
     if _load_failed(call, answer):
@@ -96,6 +99,10 @@ def compose(state: ServerState, call: ChatCall) -> tuple[PromptRequest, dict[str
         logger.error("inferscale: %s's memory is unreadable, answering without it: %s", call.user_id, exc)
         prompt, info = _compose(state, dataclasses.replace(call, mode="none"))
         return prompt, {**info, "fallback": UNREADABLE}
+    except StoreUnavailableError as exc:  # nothing of the user's memory can be read: plain prefill
+        logger.error("inferscale: answering %s without memory: %s", call.user_id, exc)
+        prompt, info = _compose(state, dataclasses.replace(call, mode="none"))
+        return prompt, {**info, "fallback": STORE_UNAVAILABLE}
 
 
 def _compose(state: ServerState, call: ChatCall) -> tuple[PromptRequest, dict[str, Any]]:
@@ -111,8 +118,9 @@ def _compose(state: ServerState, call: ChatCall) -> tuple[PromptRequest, dict[st
     return prompt, info
 
 
-async def _stream(state: ServerState, call: ChatCall, upstream: dict[str, Any], info: dict[str, Any]) -> Response:
-    response = await forward.open_stream(state.client, "/v1/completions", upstream)
+async def _stream(state: ServerState, call: ChatCall, upstream: dict[str, Any], info: dict[str, Any],
+                  headers: dict[str, str]) -> Response:
+    response = await failover.open_stream(state, "/v1/completions", upstream, headers)
     if response.status_code != 200:
         return await forward.error_from(response)
     stream = forward.sse_events(response)

@@ -44,6 +44,10 @@ class ServeOptions:
     #: forgetting a user empties vLLM's prefix cache (the engine then runs vLLM's dev routes, on loopback)
     forget_resets_prefix_cache: bool = False
     vllm_args: Sequence[str] = field(default_factory=tuple)
+    #: an engine not started here: a router in front of ``inferscale engine`` replicas (docs/cluster.md)
+    engine_url: str | None = None
+    #: seconds a chat is sent again while no replica answers (with ``engine_url``)
+    engine_retry_s: float = 30.0
 
 
 def serve(options: ServeOptions) -> int:
@@ -69,6 +73,7 @@ def serve(options: ServeOptions) -> int:
         state = ServerState.build(context, engine.url, served_name, options.api_key)
         state.model_aliases = frozenset(n for n in (options.served_name, str(context.model_dir)) if n)
         state.forget_resets_prefix_cache = options.forget_resets_prefix_cache
+        state.engine_retry_s = options.engine_retry_s if options.engine_url else 0.0
         state.warm_up(encoder=True)
         _place_encoder(state, options.encoder_device)
         logger.info("engine ready in %.0f s", engine.wait_ready(options.engine_timeout_s))
@@ -89,6 +94,8 @@ def _engine(options: ServeOptions, context: Context, device_type: str) -> tuple[
 
     args = list(options.vllm_args)
     served = launch.arg_value(args, "--served-model-name") or model_name(options.served_name or str(context.model_dir))
+    if options.engine_url:
+        return _remote(options, served), served
     if options.encoder_device.startswith("cuda") and launch.arg_value(args, "--gpu-memory-utilization") is None:
         args += ["--gpu-memory-utilization", str(_shared_gpu_utilization(context, options.encoder_device))]
     max_len = None if launch.arg_value(args, "--max-model-len") else \
@@ -99,6 +106,15 @@ def _engine(options: ServeOptions, context: Context, device_type: str) -> tuple[
     if options.forget_resets_prefix_cache:
         environment[DEV_MODE] = "1"  # vLLM serves /reset_prefix_cache only then (on the loopback port)
     return launch.EngineProcess(cmd, port, environment), served
+
+
+def _remote(options: ServeOptions, served: str):
+    from inferscale.server.remote_engine import RemoteEngine
+
+    if options.forget_resets_prefix_cache or options.vllm_args:
+        raise ConfigError("with --engine-url the replicas are started on their own (inferscale engine): vLLM's "
+                          "arguments and --forget-resets-prefix-cache go to them, not to this front")
+    return RemoteEngine(options.engine_url)
 
 
 def model_name(model: str) -> str:

@@ -35,6 +35,8 @@ class ServerState:
     forget_resets_prefix_cache: bool = False
     #: other names a chat may give the served model (the model as named on the command line)
     model_aliases: frozenset[str] = frozenset()
+    #: seconds a chat is sent again while no replica answers (a router's replica died: :mod:`failover`)
+    engine_retry_s: float = 0.0
 
     def engine_model(self, named: object) -> object:
         """The model name to send the engine for the one a chat named."""
@@ -64,7 +66,7 @@ class ServerState:
         context.retriever  # noqa: B018  (rebuilt from every user's stored embeddings)
         self.generation.composer  # noqa: B018
         logger.info("memory: %d user(s) in %s; index and embedder ready in %.1f s", len(users),
-                    self.memory.config.kv_path, time.perf_counter() - start)
+                    self.memory.store_description, time.perf_counter() - start)
         if encoder:
             start = time.perf_counter()
             self.memory.encoder  # noqa: B018

@@ -23,16 +23,28 @@ def read_segments(index: UserIndex, paths: Mapping[str, Path]) -> kvfile.UserFil
     A segment that vanished raises FileNotFoundError (a writer replaced it
     since the index was read: read the index again).
     """
+    return join_segments(index, {name: decode_segment(index, name, path.read_bytes(), str(path))
+                                 for name, path in paths.items()})
+
+
+def decode_segment(index: UserIndex, name: str, data: bytes, where: str) -> kvfile.UserFile:
+    """Segment ``name``'s bytes (from a file, or a networked store), verified whole and against
+    the index; any defect raises CorruptDataError naming ``where``."""
+    segment = kvfile.decode(data, index.user_id, where)
+    _check_against_index(index, name, segment, where)
+    return segment
+
+
+def join_segments(index: UserIndex, segments: Mapping[str, kvfile.UserFile]) -> kvfile.UserFile:
+    """The facts (K/V, embeddings) of verified segments, as one."""
     out = kvfile.UserFile(index.layout, {})
-    for name, path in paths.items():
-        segment = kvfile.decode(path.read_bytes(), index.user_id, str(path))
-        _check_against_index(index, name, segment, path)
+    for segment in segments.values():
         out.facts.update(segment.facts)
         out.embeddings.update(segment.embeddings)
     return out
 
 
-def _check_against_index(index: UserIndex, name: str, segment: kvfile.UserFile, path: Path) -> None:
+def _check_against_index(index: UserIndex, name: str, segment: kvfile.UserFile, path: str) -> None:
     expected = index.facts_in(name)
     if segment.sha256 != index.segments[name].sha256 or set(segment.facts) != set(expected):
         raise CorruptDataError(f"{path}: does not match the user's index (replaced or altered)")

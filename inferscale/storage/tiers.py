@@ -2,8 +2,9 @@
 
 The memory tier (``Config.kv_store``: ``"pinned"``, ``"hbm"`` or a plugin's) holds whole users
 in this process and fulfils :class:`~inferscale.storage.memory_tier.MemoryTier`, checked here;
-the disk tier under ``Config.kv_path`` is the source of truth behind it
-(:func:`~inferscale.storage.tiered.ensure_user`), and the only one writers write.
+the store of record (``Config.store``: the disk store under ``Config.kv_path`` by default, or a
+shared one such as ``"redis"``, :mod:`inferscale.storage.record_store`) is the source of truth
+behind it (:func:`~inferscale.storage.tiered.ensure_user`), and the only one writers write.
 """
 
 from __future__ import annotations
@@ -13,19 +14,23 @@ from dataclasses import dataclass
 from inferscale.config import Config, build
 from inferscale.storage.disk import DiskStore
 from inferscale.storage.memory_tier import MemoryTier, check_memory_tier
+from inferscale.storage.record_store import check_record_store
 
 
 @dataclass(frozen=True)
 class Tiers:
-    """A worker's memory tier and the disk tier behind it."""
+    """A worker's memory tier and the store of record behind it (``disk``: a DiskStore or a store of its contract)."""
 
     memory: MemoryTier
     disk: DiskStore
 
 
 def disk_tier(config: Config) -> DiskStore:
-    """The disk tier: every user's facts under ``config.kv_path``."""
-    return DiskStore(DiskStore.Options(root=str(config.kv_path)))
+    """The store of record ``config.store`` names: the disk store under ``config.kv_path`` unless
+    its options name another ``root``, or a durable plugin store (checked against its contract)."""
+    if config.store.name == DiskStore.name and "root" not in config.store.options:
+        return DiskStore(DiskStore.Options(root=str(config.kv_path)))
+    return check_record_store(build("kv_store", config.store))
 
 
 def build_tiers(config: Config) -> Tiers:

@@ -1,0 +1,216 @@
+"""RedisStore (``"redis"``): every user's facts on a Redis server, the store of record that
+replicas share.
+
+The disk store's format 3 without the files (``docs/storage-format.md``): each user is one Redis
+hash, ``<prefix>:user:<user_id>``, whose fields are
+
+    index                     the user's index (facts, token ids, records, segments, epoch), as JSON
+    epoch                     the index's epoch alone (what a reader checks on every request)
+    seg-<hex>.safetensors     a K/V segment (and embeddings), never modified once written
+
+and ``<prefix>:users`` is the set of users with facts. A write (:mod:`inferscale.storage.redis_writes`)
+changes the hash and the set in one ``MULTI``/``EXEC`` transaction, guarded by ``WATCH`` on the
+user's hash: every reader, on every replica, sees the old version or the new one, and a writer
+killed midway leaves nothing. Readers take no lock; a segment replaced under a reader sends it
+back to the new index, as on disk. Every segment read is verified against its checksum and the
+index.
+
+A server that does not answer raises :class:`~inferscale.errors.StoreUnavailableError`: a chat
+then answers by plain prefill (``fallback: "store_unavailable"``), a write fails and commits nothing.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import torch
+
+from inferscale.devices import resolve_device
+from inferscale.errors import CorruptDataError, StoreUnavailableError, UnknownUserError
+from inferscale.facts import Fact
+from inferscale.kv import FactKV, KVBatch
+from inferscale.storage import kvfile
+from inferscale.storage.base import KVStore
+from inferscale.storage.blocks import empty_batch
+from inferscale.storage.index import UserIndex
+from inferscale.storage.layout import check_ids, require_facts
+from inferscale.storage.redis_writes import EPOCH_FIELD, INDEX_FIELD, RedisWrites, redis_errors
+from inferscale.storage.segments import decode_segment, join_segments
+
+#: reads that find a segment gone (a writer replaced it) retry with the new index this often
+READ_ATTEMPTS = 3
+
+
+class RedisStore(RedisWrites, KVStore):
+    """Durable (as the server is configured: AOF or RDB), shared K/V store of record."""
+
+    name: ClassVar[str] = "redis"
+    volatile: ClassVar[bool] = False
+
+    @dataclass(frozen=True)
+    class Options:
+        #: the server, as redis-py takes it (``redis://[:password@]host:port/db``, ``rediss://`` for TLS)
+        url: str = "redis://127.0.0.1:6379/0"
+        #: the keys' prefix: several deployments may share one server under different prefixes
+        prefix: str = "inferscale"
+        #: seconds a call waits for the server before the store counts it unavailable
+        timeout_s: float = 5.0
+
+        def __post_init__(self):
+            if not isinstance(self.url, str) or not self.url.startswith(("redis://", "rediss://", "unix://")):
+                raise ValueError(f"url must be a redis://, rediss:// or unix:// URL, got {self.url!r}")
+            if not isinstance(self.prefix, str) or not self.prefix or ":" in self.prefix:
+                raise ValueError(f"prefix must be a non-empty string without ':', got {self.prefix!r}")
+            if isinstance(self.timeout_s, bool) or not isinstance(self.timeout_s, (int, float)) or self.timeout_s <= 0:
+                raise ValueError(f"timeout_s must be a positive number, got {self.timeout_s!r}")
+
+    def __init__(self, options: Options | None = None, **runtime: Any):
+        """Runtime keywords are accepted and ignored."""
+        self.options = options or self.Options()
+        self.client = _client(self.options)
+        #: user -> their parsed index, while the server's epoch is the index's
+        self._indexes: dict[str, UserIndex] = {}
+        self._lock = threading.Lock()
+
+    def describe(self) -> str:
+        """Where the facts are (for logs): the server without its password, and the prefix."""
+        kwargs = self.client.connection_pool.connection_kwargs
+        where = kwargs.get("path") or f"{kwargs.get('host')}:{kwargs.get('port')}/{kwargs.get('db', 0)}"
+        return f"redis {where} (prefix {self.options.prefix!r})"
+
+    # -- the KVStore interface -------------------------------------------------
+
+    def get(self, user_id: str, fact_ids: Sequence[str], device: torch.device | str | None = None) -> KVBatch:
+        target = resolve_device(device, torch.device("cpu"))
+        fact_ids = list(fact_ids)
+        if not fact_ids:
+            index = self._index(user_id)
+            return empty_batch(index.layout if index else None, target)
+        _, user = self._read(user_id, fact_ids)
+        kvs = [user.facts[f] for f in fact_ids]
+        keys = torch.cat([kv.keys for kv in kvs], dim=1).to(target)
+        values = torch.cat([kv.values for kv in kvs], dim=1).to(target)
+        return KVBatch(fact_ids, [kv.token_ids for kv in kvs], keys, values)
+
+    def list(self, user_id: str) -> list[str]:
+        index = self._index(user_id)
+        return list(index.facts) if index else []
+
+    def users(self) -> list[str]:
+        with redis_errors(self):
+            members = self.client.smembers(self.users_key)
+        return sorted(m.decode() for m in members)
+
+    def nbytes(self, user_id: str) -> int:
+        index = self._index(user_id)
+        return index.nbytes if index else 0
+
+    def token_ids(self, user_id: str, fact_ids: Sequence[str]) -> list[tuple[int, ...]]:
+        return self.epoch_token_ids(user_id, fact_ids)[1]
+
+    def epoch_token_ids(self, user_id: str, fact_ids: Sequence[str]) -> tuple[str, list[tuple[int, ...]]]:
+        """Both from one version of the user's index."""
+        index = self._require_index(user_id)
+        require_facts(user_id, fact_ids, index.facts)
+        return index.epoch, [index.facts[f].token_ids for f in fact_ids]
+
+    def epoch(self, user_id: str) -> str | None:
+        """The user's epoch as the server holds it now (one small read; None: no such user)."""
+        check_ids(user_id, ())
+        with redis_errors(self):
+            value = self.client.hget(self.user_key(user_id), EPOCH_FIELD)
+        return value.decode() if value is not None else None
+
+    # -- beyond the interface (what the disk store offers too) -----------------
+
+    def load_user(self, user_id: str) -> dict[str, FactKV]:
+        return self.read_user(user_id)[1]
+
+    def read_user(self, user_id: str) -> tuple[str, dict[str, FactKV]]:
+        """(epoch, all facts verified, in order) of one version of the user."""
+        index, user = self._read(user_id, None)
+        return index.epoch, {f: user.facts[f] for f in index.facts}
+
+    def facts(self, user_id: str) -> dict[str, Fact]:
+        index = self._index(user_id)
+        if index is None:
+            return {}
+        return {fact_id: Fact(fact_id, user_id, (entry.record or {}).get("text", ""),
+                              (entry.record or {}).get("source_turn"), entry.token_ids)
+                for fact_id, entry in index.facts.items()}
+
+    def embeddings(self, user_id: str) -> tuple[list[str], torch.Tensor]:
+        try:
+            index, user = self._read(user_id, None)
+        except UnknownUserError:
+            return [], torch.empty(0, 0)
+        ids = [f for f in index.facts if f in user.embeddings]
+        return (ids, torch.stack([user.embeddings[f] for f in ids])) if ids else ([], torch.empty(0, 0))
+
+    def sweep(self) -> list[str]:
+        """Nothing to sweep: a write is one transaction, so an interrupted one left nothing."""
+        return []
+
+    # -- reading ---------------------------------------------------------------
+
+    def _read(self, user_id: str, fact_ids: Sequence[str] | None) -> tuple[UserIndex, kvfile.UserFile]:
+        """The index and the verified facts of the segments holding ``fact_ids`` (None: all)."""
+        for _ in range(READ_ATTEMPTS):
+            index = self._require_index(user_id)
+            wanted = list(index.facts) if fact_ids is None else fact_ids
+            require_facts(user_id, wanted, index.facts)
+            names = list(dict.fromkeys(index.facts[f].segment for f in wanted))
+            with redis_errors(self):
+                blobs = self.client.hmget(self.user_key(user_id), names) if names else []
+            if all(blob is not None for blob in blobs):
+                where = f"{self.describe()} user {user_id!r}"
+                return index, join_segments(index, {n: decode_segment(index, n, b, f"{where} {n}")
+                                                    for n, b in zip(names, blobs)})
+        raise CorruptDataError(f"{self.describe()}: user {user_id!r}: a segment the index lists is missing")
+
+    def _require_index(self, user_id: str) -> UserIndex:
+        index = self._index(user_id)
+        if index is None:
+            raise UnknownUserError(user_id)
+        return index
+
+    def _index(self, user_id: str) -> UserIndex | None:
+        """The user's index, parsed again only when the server's epoch differs from the cached one."""
+        epoch = self.epoch(user_id)
+        if epoch is None:
+            self._forget_index(user_id)
+            return None
+        cached = self._indexes.get(user_id)
+        if cached is not None and cached.epoch == epoch:
+            return cached
+        with redis_errors(self):
+            data = self.client.hget(self.user_key(user_id), INDEX_FIELD)
+        if data is None:  # deleted since
+            return None
+        index = UserIndex.decode(data, user_id, f"{self.describe()} user {user_id!r} index")
+        with self._lock:
+            self._indexes[user_id] = index
+        return index
+
+    def _forget_index(self, user_id: str) -> None:
+        with self._lock:
+            self._indexes.pop(user_id, None)
+
+
+def _client(options: RedisStore.Options):
+    try:
+        import redis
+        from redis.backoff import ExponentialBackoff
+        from redis.retry import Retry
+    except ImportError:
+        raise StoreUnavailableError("kv store 'redis' needs the redis client: pip install "
+                                    "'inferscale-kv[cluster]' (or redis)") from None
+    return redis.Redis.from_url(options.url, socket_timeout=options.timeout_s,
+                                socket_connect_timeout=min(options.timeout_s, 2.0),
+                                retry=Retry(ExponentialBackoff(cap=0.5, base=0.05), 2))
+
+
+__all__ = ["READ_ATTEMPTS", "RedisStore"]
