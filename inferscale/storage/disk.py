@@ -47,6 +47,7 @@ from inferscale.storage.blocks import empty_batch
 from inferscale.storage.disk_writes import LOCK_NAME, SUFFIX, DiskWrites
 from inferscale.storage.index import INDEX_NAME, UserIndex
 from inferscale.storage.index_cache import IndexCache
+from inferscale.storage.index_reads import IndexReads, fresh_user_file
 from inferscale.storage.layout import check_ids, check_layout, require_facts
 from inferscale.storage.segments import read_segments
 
@@ -60,7 +61,7 @@ CACHE_BYTES = 64 << 20
 READ_ATTEMPTS = 3
 
 
-class DiskStore(DiskWrites, KVStore):
+class DiskStore(DiskWrites, IndexReads, KVStore):
     """Durable K/V store; ``get`` reads, verifies and concatenates on the CPU, then moves."""
 
     name: ClassVar[str] = "disk"
@@ -99,13 +100,7 @@ class DiskStore(DiskWrites, KVStore):
         check_ids(user_id, [*facts, *drop])
         if not facts:
             return
-        layout = check_layout(user_id, facts, None)
-        records, embeddings = dict(records or {}), dict(embeddings or {})
-        if not set(records) | set(embeddings) <= set(facts):
-            raise ValueError("records and embeddings must belong to the facts being put")
-        fresh = kvfile.UserFile(layout, dict(facts),
-                                {f: {"text": r.text, "source_turn": r.source_turn} for f, r in records.items()},
-                                {f: e.detach().to("cpu", torch.float32).reshape(-1) for f, e in embeddings.items()})
+        layout, fresh = fresh_user_file(user_id, facts, records, embeddings)
         with self._writer():
             current = self._clean(user_id)
             check_layout(user_id, facts, current.layout if current else None)
@@ -135,10 +130,6 @@ class DiskStore(DiskWrites, KVStore):
             if drop:
                 self._commit(user_id, current, kvfile.UserFile(current.layout, {}), drop)
 
-    def list(self, user_id: str) -> list[str]:
-        index = self._index(user_id)
-        return list(index.facts) if index else []
-
     def users(self) -> list[str]:
         """Users with an index or a format 1/2 file (temp and lock files are never mistaken for one)."""
         users_dir = self.root / USERS_DIR
@@ -146,47 +137,12 @@ class DiskStore(DiskWrites, KVStore):
         found |= {p.name[: -len(SUFFIX)] for p in self.root.iterdir() if p.name.endswith(SUFFIX) and p.is_file()}
         return sorted(user_from_file_stem(stem) for stem in found)
 
-    def nbytes(self, user_id: str) -> int:
-        """Bytes of K/V (not of the files) stored for the user."""
-        index = self._index(user_id)
-        return index.nbytes if index else 0
-
-    def token_ids(self, user_id: str, fact_ids: Sequence[str]) -> list[tuple[int, ...]]:
-        return self.epoch_token_ids(user_id, fact_ids)[1]
-
-    def epoch_token_ids(self, user_id: str, fact_ids: Sequence[str]) -> tuple[str, list[tuple[int, ...]]]:
-        """Both from one read of the user's index (one version, one stat)."""
-        index = self._require_index(user_id)
-        require_facts(user_id, fact_ids, index.facts)
-        return index.epoch, [index.facts[f].token_ids for f in fact_ids]
-
     def epoch(self, user_id: str) -> str | None:
         """The user's epoch: a random id renewed on every write (None: no such user)."""
         index = self._index(user_id)
         return index.epoch if index else None
 
     # -- beyond the interface --------------------------------------------------
-
-    def load_user(self, user_id: str) -> dict[str, FactKV]:
-        """All of the user's facts on the CPU, verified."""
-        return self.read_user(user_id)[1]
-
-    def read_user(self, user_id: str) -> tuple[str, dict[str, FactKV]]:
-        """(epoch, all facts verified, in order) of one version of the user (to fill a memory tier)."""
-        index, user = self._read(user_id, None)
-        return index.epoch, {f: user.facts[f] for f in index.facts}
-
-    def facts(self, user_id: str) -> dict[str, Fact]:
-        """The user's facts (text, source turn, token ids), no K/V read; a fact
-        stored without a record has empty text."""
-        index = self._index(user_id)
-        if index is None:
-            return {}
-        out = {}
-        for fact_id, entry in index.facts.items():
-            record = entry.record or {}
-            out[fact_id] = Fact(fact_id, user_id, record.get("text", ""), record.get("source_turn"), entry.token_ids)
-        return out
 
     def embeddings(self, user_id: str) -> tuple[list[str], torch.Tensor]:
         """The fact_ids with an embedding and their vectors (``[n, dim]`` float32),
@@ -251,12 +207,6 @@ class DiskStore(DiskWrites, KVStore):
             with contextlib.suppress(FileNotFoundError):
                 return read(self._require_index(user_id))
         raise CorruptDataError(f"{self.user_dir(user_id)}: a segment the index lists is missing")
-
-    def _require_index(self, user_id: str) -> UserIndex:
-        index = self._index(user_id)
-        if index is None:
-            raise UnknownUserError(user_id)
-        return index
 
     def _index(self, user_id: str) -> UserIndex | None:
         """The user's index (format 3, else a format 1/2 file's), cached while the file is unchanged."""

@@ -30,12 +30,12 @@ import torch
 
 from inferscale.devices import resolve_device
 from inferscale.errors import CorruptDataError, StoreUnavailableError, UnknownUserError
-from inferscale.facts import Fact
-from inferscale.kv import FactKV, KVBatch
+from inferscale.kv import KVBatch
 from inferscale.storage import kvfile
 from inferscale.storage.base import KVStore
 from inferscale.storage.blocks import empty_batch
 from inferscale.storage.index import UserIndex
+from inferscale.storage.index_reads import IndexReads
 from inferscale.storage.layout import check_ids, require_facts
 from inferscale.storage.redis_writes import EPOCH_FIELD, INDEX_FIELD, RedisWrites, redis_errors
 from inferscale.storage.segments import decode_segment, join_segments
@@ -44,7 +44,7 @@ from inferscale.storage.segments import decode_segment, join_segments
 READ_ATTEMPTS = 3
 
 
-class RedisStore(RedisWrites, KVStore):
+class RedisStore(RedisWrites, IndexReads, KVStore):
     """Durable (as the server is configured: AOF or RDB), shared K/V store of record."""
 
     name: ClassVar[str] = "redis"
@@ -95,27 +95,10 @@ class RedisStore(RedisWrites, KVStore):
         values = torch.cat([kv.values for kv in kvs], dim=1).to(target)
         return KVBatch(fact_ids, [kv.token_ids for kv in kvs], keys, values)
 
-    def list(self, user_id: str) -> list[str]:
-        index = self._index(user_id)
-        return list(index.facts) if index else []
-
     def users(self) -> list[str]:
         with redis_errors(self):
             members = self.client.smembers(self.users_key)
         return sorted(m.decode() for m in members)
-
-    def nbytes(self, user_id: str) -> int:
-        index = self._index(user_id)
-        return index.nbytes if index else 0
-
-    def token_ids(self, user_id: str, fact_ids: Sequence[str]) -> list[tuple[int, ...]]:
-        return self.epoch_token_ids(user_id, fact_ids)[1]
-
-    def epoch_token_ids(self, user_id: str, fact_ids: Sequence[str]) -> tuple[str, list[tuple[int, ...]]]:
-        """Both from one version of the user's index."""
-        index = self._require_index(user_id)
-        require_facts(user_id, fact_ids, index.facts)
-        return index.epoch, [index.facts[f].token_ids for f in fact_ids]
 
     def epoch(self, user_id: str) -> str | None:
         """The user's epoch as the server holds it now (one small read; None: no such user)."""
@@ -125,22 +108,6 @@ class RedisStore(RedisWrites, KVStore):
         return value.decode() if value is not None else None
 
     # -- beyond the interface (what the disk store offers too) -----------------
-
-    def load_user(self, user_id: str) -> dict[str, FactKV]:
-        return self.read_user(user_id)[1]
-
-    def read_user(self, user_id: str) -> tuple[str, dict[str, FactKV]]:
-        """(epoch, all facts verified, in order) of one version of the user."""
-        index, user = self._read(user_id, None)
-        return index.epoch, {f: user.facts[f] for f in index.facts}
-
-    def facts(self, user_id: str) -> dict[str, Fact]:
-        index = self._index(user_id)
-        if index is None:
-            return {}
-        return {fact_id: Fact(fact_id, user_id, (entry.record or {}).get("text", ""),
-                              (entry.record or {}).get("source_turn"), entry.token_ids)
-                for fact_id, entry in index.facts.items()}
 
     def embeddings(self, user_id: str) -> tuple[list[str], torch.Tensor]:
         try:
@@ -170,12 +137,6 @@ class RedisStore(RedisWrites, KVStore):
                 return index, join_segments(index, {n: decode_segment(index, n, b, f"{where} {n}")
                                                     for n, b in zip(names, blobs)})
         raise CorruptDataError(f"{self.describe()}: user {user_id!r}: a segment the index lists is missing")
-
-    def _require_index(self, user_id: str) -> UserIndex:
-        index = self._index(user_id)
-        if index is None:
-            raise UnknownUserError(user_id)
-        return index
 
     def _index(self, user_id: str) -> UserIndex | None:
         """The user's index, parsed again only when the server's epoch differs from the cached one."""

@@ -1,0 +1,91 @@
+"""What a store of record answers from its users' indexes alone, the same for every store.
+
+A store of record (the disk store, the Redis store) keeps each user as a format-3 index
+(:class:`~inferscale.storage.index.UserIndex`) and its segments. :class:`IndexReads` derives the
+readers that need nothing but the index (fact ids, bytes, token ids, records) and the verified
+whole-user read from two methods the store provides: ``_index(user_id)`` (the index, or None for
+an unknown user) and ``_read(user_id, None)`` (the index and every fact, verified).
+:func:`fresh_user_file` checks and packs what a ``put`` writes, before either store commits it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+import torch
+
+from inferscale.errors import UnknownUserError
+from inferscale.facts import Fact
+from inferscale.kv import FactKV
+from inferscale.storage import kvfile
+from inferscale.storage.index import UserIndex
+from inferscale.storage.layout import KVLayout, check_layout, require_facts
+
+
+class IndexReads:
+    """Readers of a store of record that follow from its users' indexes."""
+
+    def _index(self, user_id: str) -> UserIndex | None:
+        raise NotImplementedError
+
+    def _read(self, user_id: str, fact_ids: Sequence[str] | None) -> tuple[UserIndex, kvfile.UserFile]:
+        raise NotImplementedError
+
+    def list(self, user_id: str) -> list[str]:
+        index = self._index(user_id)
+        return list(index.facts) if index else []
+
+    def nbytes(self, user_id: str) -> int:
+        """Bytes of K/V (not of the files or values holding them) stored for the user."""
+        index = self._index(user_id)
+        return index.nbytes if index else 0
+
+    def token_ids(self, user_id: str, fact_ids: Sequence[str]) -> list[tuple[int, ...]]:
+        return self.epoch_token_ids(user_id, fact_ids)[1]
+
+    def epoch_token_ids(self, user_id: str, fact_ids: Sequence[str]) -> tuple[str, list[tuple[int, ...]]]:
+        """Both from one version of the user's index."""
+        index = self._require_index(user_id)
+        require_facts(user_id, fact_ids, index.facts)
+        return index.epoch, [index.facts[f].token_ids for f in fact_ids]
+
+    def load_user(self, user_id: str) -> dict[str, FactKV]:
+        """All of the user's facts on the CPU, verified."""
+        return self.read_user(user_id)[1]
+
+    def read_user(self, user_id: str) -> tuple[str, dict[str, FactKV]]:
+        """(epoch, all facts verified, in order) of one version of the user (to fill a memory tier)."""
+        index, user = self._read(user_id, None)
+        return index.epoch, {f: user.facts[f] for f in index.facts}
+
+    def facts(self, user_id: str) -> dict[str, Fact]:
+        """The user's facts (text, source turn, token ids), no K/V read; a fact
+        stored without a record has empty text."""
+        index = self._index(user_id)
+        if index is None:
+            return {}
+        out = {}
+        for fact_id, entry in index.facts.items():
+            record = entry.record or {}
+            out[fact_id] = Fact(fact_id, user_id, record.get("text", ""), record.get("source_turn"), entry.token_ids)
+        return out
+
+    def _require_index(self, user_id: str) -> UserIndex:
+        index = self._index(user_id)
+        if index is None:
+            raise UnknownUserError(user_id)
+        return index
+
+
+def fresh_user_file(user_id: str, facts: Mapping[str, FactKV], records: Mapping[str, Fact] | None,
+                    embeddings: Mapping[str, torch.Tensor] | None) -> tuple[KVLayout, kvfile.UserFile]:
+    """The layout and the packed segment of a ``put`` of ``facts`` (non-empty) with their
+    ``records`` and ``embeddings``, checked: one layout, and no record or embedding of a fact
+    not being put."""
+    layout = check_layout(user_id, facts, None)
+    records, embeddings = dict(records or {}), dict(embeddings or {})
+    if not set(records) | set(embeddings) <= set(facts):
+        raise ValueError("records and embeddings must belong to the facts being put")
+    return layout, kvfile.UserFile(layout, dict(facts),
+                                   {f: {"text": r.text, "source_turn": r.source_turn} for f, r in records.items()},
+                                   {f: e.detach().to("cpu", torch.float32).reshape(-1) for f, e in embeddings.items()})
