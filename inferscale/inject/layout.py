@@ -78,11 +78,21 @@ class KVLayout:
 
     def write(self, cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor, slots: torch.Tensor) -> None:
         """K/V ``[tokens, kv_heads, head_size]`` into ``cache`` at ``slots`` (block * block_size + offset)."""
-        key_view, value_view = self.views(cache)
-        slots = slots.to(cache.device, torch.int64)
-        blocks, offsets = slots // self.block_size, slots % self.block_size
-        key_view[blocks, offsets] = key.to(self.dtype)
-        value_view[blocks, offsets] = value.to(self.dtype)
+        write_views(self.views(cache), key, value, split_slots(slots, cache.device, self.block_size))
+
+
+def split_slots(slots: torch.Tensor, device: torch.device, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Cache slots as (block, offset in the block), on ``device``."""
+    slots = slots.to(device, torch.int64)
+    return slots // block_size, slots % block_size
+
+
+def write_views(views: tuple[torch.Tensor, torch.Tensor], key: torch.Tensor, value: torch.Tensor,
+                where: tuple[torch.Tensor, torch.Tensor]) -> None:
+    """K/V ``[tokens, kv_heads, head_size]`` into a layer's K and V views at (blocks, offsets)."""
+    key_view, value_view = views
+    key_view[where] = key.to(key_view.dtype)
+    value_view[where] = value.to(value_view.dtype)
 
 
 def candidates(cache: torch.Tensor, num_kv_heads: int, head_size: int) -> list[KVLayout]:
@@ -183,6 +193,8 @@ class PagedLayers:
 
     def __init__(self, caches: Sequence[torch.Tensor], layouts: Sequence[KVLayout]):
         self.caches, self.layouts = list(caches), list(layouts)
+        # the caches stay put for the engine's life: their views, checked once
+        self._views = [layout.views(cache) for cache, layout in zip(self.caches, self.layouts, strict=True)]
 
     @classmethod
     def check(cls, caches: Sequence[torch.Tensor], backend_writes: Sequence[CacheWrite | None], num_kv_heads: int,
@@ -201,7 +213,8 @@ class PagedLayers:
         """Every layer's K and V views, for the fused write (a LayoutError: not on this device)."""
         if self.caches[0].device.type != "cuda":
             raise LayoutError(f"the caches are on {self.caches[0].device.type} (the fused write runs on CUDA)")
-        return [layout.views(cache) for cache, layout in zip(self.caches, self.layouts)]
+        return list(self._views)
 
     def write(self, layer: int, key: torch.Tensor, value: torch.Tensor, slots: torch.Tensor) -> None:
-        self.layouts[layer].write(self.caches[layer], key, value, slots)
+        where = split_slots(slots, self.caches[layer].device, self.layouts[layer].block_size)
+        write_views(self._views[layer], key, value, where)
