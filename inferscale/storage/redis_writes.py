@@ -20,6 +20,7 @@ from inferscale.kv import FactKV
 from inferscale.storage import kvfile
 from inferscale.storage.compaction import segments_to_rewrite
 from inferscale.storage.index import UserIndex, new_segment_name
+from inferscale.storage.index_reads import fresh_user_file
 from inferscale.storage.layout import check_ids, check_layout
 from inferscale.storage.segments import decode_segment, join_segments, make_index, next_version
 
@@ -62,13 +63,7 @@ class RedisWrites:
         check_ids(user_id, [*facts, *drop])
         if not facts:
             return
-        layout = check_layout(user_id, facts, None)
-        records, embeddings = dict(records or {}), dict(embeddings or {})
-        if not set(records) | set(embeddings) <= set(facts):
-            raise ValueError("records and embeddings must belong to the facts being put")
-        fresh = kvfile.UserFile(layout, dict(facts),
-                                {f: {"text": r.text, "source_turn": r.source_turn} for f, r in records.items()},
-                                {f: e.detach().to("cpu", torch.float32).reshape(-1) for f, e in embeddings.items()})
+        fresh = fresh_user_file(user_id, facts, records, embeddings)[1]
 
         def change(current: UserIndex | None):
             check_layout(user_id, facts, current.layout if current else None)
@@ -140,8 +135,18 @@ class RedisWrites:
         pipe.execute()
 
     def _carried(self, pipe, user_id: str, current: UserIndex, names: list[str]) -> kvfile.UserFile:
-        blobs = pipe.hmget(self.user_key(user_id), names)
+        """The facts of the segments a write rewrites, read under the watch. A segment gone
+        because another writer committed (and compacted) since ``current`` was read is a lost
+        race, retried like any other; one gone while ``current`` is still the user's version
+        is damage."""
+        import redis
+
+        key = self.user_key(user_id)
+        blobs = pipe.hmget(key, names)
         if any(blob is None for blob in blobs):
+            now = pipe.hget(key, EPOCH_FIELD)
+            if now is None or now.decode() != current.epoch:
+                raise redis.exceptions.WatchError(f"user {user_id!r} changed while its segments were read")
             raise CorruptDataError(f"{self.describe()}: user {user_id!r}: a segment the index lists is missing")
         where = f"{self.describe()} user {user_id!r}"
         return join_segments(current, {n: decode_segment(current, n, b, f"{where} {n}") for n, b in zip(names, blobs)})
