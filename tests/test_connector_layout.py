@@ -15,15 +15,14 @@ pytestmark = pytest.mark.slow
 FACTS = ["Alice has a cat named Miso.", "Alice works as a nurse in Lisbon."]
 
 
-def test_an_unreadable_cache_layout_is_never_written_and_requests_are_prefilled(tmp_path, capfd):
+def test_an_unreadable_cache_layout_is_never_written_and_requests_are_prefilled(tmp_path):
     from plugins import layout_connectors
 
     path = tiny_models.tiny_model_dir("qwen2", "float32")
     prompt, segment = vh.joint_memory(path, tmp_path, "alice", FACTS, "What is my cat called?")
     layout_connectors.WRITES.clear()
-    capfd.readouterr()
-    # the line is read both from the connector's logger and from the output: which of the two
-    # sees it depends on how an earlier engine in this process left vLLM's log handlers
+    # read from the connector's logger: vLLM's start reconfigures its own handlers, and where an
+    # earlier engine in this process left them, the printed line can escape capfd
     records = _Records()
     connector_log = logging.getLogger("vllm.inferscale.connector")
     connector_log.addHandler(records)
@@ -32,11 +31,8 @@ def test_an_unreadable_cache_layout_is_never_written_and_requests_are_prefilled(
     finally:
         connector_log.removeHandler(records)
     try:
-        started = capfd.readouterr()
-        printed = [line for line in (started.out + started.err).splitlines() if "memory injection is off" in line]
-        logged = [line for line in records.lines if "memory injection is off" in line]
-        off = logged or printed
-        assert len(off) == 1 and "fits no known arrangement" in off[0], (logged, printed)
+        off = [line for line in records.lines if "memory injection is off" in line]
+        assert len(off) == 1 and "fits no known arrangement" in off[0], records.lines
         plain_tokens, _, plain = vh.greedy(llm, prompt)
         params, salt = vh.memory_request(tmp_path, "alice", ["f0", "f1"], segment)
         tokens, _, out = vh.greedy(llm, prompt, params, salt)
