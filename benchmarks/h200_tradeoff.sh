@@ -8,7 +8,8 @@
 #   load      vllm_serve_load.py (Qwen2.5-7B shape, 100 users × 200 facts, k = 50, 32-token answers,
 #             one API server, hbm store) at 100 users for every budget in BUDGETS
 #   ttft      ttft.py at TTFT_KS (Llama-3.1-8B shape, CUDA graphs) for budgets TTFT_BUDGETS, stores TTFT_STORES
-#   accuracy  locomo_accuracy.py: the 1.5B's grid (METHODS15) beside the 0.5B's (METHODS05), concurrently
+#   accuracy  locomo_accuracy.py: the 1.5B's grid (METHODS15) beside the 0.5B's (METHODS05), concurrently;
+#             fixed KV caches (no memory profile), so other GPU work may run beside them
 # The GGUFs are assembled, checked and converted in the background while "load" runs.
 set -uo pipefail
 RUN=${RUN:-/tmp/run}
@@ -34,9 +35,10 @@ convert() {
     && OMP_NUM_THREADS=4 PYTHONPATH=$NOW nice python3 -m inferscale.cli convert /tmp/$1.gguf --out "$3" --dtype bfloat16
 }
 Q05=/tmp/qwen2.5-coder-0.5b-instruct-bfloat16 Q15=/tmp/qwen2.5-coder-1.5b-instruct-bfloat16
-# once per machine: a second run of this script (other steps) finds the models converted
-[[ -f /tmp/converted ]] || \
+# once per machine: a second run of this script (other steps) finds the models converted or converting
+mkdir /tmp/convert.lock 2>/dev/null && \
 ( convert q05 1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32 $Q05 > "$RUN/convert05.log" 2>&1
+  touch /tmp/converted05
   convert q15 cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046 $Q15 > "$RUN/convert15.log" 2>&1
   touch /tmp/converted ) &
 
@@ -54,20 +56,22 @@ if has ttft; then
     | grep --line-buffered -v " INFO \| DEBUG "
 fi
 
-if has accuracy; then
-  for i in $(seq 1 300); do [[ -f /tmp/converted ]] && break; sleep 2; done
-  tail -3 "$RUN/convert05.log" "$RUN/convert15.log"
-  stamp "LoCoMo, every question: 1.5B ($METHODS15) beside 0.5B ($METHODS05)"
+if has accuracy; then  # the 0.5B starts once converted, while the 1.5B's pieces still arrive
+  for i in $(seq 1 300); do [[ -f /tmp/converted05 ]] && break; sleep 2; done
+  tail -3 "$RUN/convert05.log"
+  stamp "LoCoMo, every question: 0.5B ($METHODS05), in the background ($RUN/acc05.log)"
   export VLLM_ENABLE_V1_MULTIPROCESSING=0
   common=(--ks 5,10,20,50 --retrieval benchmarks/results/locomo_retrieval_minilm.json
           --related benchmarks/results/locomo_related_minilm.json --encode-batch 64
           --default "$DEFAULT" --baseline "prompt[closing=answer]" --time-limit "${TIME_LIMIT:-0}")
   PYTHONPATH=$NOW python3 benchmarks/locomo_accuracy.py --model $Q05 --methods "$METHODS05" "${common[@]}" \
-    --gpu-memory-utilization 0.22 --out "$RUN/locomo_qwen05_h200.json" > "$RUN/acc05.log" 2>&1 &
+    --gpu-memory-utilization 0.1 --kv-cache-gib 8 --out "$RUN/locomo_qwen05_h200.json" > "$RUN/acc05.log" 2>&1 &
   A05=$!
-  sleep 20  # the 0.5B's engine claims its memory first
+  for i in $(seq 1 450); do [[ -f /tmp/converted ]] && break; sleep 2; done
+  tail -3 "$RUN/convert15.log"
+  stamp "LoCoMo, every question: 1.5B ($METHODS15)"
   PYTHONPATH=$NOW python3 benchmarks/locomo_accuracy.py --model $Q15 --methods "$METHODS15" "${common[@]}" \
-    --gpu-memory-utilization 0.5 --out "$RUN/locomo_qwen15_h200.json" 2>&1 | grep --line-buffered -v " INFO \| DEBUG "
+    --gpu-memory-utilization 0.1 --kv-cache-gib 16 --out "$RUN/locomo_qwen15_h200.json" 2>&1 | grep --line-buffered -v " INFO \| DEBUG "
   wait $A05
   grep --line-buffered -v " INFO \| DEBUG " "$RUN/acc05.log" | tail -40
 fi

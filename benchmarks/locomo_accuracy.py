@@ -444,27 +444,38 @@ def encode_all(args, convs, needed, encodings, model_dir: str, data_dir: Path, p
             return FactKV(kv.token_ids, kv.keys.to(kv_dtype), kv.values.to(kv_dtype))
 
         disk.put(SYSTEM_USER, {PREFIX_FACT: cast(encoder.encode_ids(prefix_ids))})
+        # the model runs once per (window, style, neighbours); each content scale is derived from it
+        scales: dict = defaultdict(list)
         for encoding in encodings:
-            window, style, neighbours, scale = encoding
+            scales[encoding[:3]].append(encoding[3])
+        for (window, style, neighbours), group in scales.items():
             encoder.window = window_policy(window, neighbours)
             encoder.fact_style = style
             start = time.perf_counter()
             for cid, indices in needed.items():
-                user, conv = user_of(cid, encoding), convs[cid]
-                facts = [Fact(make_fact_id(user, text, source_tag(encoding, src)), user, text, src)
-                         for text, src in conv.all_facts()]
+                conv = convs[cid]
+                fact_lists = {}
+                for scale in group:
+                    encoding = (window, style, neighbours, scale)
+                    user = user_of(cid, encoding)
+                    fact_lists[scale] = [Fact(make_fact_id(user, text, source_tag(encoding, src)), user, text, src)
+                                         for text, src in conv.all_facts()]
+                facts = fact_lists[group[0]]
                 only = {facts[j].fact_id for j in indices}
                 related = {facts[j].fact_id: [facts[r].fact_id for r in reversed(ranks[cid][j][:neighbours])]
                            for j in indices} if neighbours else None
                 kvs = encoder.encode(facts, conv.turns, progress=False, prefix_ids=prefix_ids, only=only,
                                      related=related)
-                if scale != 1.0:
-                    kvs = {fid: content_scaled(kv, key_biases, scale) for fid, kv in kvs.items()}
-                disk.put(user, {fid: cast(kv) for fid, kv in kvs.items()})
-                ids[(cid, encoding)] = {j: facts[j].fact_id for j in indices}
-            name = user_of('', encoding).lstrip('.') + (f" f{-window}" if window <= 0 and not neighbours else "")
-            print(f"encoded {name}: {sum(map(len, needed.values()))} facts "
-                  f"in {time.perf_counter() - start:.1f} s", flush=True)
+                for scale, scaled_facts in fact_lists.items():
+                    put = {scaled_facts[j].fact_id: kvs[facts[j].fact_id] for j in indices}
+                    if scale != 1.0:
+                        put = {fid: content_scaled(kv, key_biases, scale) for fid, kv in put.items()}
+                    disk.put(scaled_facts[0].user_id, {fid: cast(kv) for fid, kv in put.items()})
+                    ids[(cid, (window, style, neighbours, scale))] = {j: scaled_facts[j].fact_id for j in indices}
+            name = user_of('', (window, style, neighbours, 1.0)).lstrip('.') \
+                + (f" f{-window}" if window <= 0 and not neighbours else "")
+            print(f"encoded {name} (content scales {', '.join(f'{c:g}' for c in group)}): "
+                  f"{sum(map(len, needed.values()))} facts in {time.perf_counter() - start:.1f} s", flush=True)
     return ids
 
 
@@ -483,7 +494,11 @@ def build_engine(args, model_dir: str, data_dir: Path):
     config = Config.from_dict({"model": {"path": model_dir, "dtype": args.dtype}, "data_dir": str(data_dir),
                                "instruction": INSTRUCTION, "kv_store": "hbm" if gpu else "pinned",
                                "recompute_tokens": 0})
+    # a fixed cache (--kv-cache-gib) skips vLLM's memory profile, which fails when another process on
+    # the GPU frees memory while it runs; the utilization is then only the free memory vLLM asks for
     memory = {"gpu_memory_utilization": args.gpu_memory_utilization} if gpu else {"kv_cache_memory_bytes": 2 << 30}
+    if gpu and args.kv_cache_gib:
+        memory["kv_cache_memory_bytes"] = int(args.kv_cache_gib * (1 << 30))
     return make_llm(model_dir, config, in_process=True, enforce_eager=not args.cuda_graphs, **memory)
 
 
@@ -632,6 +647,8 @@ def parse_args(argv=None):
     parser.add_argument("--encode-batch", type=int, default=16)
     parser.add_argument("--cuda-graphs", action="store_true")
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.6, help="the engine's share of the GPU")
+    parser.add_argument("--kv-cache-gib", type=float, default=0,
+                        help="a KV cache of this size instead of one sized by a memory profile (GPU)")
     parser.add_argument("--time-limit", type=float, default=0, help="stop starting new methods after this many s")
     parser.add_argument("--default", default=None, help="the method the product serves by default (a name)")
     parser.add_argument("--baseline", default=None, help="the prompt-injection method it is held against")

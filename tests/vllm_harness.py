@@ -47,6 +47,10 @@ PINNED_COPY_BELOW_MIB = float(os.environ.get("INFERSCALE_TEST_PINNED_COPY_BELOW_
 KV_STORE = os.environ.get("INFERSCALE_TEST_KV_STORE", "pinned")
 #: INFERSCALE_TEST_BLOCK_SIZE=64 (GPU machine): tokens per KV cache block (unset: vLLM's choice)
 BLOCK_SIZE = {"block_size": int(os.environ["INFERSCALE_TEST_BLOCK_SIZE"])} if os.environ.get("INFERSCALE_TEST_BLOCK_SIZE") else {}
+#: on a GPU an engine holds its model and a 128 MiB cache; vLLM still refuses to start unless the free
+#: memory covers gpu_memory_utilization of the device, so the tests ask for a tenth, leaving room for
+#: other engines on the same GPU (a benchmark beside them)
+MEMORY = {"gpu_memory_utilization": 0.1} if torch.cuda.is_available() else {}
 TOP_LOGPROBS = 5
 
 
@@ -86,7 +90,7 @@ def make_engine(model_dir: Path, data_dir: Path, dtype: str, *, multiprocess: bo
     with env(VLLM_ENABLE_V1_MULTIPROCESSING="1" if multiprocess else "0"):
         return LLM(model=str(model_dir), dtype=dtype, max_model_len=1024, enforce_eager=EAGER,
                    enable_prefix_caching=prefix_caching, kv_transfer_config=KVTransferConfig(**ktc),
-                   kv_cache_memory_bytes=128 << 20, seed=0, disable_log_stats=False, **{**BLOCK_SIZE, **kwargs})
+                   kv_cache_memory_bytes=128 << 20, seed=0, disable_log_stats=False, **{**BLOCK_SIZE, **MEMORY, **kwargs})
 
 
 def close_engine(llm) -> None:
