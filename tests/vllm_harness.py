@@ -88,9 +88,9 @@ def make_engine(model_dir: Path, data_dir: Path, dtype: str, *, multiprocess: bo
     if connector:
         ktc["kv_connector"], ktc["kv_connector_module_path"] = connector
     with env(VLLM_ENABLE_V1_MULTIPROCESSING="1" if multiprocess else "0"):
-        return LLM(model=str(model_dir), dtype=dtype, max_model_len=1024, enforce_eager=EAGER,
-                   enable_prefix_caching=prefix_caching, kv_transfer_config=KVTransferConfig(**ktc),
-                   kv_cache_memory_bytes=128 << 20, seed=0, disable_log_stats=False, **{**BLOCK_SIZE, **MEMORY, **kwargs})
+        return LLM(model=str(model_dir), dtype=dtype, max_model_len=1024, enable_prefix_caching=prefix_caching,
+                   kv_transfer_config=KVTransferConfig(**ktc), kv_cache_memory_bytes=128 << 20, seed=0,
+                   disable_log_stats=False, **{"enforce_eager": EAGER, **BLOCK_SIZE, **MEMORY, **kwargs})
 
 
 def close_engine(llm) -> None:
