@@ -161,7 +161,20 @@ def method_sets() -> dict[str, list[Method]]:
         "tradeoff": tradeoff_grid(),
         "tradeoff05": tradeoff_check(),
         "temperature": temperature_grid(),
+        "context": context_grid(),
     }
+
+
+def context_grid() -> list[Method]:
+    """Offline contexts nearer the one a fact is read in, at no per-request cost: each fact behind
+    its nearest facts under the retrieval embedder (5, 10, 20: the facts it is most likely
+    retrieved with, the most related last, as the relevance composer places them), behind the 10
+    facts stored before it, and two windows read by slot (a fact in the first slots behind the 5
+    facts before it, a fact deeper in the segment behind 20). Anchors first."""
+    close = dict(closing="answer")
+    anchors = [_prompt(**close), _kv(window=-5, **close), _kv(window=-5, **close, recompute_tokens=256)]
+    nearest = [_kv(neighbours=n, **close) for n in (5, 10, 20)]
+    return anchors + nearest + [_kv(slots="5/20", **close), _kv(window=-10, **close)]
 
 
 def tradeoff_grid() -> list[Method]:
