@@ -7,9 +7,13 @@ process (``TRITON_INTERPRET=1``), with Triton from ``$INFERSCALE_CACHE/triton``
 
 from __future__ import annotations
 
+import atexit
+import json
 import os
+import select
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -186,16 +190,66 @@ def _triton_dir() -> Path:
     return Path(os.environ.get("INFERSCALE_CACHE", Path(__file__).resolve().parents[1] / ".cache")) / "triton"
 
 
-def run_interpreted(code: str) -> None:
+#: one child Python under Triton's interpreter runs every interpreted check of the session, one after
+#: another (each in a fresh namespace): importing torch, Triton and the test modules costs a few
+#: seconds, once instead of per check
+_WORKER = r"""
+import json, sys, traceback
+answers, sys.stdout = sys.stdout, sys.stderr  # what the checks print goes to the child's stderr
+for line in sys.stdin:
+    try:
+        exec(compile(json.loads(line), "<interpreted check>", "exec"), {"__name__": "__interpreted__"})
+        answer = {"ok": True}
+    except BaseException:  # noqa: BLE001  (an assertion, an error, a SystemExit: all reported)
+        answer = {"ok": False, "error": traceback.format_exc()}
+    answers.write(json.dumps(answer) + "\n")
+    answers.flush()
+"""
+_worker: dict = {}
+
+
+def _interpreter() -> tuple[subprocess.Popen, object]:
+    proc = _worker.get("proc")
+    if proc is not None and proc.poll() is None:
+        return proc, _worker["log"]
+    env = {**os.environ, "TRITON_INTERPRET": "1",
+           "PYTHONPATH": os.pathsep.join([str(_triton_dir()), str(Path(__file__).parent),
+                                          os.environ.get("PYTHONPATH", "")])}
+    log = tempfile.TemporaryFile()
+    proc = subprocess.Popen([sys.executable, "-c", _WORKER], env=env, stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, stderr=log, text=True)
+    _worker.update(proc=proc, log=log)
+    atexit.register(_stop_interpreter, proc)
+    return proc, log
+
+
+def _stop_interpreter(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        proc.stdin.close()
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
+def run_interpreted(code: str, timeout_s: float = 600) -> None:
     """Run ``code`` in a child Python under Triton's interpreter (the CPU's way to run the kernel);
     skip when that Triton is not installed, fail with the child's error when the code fails."""
     if not (_triton_dir() / "triton").is_dir():
         pytest.skip(f"Triton for the interpreter is not installed in {_triton_dir()} (./dev puts it there)")
-    env = {**os.environ, "TRITON_INTERPRET": "1",
-           "PYTHONPATH": os.pathsep.join([str(_triton_dir()), str(Path(__file__).parent),
-                                          os.environ.get("PYTHONPATH", "")])}
-    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stderr[-3000:]
+    proc, log = _interpreter()
+    proc.stdin.write(json.dumps(code) + "\n")
+    proc.stdin.flush()
+    ready, _, _ = select.select([proc.stdout], [], [], timeout_s)
+    line = proc.stdout.readline() if ready else ""
+    if not line:  # timed out or died: the child is not reused
+        proc.kill()
+        proc.wait()
+        log.seek(0)
+        pytest.fail(f"the interpreter child {'timed out' if not ready else 'exited'}:\n"
+                    f"{log.read().decode(errors='replace')[-3000:]}")
+    answer = json.loads(line)
+    assert answer["ok"], answer.get("error", "")[-3000:]
 
 
 @pytest.mark.parametrize("via", ["launch", "counted", "capped"])
