@@ -162,6 +162,7 @@ def method_sets() -> dict[str, list[Method]]:
         "tradeoff05": tradeoff_check(),
         "temperature": temperature_grid(),
         "context": context_grid(),
+        "wide": wide_grid(),
     }
 
 
@@ -175,6 +176,14 @@ def context_grid() -> list[Method]:
     anchors = [_prompt(**close), _kv(window=-5, **close), _kv(window=-5, **close, recompute_tokens=256)]
     nearest = [_kv(neighbours=n, **close) for n in (5, 10, 20)]
     return anchors + nearest + [_kv(slots="5/20", **close), _kv(window=-10, **close)]
+
+
+def wide_grid() -> list[Method]:
+    """The facts window of 10 (the best row of :func:`context_grid` that recomputes nothing) with
+    the tails around the 5x line (one fact, B = 32; B = 64) and today's B = 256; anchors first."""
+    close = dict(closing="answer")
+    anchors = [_prompt(**close), _kv(window=-5, **close, recompute_tokens=256)]
+    return anchors + [_kv(window=-10, **close, recompute_tokens=b) for b in (32, 64, 256)]
 
 
 def tradeoff_grid() -> list[Method]:
