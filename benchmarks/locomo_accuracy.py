@@ -166,6 +166,14 @@ def method_sets() -> dict[str, list[Method]]:
     }
 
 
+def _anchors(recompute_free: bool = True) -> list[Method]:
+    """What every grid is read against: prompt injection (the baseline), the default (facts 5,
+    B = 256) and, unless told otherwise, the same facts with nothing recomputed; the closing line."""
+    close = dict(closing="answer")
+    free = [_kv(window=-5, **close)] if recompute_free else []
+    return [_prompt(**close), *free, _kv(window=-5, **close, recompute_tokens=256)]
+
+
 def context_grid() -> list[Method]:
     """Offline contexts nearer the one a fact is read in, at no per-request cost: each fact behind
     its nearest facts under the retrieval embedder (5, 10, 20: the facts it is most likely
@@ -173,7 +181,7 @@ def context_grid() -> list[Method]:
     facts stored before it, and two windows read by slot (a fact in the first slots behind the 5
     facts before it, a fact deeper in the segment behind 20). Anchors first."""
     close = dict(closing="answer")
-    anchors = [_prompt(**close), _kv(window=-5, **close), _kv(window=-5, **close, recompute_tokens=256)]
+    anchors = _anchors()
     nearest = [_kv(neighbours=n, **close) for n in (5, 10, 20)]
     return anchors + nearest + [_kv(slots="5/20", **close), _kv(window=-10, **close)]
 
@@ -182,7 +190,7 @@ def wide_grid() -> list[Method]:
     """The facts window of 10 (the best row of :func:`context_grid` that recomputes nothing) with
     the tails around the 5x line (one fact, B = 32; B = 64) and today's B = 256; anchors first."""
     close = dict(closing="answer")
-    anchors = [_prompt(**close), _kv(window=-5, **close, recompute_tokens=256)]
+    anchors = _anchors(recompute_free=False)
     return anchors + [_kv(window=-10, **close, recompute_tokens=b) for b in (32, 64, 256)]
 
 
@@ -192,7 +200,7 @@ def tradeoff_grid() -> list[Method]:
     slot (a fact behind as many facts as precede it when read) — against tails that fit at 5x or
     near it (B = 32, 64) and larger ones. Anchors first; the closing line everywhere."""
     close = dict(closing="answer")
-    anchors = [_prompt(**close), _kv(window=-5, **close), _kv(window=-5, **close, recompute_tokens=256)]
+    anchors = _anchors()
     free = [_kv(window=-5, **close, key_scale=1.05), _kv(slots="0/5/20", **close), _kv(window=-5, **close, key_scale=1.1),
             _kv(window=-20, **close), _kv(window=-5, **close, key_scale=0.95)]
     tails = [_kv(window=-5, **close, recompute_tokens=b) for b in (64, 32, 128)]
@@ -203,7 +211,7 @@ def temperature_grid() -> list[Method]:
     """A temperature on the facts' key content (around the key bias, fixed at encoding) against
     the per-request key scale, which also scales the bias; anchors first."""
     close = dict(closing="answer")
-    anchors = [_prompt(**close), _kv(window=-5, **close), _kv(window=-5, **close, recompute_tokens=256)]
+    anchors = _anchors()
     content = [_kv(window=-5, **close, content_scale=c) for c in (1.05, 1.1, 1.2, 0.9)]
     return anchors + content + [_kv(window=-5, **close, content_scale=1.1, recompute_tokens=64),
                                 _kv(window=-20, **close, content_scale=1.1)]
@@ -242,7 +250,7 @@ def neighbour_grid() -> list[Method]:
     """The neighbours policy against the facts window at B = 0, with key scales and small tails;
     every method with the closing line, as the product serves. The anchors come first."""
     close = dict(closing="answer")
-    anchors = [_prompt(**close), _kv(window=-5, **close), _kv(window=-5, **close, recompute_tokens=256)]
+    anchors = _anchors()
     windows = [_kv(neighbours=n, **close) for n in (10, 20)] + [_kv(window=-20, **close)]
     scales = [_kv(neighbours=20, **close, key_scale=c) for c in (1.05, 1.1)]
     tails = [_kv(neighbours=20, **close, recompute_tokens=b) for b in (64, 128)]
