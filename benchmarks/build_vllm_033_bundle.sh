@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # Build vllm-0.33.0-site.tar.zst.NN: vLLM 0.33.0 with torch 2.14.0 for the GPU machine (its image has
 # torch 2.11.0+cu130, triton 3.6.0, transformers 5.17.0, Python 3.12, the CUDA 13 libraries of
-# torch 2.11), slimmed like ../shared/device/build-vllm-bundle.sh does for 0.26, in 48 MiB parts.
-# usage: bash benchmarks/build_vllm_033_bundle.sh [OUTDIR]        (prepared; not run yet)
+# torch 2.11), slimmed like ../shared/device/build-vllm-bundle.sh does for 0.26, in 44 MiB parts (a call
+# carries 64 MiB with the working tree), plus the CUDA libraries torch 2.14 pins newer than the image's,
+# each its own tar (cudnn, nccl, cusparselt: carried only if `import torch` needs them).
+# usage: ZSTD_LEVEL=19 bash benchmarks/build_vllm_033_bundle.sh [OUTDIR]
 #
 # Measured download sizes (PyPI simple JSON API / pip download --no-deps, 2026-12-03; cp312, x86_64):
 #   vllm-0.33.0-cp38-abi3-manylinux_2_28_x86_64.whl          320.8 MiB (pip download: 336,361,138 B)
@@ -70,9 +72,17 @@ rm -f vllm/vllm_flash_attn/_vllm_fa2_C.abi3.so vllm/_moe_C_stable_libtorch.abi3.
       vllm/_flashmla*.so vllm/_qutlass_C.abi3.so
 rm -rf vllm/third_party/deep_gemm vllm/third_party/fmha_sm100 triton/backends/amd
 mkdir -p "$OUT"
-tar -cf - . | zstd -19 -T0 -q -o "$OUT/vllm-0.33.0-site.tar.zst"
+tar -cf - . | zstd -"${ZSTD_LEVEL:-19}" -T0 -q -o "$OUT/vllm-0.33.0-site.tar.zst"
 ls -la "$OUT/vllm-0.33.0-site.tar.zst"
-cd "$OUT" && split -b 48M -d vllm-0.33.0-site.tar.zst vllm-0.33.0-site.tar.zst. && rm vllm-0.33.0-site.tar.zst
+cd "$OUT" && split -b 44M -d vllm-0.33.0-site.tar.zst vllm-0.33.0-site.tar.zst. && rm vllm-0.33.0-site.tar.zst
+# torch 2.14's CUDA pins (NCCL 2.30.7 is not on PyPI for cu13: 2.32.6, the same soname), as separate tars of their nvidia/<lib>/lib trees (PYTHONPATH order decides)
+for pin in nvidia-cudnn-cu13==9.24.0.43 nvidia-nccl-cu13==2.32.6 nvidia-cusparselt-cu13==0.8.1; do
+  lib=$(echo "${pin%%==*}" | cut -d- -f2)
+  mkdir -p "$WORK/cuda-$lib" && fetch "$pin"
+  unzip -q -o "$WORK"/wheels/nvidia_${lib}_cu13-*.whl -d "$WORK/cuda-$lib"
+  (cd "$WORK/cuda-$lib" && tar -cf - nvidia | zstd -"${ZSTD_LEVEL:-19}" -T0 -q -o "$OUT/cuda-$lib.tar.zst")
+  split -b 44M -d "cuda-$lib.tar.zst" "cuda-$lib.tar.zst." && rm "cuda-$lib.tar.zst"
+done
 cp "$SHARED/zstd" "$OUT/zstd"
 sha256sum vllm-0.33.0-site.tar.zst.* > SHA256SUMS
 ls -la "$OUT"

@@ -20,14 +20,14 @@ FUSED=${FUSED:-}
 # PINNED_READ_PROGRAMS=n, PINNED_READ_GRAPHS=0/1 (default: Config's), TEST_BLOCK_SIZE=n,
 # PINNED_COPY_BELOW_MIB=x (default 0: the tiny test model's reads go in place; Config's 96 would copy them all)
 source benchmarks/gpu_block.sh
-NOW=/tmp/site:$PWD BEFORE=/tmp/site:$PWD/.gpu/before
+NOW=$SITE:$PWD BEFORE=$SITE:$PWD/.gpu/before
 if [[ -d .gpu/wheels ]] && ! PYTHONPATH=$NOW python3 -c 'import faiss' 2>/dev/null; then
-  python3 -m pip install -q --no-index --no-deps --target /tmp/site .gpu/wheels/*.whl
+  python3 -m pip install -q --no-index --no-deps --target "$SITE" .gpu/wheels/*.whl
 fi
 
 if has jasper; then  # CPU work: built beside the correctness tests, ready for step "retrieval"
   stamp "building Jasper in the background (log: $RUN/jasper_build.log)"
-  (set -e; REPO=$PWD; export PYTHONPATH=/tmp/site; mkdir -p /tmp/jb && cd /tmp/jb
+  (set -e; REPO=$PWD; export PYTHONPATH=$SITE; mkdir -p /tmp/jb && cd /tmp/jb
    for f in jasper gallatin argparse gpu_error; do tar xzf "$REPO/.gpu/vendor/$f-src.tar.gz"; done
    rmdir jasper/external/gpu_error; cp -r gpu_error jasper/external/gpu_error
    cp "$REPO/.gpu/vendor/CPM_0.42.1.cmake" /tmp/jb/CPM.cmake
@@ -114,7 +114,7 @@ fi
 if has ttft; then
   stamp "TTFT vs k, Llama-3.1-8B shape, multiprocess engine, CUDA graphs, hbm + pinned, query-to-first-token ($FUSED)"
   PYTHONPATH=$NOW timeout ${TTFT_TIMEOUT:-900} python3 benchmarks/ttft.py --cuda-graphs --shape llama-3.1-8b --kv-stores "${TTFT_STORES:-hbm,pinned}" \
-    --ks "${TTFT_KS:-1,5,10,25,50,100}" --reps 20 $FUSED ${TTFT_ARGS:-} --embedder .gpu/minilm --out "$RUN/ttft_llama8b_h200${TTFT_TAG:-}.json" 2>&1 \
+    --ks "${TTFT_KS:-1,5,10,25,50,100}" --reps 20 $FUSED ${TTFT_ARGS:-} $([[ -d .gpu/minilm ]] && echo --embedder .gpu/minilm) --out "$RUN/ttft_llama8b_h200${TTFT_TAG:-}.json" 2>&1 \
     | grep -v " INFO \| DEBUG "
 fi
 
