@@ -44,6 +44,37 @@ def qwen05_dir() -> Path:
 
 
 @pytest.fixture(scope="session")
+def qwen05_front(qwen05_dir, tmp_path_factory):
+    """One real `inferscale serve qwen2.5-coder-0.5b-instruct` (its front and its engine) for the
+    session, started once for the modules that need the 0.5B served: test_server.py drives the
+    front; test_extract.py runs Mem0 against the front's engine, vLLM's own OpenAI server (with
+    prefix caching, and a context that fits Mem0's prompt). Those modules run next to each other
+    (:func:`pytest_collection_modifyitems`), and test_server.py's last test kills the engine."""
+    from vllm_server import inferscale_serve
+
+    data = tmp_path_factory.mktemp("served")
+    with inferscale_serve(QWEN05, data) as front:  # the model by name, as a newcomer writes it
+        front.data = data
+        yield front
+
+
+#: a session fixture holding a server: the modules that use it run one after another, at the
+#: place of the last of them, so the server is not left idle while other modules run
+_GROUPED_BY = ("qwen05_front",)
+
+
+def pytest_collection_modifyitems(session, config, items):
+    for fixture in _GROUPED_BY:
+        modules = {item.path for item in items if fixture in getattr(item, "fixturenames", ())}
+        if len(modules) < 2:
+            continue
+        last = max(i for i, item in enumerate(items) if item.path in modules)
+        moved = [item for item in items if item.path in modules]
+        before = [item for item in items[:last + 1] if item.path not in modules]
+        items[:] = before + moved + items[last + 1:]
+
+
+@pytest.fixture(scope="session")
 def error_log(request) -> dict[str, tuple[float, ...]]:
     """name → numbers, shown in the terminal summary."""
     return request.config.stash.setdefault(_ERRORS, {})

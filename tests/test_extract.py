@@ -1,7 +1,8 @@
 """Fact extraction with Mem0's pipeline (inferscale.encode.extract).
 
-The slow tests start a real ``vllm.entrypoints.openai.api_server`` serving the
-real Qwen2.5-Coder-0.5B-Instruct on 127.0.0.1 and run Mem0's real
+The slow tests use a real ``vllm.entrypoints.openai.api_server`` serving the
+real Qwen2.5-Coder-0.5B-Instruct on 127.0.0.1 (the engine of the session's ``inferscale serve``,
+conftest.py) and run Mem0's real
 ``Memory.add(infer=True)`` against it — no mocks. The fast tests cover the
 error paths and the pure helpers.
 """
@@ -20,7 +21,7 @@ from pathlib import Path
 import pytest
 
 from inferscale.datasets.demo import TURNS
-from vllm_server import free_port, serve
+from vllm_server import free_port
 from inferscale.encode.window import Turn
 from inferscale.errors import ConfigError, InferScaleError
 from inferscale.encode.extract import (
@@ -34,9 +35,6 @@ from inferscale.encode.extract import (
     turn_message,
 )
 
-#: Mem0's prompt is ≈8k tokens: 8192 leaves no room for the answer (see check_context)
-MAX_MODEL_LEN = 12288
-STARTUP_TIMEOUT_S = 180
 
 
 def _say(config: pytest.Config, message: str) -> None:
@@ -136,13 +134,13 @@ def test_capped_llm_swaps_only_json_object():
 
 
 @pytest.fixture(scope="module")
-def llm_server(qwen05_dir, pytestconfig) -> Iterator[str]:
-    """A real vLLM OpenAI-compatible server for Qwen2.5-Coder-0.5B-Instruct; its /v1 base URL."""
-    start = time.perf_counter()
-    with serve(qwen05_dir, "--dtype", "float32", "--max-model-len", str(MAX_MODEL_LEN),
-               "--enable-prefix-caching") as url:
-        _say(pytestconfig, f"vLLM server ready in {time.perf_counter() - start:.0f} s")
-        yield url
+def llm_server(qwen05_front, pytestconfig) -> str:
+    """A real vLLM OpenAI-compatible server for Qwen2.5-Coder-0.5B-Instruct; its /v1 base URL: the
+    engine of the session's `inferscale serve` (conftest.py), vLLM's own server with prefix caching
+    and a context that fits Mem0's prompt (check_context fails the extraction otherwise)."""
+    url = f"http://127.0.0.1:{qwen05_front.engine_port()}/v1"
+    _say(pytestconfig, f"vLLM server at {url}")
+    return url
 
 
 def _extract(url: str, store: Path, turns: list[Turn], **options) -> tuple[list[tuple[str, str]], float]:

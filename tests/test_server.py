@@ -20,7 +20,6 @@ import pytest
 
 from inferscale.client import MemoryClient, ServerError
 from inferscale.datasets.demo import FACTS, QUESTIONS
-from vllm_server import inferscale_serve
 
 pytestmark = pytest.mark.slow
 QWEN05 = "qwen2.5-coder-0.5b-instruct"
@@ -28,13 +27,11 @@ MAYA = "maya@example.com"
 
 
 @pytest.fixture(scope="module")
-def front(qwen05_dir, tmp_path_factory):
-    data = tmp_path_factory.mktemp("served")
-    with inferscale_serve(QWEN05, data) as front:  # the model by name, as a newcomer writes it
-        front.data = data
-        with MemoryClient(front.url) as memory:
-            memory.add(MAYA, facts=[{"text": text, "source_turn": turn} for text, turn in FACTS])
-        yield front
+def front(qwen05_front):
+    """The session's `inferscale serve qwen2.5-coder-0.5b-instruct` (conftest.py), with Maya's facts."""
+    with MemoryClient(qwen05_front.url) as memory:
+        memory.add(MAYA, facts=[{"text": text, "source_turn": turn} for text, turn in FACTS])
+    return qwen05_front
 
 
 @pytest.fixture(scope="module")
@@ -203,7 +200,7 @@ def test_the_engine_port_injects_nothing_for_a_forged_request(front):
     from inferscale.config import Config
     from test_api_isolation import REFUSED, guessed_salts
 
-    engine = f"http://127.0.0.1:{_engine_port(front.proc.pid)}"
+    engine = f"http://127.0.0.1:{front.engine_port()}"
     generation = GenerationAPI(Context(Config.from_dict({"model": QWEN05, "data_dir": str(front.data)})))
     facts = [f.fact_id for f in generation.context.disk.facts(MAYA).values()]
     question = "What is the name of my cat?"
@@ -247,22 +244,11 @@ def test_the_command_line_reaches_a_running_server(front):
 
 
 def test_the_front_stops_when_the_engine_dies(front):
-    """Last: kills this module's engine. The front notices, exits 1, and leaves no process behind."""
-    engine = _engine_pid(front.proc.pid)
+    """Last: kills the engine (of the session's front, conftest.py: nothing runs on it after this module). The front notices, exits 1, and leaves no process behind."""
+    engine = front.engine_pid()
     os.killpg(engine, signal.SIGKILL)
     assert front.proc.wait(timeout=60) == 1
     assert "the engine exited" in front.log_text()
-
-
-def _engine_pid(front_pid: int) -> int:
-    children = open(f"/proc/{front_pid}/task/{front_pid}/children").read().split()
-    (engine,) = [int(pid) for pid in children]
-    return engine
-
-
-def _engine_port(front_pid: int) -> int:
-    cmd = open(f"/proc/{_engine_pid(front_pid)}/cmdline").read().split("\0")
-    return int(cmd[cmd.index("--port") + 1])
 
 
 def _value(text: str, name: str) -> float:

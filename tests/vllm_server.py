@@ -55,6 +55,16 @@ class Front:
     def log_text(self) -> str:
         return self.log.read_text(errors="replace")
 
+    def engine_pid(self) -> int:
+        """The engine the front started (its one child: vLLM's OpenAI server with the connector)."""
+        children = open(f"/proc/{self.proc.pid}/task/{self.proc.pid}/children").read().split()
+        (engine,) = [int(pid) for pid in children]
+        return engine
+
+    def engine_port(self) -> int:
+        cmd = open(f"/proc/{self.engine_pid()}/cmdline").read().split("\0")
+        return int(cmd[cmd.index("--port") + 1])
+
 
 @contextlib.contextmanager
 def inferscale_serve(model: Path | str, data_dir: Path, *args: str) -> Iterator[Front]:
