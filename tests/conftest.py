@@ -74,6 +74,40 @@ def pytest_collection_modifyitems(session, config, items):
         items[:] = before + moved + items[last + 1:]
 
 
+_CONVERTING = pytest.StashKey[subprocess.Popen]()
+
+
+def pytest_collection_finish(session):
+    """On a fresh cache, convert the 0.5B (GGUF → float32 HF directory, ~45-70 s) in a background
+    process, at low priority, while the tests before the first one that needs it run: the
+    ``qwen05_dir`` fixture then waits on the conversion's file lock, or finds it done."""
+    if os.environ.get(_IN_CHILD) or session.config.option.collectonly:
+        return
+    if not any("qwen05_dir" in getattr(item, "fixturenames", ()) or "[qwen05" in item.name for item in session.items):
+        return  # (a parametrized fixture that asks for it with request.getfixturevalue: its id says so)
+    if any(importlib.util.find_spec(module) is None for module in ("gguf", "accelerate")):
+        return  # the fixture skips, saying why
+    from inferscale.encode.weights import DONE_MARKER, cache_dir, known_model
+
+    if (cache_dir() / "models" / f"{known_model(QWEN05).name}-float32" / DONE_MARKER).is_file():
+        return
+    code = f"from inferscale.encode.weights import model_dir; model_dir({QWEN05!r}, 'float32')"
+    session.config.stash[_CONVERTING] = subprocess.Popen(
+        [sys.executable, "-c", code], cwd=session.config.rootpath, stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL, preexec_fn=lambda: os.nice(10))  # a failure: the fixture converts, or skips
+
+
+def pytest_sessionfinish(session):
+    """A conversion still running (the session ended before it needed the model) is let finish: the
+    cache entry it builds is the one the next session uses (killed, it would leave a part-built copy)."""
+    converting = session.config.stash.get(_CONVERTING, None)
+    if converting is not None:
+        try:
+            converting.wait(timeout=600)
+        except subprocess.TimeoutExpired:
+            converting.kill()
+
+
 @pytest.fixture(scope="session")
 def error_log(request) -> dict[str, tuple[float, ...]]:
     """name → numbers, shown in the terminal summary."""
