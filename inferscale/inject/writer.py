@@ -255,6 +255,6 @@ class KVWriter:
             self.stats.record_host_time(step, seconds)
 
     def _load_failed(self, spec: LoadSpec, exc: Exception) -> None:
-        logger.warning("inferscale: loading memory for %s failed (%s: %s); it will be recomputed",
-                       spec.req_id, type(exc).__name__, exc)
+        logger.warning("inferscale: loading memory for %s failed (%s: %s); vLLM recomputes the request or "
+                       "ends it with an error, as its kv_load_failure_policy says", spec.req_id, type(exc).__name__, exc)
         self._load_errors.update(spec.blocks)
