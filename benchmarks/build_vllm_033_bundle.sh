@@ -26,21 +26,18 @@
 # fresh venv resolves 198 packages: vllm 0.33.0, torch 2.14.0, triton 3.8.0, transformers 5.20.2,
 # flashinfer-python 0.7.2.post1, torchvision 0.29.0, cuda-toolkit 13.0.3, nvidia-cudnn-cu13 9.24.0.43.
 #
-# Plan (the carry limit is 64 MiB a call, the machine is held at most 30 minutes):
+# Measured (2026-12-04, zstd -12): the site is 3.5 GB unpacked, 828 MB in 18 parts of 44 MiB (torch
+# 1.1 GB, triton 0.9, flashinfer 0.4, vLLM 0.3 unpacked); cuda-cudnn 11 parts, cuda-nccl 5, cuda-cusparselt 4.
+# Plan (the carry limit is 64 MiB a call with the working tree, the machine is held at most 30 minutes):
 #   1. The bundle carries vLLM 0.33.0 (slimmed), its missing dependencies, torch 2.14.0, triton 3.8.0
-#      (its AMD backend removed) and torchvision 0.29.0; it reuses the image's CUDA 13 libraries
-#      (same major versions as torch 2.14's pins: cuBLAS 13, cuDNN 9, NCCL 2, cuSPARSELt 0.8?), which
-#      torch loads by soname from the nvidia/* packages on sys.path. Wheels: 321 + ~135 + 529 + 237
-#      + 7 MiB ≈ 1.2 GiB compressed by zip; zstd -19 of the unpacked tree is expected near 0.6-0.7 GiB
-#      (to be measured by this script: it prints the total), i.e. ~14 parts of 48 MiB.
-#   2. First GPU call (a minute): `pip list` on the image for the nvidia-*/cuda-* versions; any
-#      library torch 2.14 needs newer than the image has is added (cuDNN 9.24 alone would be
-#      +527 MiB of wheel: then carry only its libcudnn*.so that torch loads).
-#   3. The block: carry the parts back to back (~14 calls of ~15 s), unpack into /tmp/site033
-#      (PYTHONPATH=/tmp/site033 ahead of the image's torch), `python -c 'import torch, vllm'`, then in
-#      one call each: the connector's GPU tests (both write paths, CUDA graphs, exactness),
-#      ttft.py at k = 10/50/100 for hbm and pinned, one vllm_serve_load.py row at 100 users; the 0.26
-#      bundle (3 parts, /tmp/site) for the same rows beside them. Results under $OUT -> benchmarks/results/.
+#      (its AMD backend removed) and torchvision 0.29.0, and reuses the image's other CUDA 13 libraries.
+#   2. The image (read 2026-12-04) has cuDNN 9.19.0.56, NCCL 2.28.9, cuSPARSELt 0.8.0, NVSHMEM 3.4.5,
+#      cuda-toolkit 13.0.2. torch 2.14 does not load on NCCL 2.28 (`libtorch_cuda.so: undefined symbol:
+#      ncclCommResume`) and refuses cuDNN 9.19 at first use ("compiled against (9, 24, 0)"), so the
+#      cuda-nccl (5 parts) and cuda-cudnn (11 parts) tars travel too; cuSPARSELt 0.8.0 loads.
+#   3. The block: carry the parts back to back (≈ 3 s a call) into /tmp/parts with the 0.26 site's, then
+#      `RUN=/tmp/run bash benchmarks/h200_releases.sh` (unpacks both, 0.33 into /tmp/site033 with the
+#      cuda-* tars, and runs the tests, TTFT and load on 0.33, then TTFT and load on 0.26).
 set -euo pipefail
 OUT=${1:-$(pwd)/vllm-0.33.0-bundle}
 SHARED=$(cd "$(dirname "$0")/../../shared/device" && pwd)
@@ -50,8 +47,8 @@ trap 'rm -rf "$WORK"' EXIT
 python3 "$SHARED/closure.py" "$WORK/wheels" 0.33.0
 fetch() {  # one cp312 manylinux wheel, no dependencies
   python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
-    --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux2014_x86_64 \
-    -d "$WORK/wheels" "$1"
+    --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_18_x86_64 \
+    --platform manylinux2014_x86_64 -d "$WORK/wheels" "$1"
 }
 fetch torch==2.14.0
 fetch 'triton~=3.8.0'
@@ -71,12 +68,15 @@ cd "$WORK/site"
 rm -f vllm/vllm_flash_attn/_vllm_fa2_C.abi3.so vllm/_moe_C_stable_libtorch.abi3.so vllm/vllm-rs \
       vllm/_flashmla*.so vllm/_qutlass_C.abi3.so
 rm -rf vllm/third_party/deep_gemm vllm/third_party/fmha_sm100 triton/backends/amd
+# triton 3.8 finds its backends through entry points: without this line `import triton.backends` fails
+sed -i '/amd/d' triton-*.dist-info/entry_points.txt
 mkdir -p "$OUT"
 tar -cf - . | zstd -"${ZSTD_LEVEL:-19}" -T0 -q -o "$OUT/vllm-0.33.0-site.tar.zst"
 ls -la "$OUT/vllm-0.33.0-site.tar.zst"
 cd "$OUT" && split -b 44M -d vllm-0.33.0-site.tar.zst vllm-0.33.0-site.tar.zst. && rm vllm-0.33.0-site.tar.zst
-# torch 2.14's CUDA pins (NCCL 2.30.7 is not on PyPI for cu13: 2.32.6, the same soname), as separate tars of their nvidia/<lib>/lib trees (PYTHONPATH order decides)
-for pin in nvidia-cudnn-cu13==9.24.0.43 nvidia-nccl-cu13==2.32.6 nvidia-cusparselt-cu13==0.8.1; do
+# torch 2.14's CUDA pins (the twenty-first block carried NCCL 2.32.6, same soname, before this list had
+# manylinux_2_18, the tag of 2.30.7's wheel), as separate tars of their nvidia/<lib>/lib trees (PYTHONPATH order decides)
+for pin in nvidia-cudnn-cu13==9.24.0.43 nvidia-nccl-cu13==2.30.7 nvidia-cusparselt-cu13==0.8.1; do
   lib=$(echo "${pin%%==*}" | cut -d- -f2)
   mkdir -p "$WORK/cuda-$lib" && fetch "$pin"
   unzip -q -o "$WORK"/wheels/nvidia_${lib}_cu13-*.whl -d "$WORK/cuda-$lib"

@@ -535,7 +535,9 @@ def main() -> None:
     engine = "in-process" if os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0" else "multiprocess"
     if args.tp > 1:
         engine += f", tensor parallel {args.tp}"
-    result = {"device": device, "model": f"{args.shape} shape, random weights, bf16, {mode}, {engine} engine",
+    from vllm import __version__ as vllm_version
+
+    result = {"device": device, "vllm": vllm_version, "model": f"{args.shape} shape, random weights, bf16, {mode}, {engine} engine",
               "command": " ".join(["python", *sys.argv]), "engine": engine, "kv_stores": stores,
               "tensor_parallel": args.tp, "block_size": args.block_size,
               "prefix_caching": not args.no_prefix_caching, "fused_write": config.tuning.fused_write,

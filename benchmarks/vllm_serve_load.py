@@ -467,7 +467,9 @@ def main(argv: list[str] | None = None) -> int:
     except Exception:  # noqa: BLE001
         device = "unknown"
     mode = "CUDA graphs" if args.cuda_graphs else "eager"
-    result = {"device": device, "model": f"{args.shape} shape, random weights, bf16, {mode}, vllm serve, {device}",
+    from vllm import __version__ as vllm_version
+
+    result = {"device": device, "vllm": vllm_version, "model": f"{args.shape} shape, random weights, bf16, {mode}, vllm serve, {device}",
               "command": " ".join(["python", *sys.argv]), "facts_per_user": args.facts, "k": args.k,
               "memory_tokens": args.prefix_tokens + args.k * args.fact_tokens, "question_tokens": args.question_tokens,
               "max_tokens": args.max_tokens, "seconds": args.seconds, "kv_store": args.kv_store,

@@ -158,3 +158,23 @@ def test_the_load_run_names_the_default_by_its_accuracy_method():
     for bad in (f"{method}=kv@16", "kv@256", "=kv@0"):
         with pytest.raises(SystemExit):
             load.parse_default(bad, systems, parser)
+
+
+def test_the_releases_table_sets_each_release_beside_the_other(tmp_path):
+    results = REPO / "benchmarks" / "results"
+    out = tmp_path / "releases"
+    subprocess.run([sys.executable, str(REPO / "benchmarks" / "releases_table.py"),
+                    "--release", "0.26.0", str(results / "ttft_llama8b_vllm026_run21_h200.json"),
+                    str(results / "vllm_serve_load_vllm026_run21_h200.json"),
+                    "--release", "0.33.0", str(results / "ttft_llama8b_vllm033_h200.json"),
+                    str(results / "vllm_serve_load_vllm033_h200.json"), "--out", str(out)],
+                   check=True, capture_output=True)
+    table = json.loads(out.with_suffix(".json").read_text())
+    assert table["releases"] == ["0.26.0", "0.33.0"]
+    for release in table["releases"]:
+        assert {(r["kv_store"], r["k"]) for r in table["ttft"][release]} == {
+            (s, k) for s in ("hbm", "pinned") for k in (10, 50, 100)}
+        load = table["load_100_users"][release]
+        assert set(load) == {"none", "kv@0", "kv@256", "prompt"} and load["kv@0"] > load["prompt"] > 0
+    md = out.with_suffix(".md").read_text()
+    assert "| kv@0 | 225.9 (5.55×) | 189.7 (4.59×) |" in md
