@@ -16,30 +16,68 @@ pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parents[1]
 
 
-def run(script: str, out: Path, *args: str, timeout_s: float = 600) -> tuple[subprocess.CompletedProcess, dict]:
-    proc = subprocess.run([sys.executable, f"benchmarks/{script}.py", *args, "--out", str(out)], cwd=REPO,
-                          capture_output=True, text=True, timeout=timeout_s)
-    assert out.with_suffix(".json").is_file(), proc.stdout[-3000:] + proc.stderr[-3000:]
-    return proc, json.loads(out.with_suffix(".json").read_text())
+class Run:
+    """One benchmark script, started in the background: the load run and the fault run each start
+    their own server and share nothing, so the module starts both at once (its first test waits for
+    its own; the other's is done by then, or nearly)."""
+
+    def __init__(self, script: str, out: Path, *args: str):
+        self.out = out
+        self.log = out.with_suffix(".log")
+        with open(self.log, "wb") as log:
+            self.proc = subprocess.Popen([sys.executable, f"benchmarks/{script}.py", *args, "--out", str(out)],
+                                         cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
+
+    def result(self, timeout_s: float = 600) -> tuple[int, dict]:
+        try:
+            code = self.proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            raise
+        output = self.log.read_text(errors="replace")
+        assert self.out.with_suffix(".json").is_file(), output[-6000:]
+        return code, json.loads(self.out.with_suffix(".json").read_text())
 
 
-def test_a_short_load_run_fails_no_request_and_shows_no_user_another_ones_facts(tmp_path):
-    proc, result = run("serve_load", tmp_path / "load", "--model", "tiny", "--users", "10", "--seconds", "30")
+RUNS = {  # test name → the run it checks
+    "test_a_short_load_run_fails_no_request_and_shows_no_user_another_ones_facts":
+        ("serve_load", "load", "--model", "tiny", "--users", "10", "--seconds", "30"),
+    "test_one_fault_round_loses_no_committed_fact_and_leaves_nothing_half_written":
+        ("serve_faults", "faults", "--rounds", "1"),
+}
+
+
+@pytest.fixture(scope="module")
+def runs(request, tmp_path_factory):
+    """The runs of the tests selected in this module, all started now."""
+    selected = {item.originalname for item in request.session.items if item.module is request.module}
+    out = tmp_path_factory.mktemp("serve_runs")
+    started = {name: Run(script, out / stem, *args) for name, (script, stem, *args) in RUNS.items() if name in selected}
+    yield started
+    for run in started.values():
+        if run.proc.poll() is None:
+            run.proc.kill()
+            run.proc.wait(timeout=60)
+
+
+def test_a_short_load_run_fails_no_request_and_shows_no_user_another_ones_facts(runs):
+    run = runs["test_a_short_load_run_fails_no_request_and_shows_no_user_another_ones_facts"]
+    returncode, result = run.result()
     summary = result["summary"]
-    assert proc.returncode == 0, summary["failures"]
+    assert returncode == 0, summary["failures"]
     assert summary["failed"] == summary["failed_outside_load"] == summary["leaks"] == 0
     assert summary["chats"] > 50 and all(summary["writes"][kind] > 0 for kind in ("add", "update", "delete", "forget"))
     assert summary["chat_fallbacks"].get("None", 0) > summary["chats"] / 2  # most chats got their memory injected
     assert summary["server_log_errors"] == 0 and summary["front_exit_code"] == 0
     assert len(result["memory"]) >= 6
     if importlib.util.find_spec("matplotlib") is not None:
-        assert (tmp_path / "load.png").stat().st_size > 0
+        assert run.out.with_suffix(".png").stat().st_size > 0
 
 
-def test_one_fault_round_loses_no_committed_fact_and_leaves_nothing_half_written(tmp_path):
-    proc, result = run("serve_faults", tmp_path / "faults", "--rounds", "1")
+def test_one_fault_round_loses_no_committed_fact_and_leaves_nothing_half_written(runs):
+    returncode, result = runs["test_one_fault_round_loses_no_committed_fact_and_leaves_nothing_half_written"].result()
     (rnd,) = result["rounds"]
-    assert proc.returncode == 0 and result["ok"], rnd["problems"]
+    assert returncode == 0 and result["ok"], rnd["problems"]
     assert rnd["writes_ok"] > 0 and rnd["writes_cut"] > 0 and len(rnd["planted"]) == 3
     assert set(rnd["checks"]) >= {
         "every process of the server gone", "nothing left over after the restart", "no committed fact lost",
