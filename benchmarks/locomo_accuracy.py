@@ -101,6 +101,10 @@ class Method:
     # the content part of the facts' stored keys scaled at encoding, around the key bias:
     # k = b + c (k - b), a softmax temperature 1/c on what the keys say (see content_scaled)
     content_scale: float = 1.0
+    # "f10/n10": every fact encoded behind the 10 facts stored before it and behind its 10 nearest;
+    # a request reads, for each fact, the encoding whose context holds more of the facts retrieved
+    # with it (the first listed on a tie; see Contexts.choose; the window unused)
+    contexts: str = ""
 
     @property
     def encoding(self) -> tuple[int, str, int, float]:
@@ -109,6 +113,8 @@ class Method:
     @property
     def encodings(self) -> list[tuple[int, str, int]]:
         """Every encoding a request of this method may read."""
+        if self.contexts:
+            return [context_encoding(c, self.style, self.content_scale) for c in self.contexts.split("/")]
         return [(-w, self.style, 0, self.content_scale) for w in self.windows] if self.slots else [self.encoding]
 
     @property
@@ -121,6 +127,33 @@ class Method:
             return self.encoding
         best = min(self.windows, key=lambda w: (abs(w - slot), -w))
         return -best, self.style, 0, self.content_scale
+
+
+def context_encoding(spec: str, style: str, scale: float) -> tuple[int, str, int, float]:
+    """``"f10"``: behind the 10 facts stored before it; ``"n10"``: behind its 10 nearest facts."""
+    kind, count = spec[0], int(spec[1:])
+    if kind not in "fn" or count <= 0:
+        raise ValueError(f"unknown context {spec!r}: f<count> (facts stored before) or n<count> (nearest)")
+    return (-count, style, 0, scale) if kind == "f" else (0, style, count, scale)
+
+
+class Contexts:
+    """What each fact of a conversation was encoded behind, per encoding: the facts stored before it
+    (a facts window) or its nearest facts (``ranks``, from :func:`related_ranks`)."""
+
+    def __init__(self, ranks: dict[str, list[list[int]]]):
+        self.ranks = ranks
+
+    def context(self, conv: str, j: int, encoding: tuple[int, str, int, float]) -> set[int]:
+        window, _, neighbours, _ = encoding
+        if neighbours:
+            return set(self.ranks[conv][j][:neighbours])
+        return set(range(max(0, j + window), j)) if window < 0 else set()
+
+    def choose(self, method: Method, conv: str, j: int, retrieved: set[int]) -> tuple[int, str, int, float]:
+        """The encoding of fact ``j`` whose context holds the most of the other ``retrieved`` facts."""
+        others = retrieved - {j}
+        return max(method.encodings, key=lambda e: len(self.context(conv, j, e) & others))
 
 
 def _kv(**kw) -> Method:
@@ -148,7 +181,7 @@ def method_sets() -> dict[str, list[Method]]:
     return {
         "grid": first + budgets + scales + styles + windows,
         "smoke": [_prompt(), _kv(), _kv(**fw), _kv(**fw, recompute_tokens=64), _kv(slots="0/5/20"),
-                  _kv(**fw, content_scale=1.1)],
+                  _kv(**fw, content_scale=1.1), _kv(contexts="f5/n5")],
         # the product's defaults on a GPU (facts window 5, closing line, B = 256) vs the same prompt
         "default": [_prompt(closing="answer"), _kv(**fw, closing="answer", recompute_tokens=256)],
         # offline context that matches the serving context (nearest facts), small tails, key scales
@@ -163,6 +196,7 @@ def method_sets() -> dict[str, list[Method]]:
         "temperature": temperature_grid(),
         "context": context_grid(),
         "wide": wide_grid(),
+        "depth": depth_grid(),
     }
 
 
@@ -192,6 +226,18 @@ def wide_grid() -> list[Method]:
     close = dict(closing="answer")
     anchors = _anchors(recompute_free=False)
     return anchors + [_kv(window=-10, **close, recompute_tokens=b) for b in (32, 64, 256)]
+
+
+def depth_grid() -> list[Method]:
+    """Contexts as deep as the segment a fact is read in, and several contexts per fact, at no
+    per-request cost: facts windows of 10 (the best so far) and 40, each slot reading the window
+    nearest the facts before it (10 or 40), and each fact reading whichever of its facts-10 and
+    nearest-10 (or nearest-20) encodings has more of the facts retrieved with it in its context.
+    Anchors first, with the facts window of 10 among them."""
+    close = dict(closing="answer")
+    anchors = _anchors() + [_kv(window=-10, **close)]
+    several = [_kv(contexts="f10/n10", **close), _kv(contexts="f10/n20", **close)]
+    return anchors + several + [_kv(slots="10/40", **close), _kv(window=-40, **close)]
 
 
 def tradeoff_grid() -> list[Method]:
@@ -352,21 +398,21 @@ def recall_at(items: list[Item], convs, ks) -> dict:
 
 
 def user_of(conv: str, encoding: tuple[int, str, int, float]) -> str:
-    """The user an encoding is stored under. Every facts window (and no context at all, window 0)
-    shares one user, its fact ids tagged by window (:func:`source_tag`), so one request can read
-    several windows."""
+    """The user an encoding is stored under. Every facts window, every nearest-facts window and no
+    context at all (window 0) share one user, their fact ids tagged by window (:func:`source_tag`),
+    so one request can read several encodings."""
     window, style, neighbours, scale = encoding
     scaled = f".c{scale:g}" if scale != 1.0 else ""
-    if neighbours:
-        return f"{conv}.n{neighbours}.{style}{scaled}"
-    return f"{conv}.w{window}.{style}{scaled}" if window > 0 else f"{conv}.facts.{style}{scaled}"
+    return f"{conv}.w{window}.{style}{scaled}" if window > 0 and not neighbours else f"{conv}.facts.{style}{scaled}"
 
 
 def source_tag(encoding: tuple[int, str, int, float], source: str | None) -> str | None:
     """What a fact id is made from besides user and text: the source turn, and for the facts
     windows (which share a user) the window."""
     window, _, neighbours, _ = encoding
-    return f"{source}|f{-window}" if window <= 0 and not neighbours else source
+    if neighbours:
+        return f"{source}|n{neighbours}"
+    return f"{source}|f{-window}" if window <= 0 else source
 
 
 def window_policy(window: int, neighbours: int = 0):
@@ -451,8 +497,9 @@ def needed_facts(items: list[Item], k: int) -> dict[str, list[int]]:
     return {c: sorted(v) for c, v in out.items()}
 
 
-def encode_all(args, convs, needed, encodings, model_dir: str, data_dir: Path, prefix_ids, kv_dtype) -> dict:
-    """Encode the needed facts once per (window, style): (conv, encoding) → {fact index: fact_id}."""
+def encode_all(args, convs, needed, encodings, model_dir: str, data_dir: Path, prefix_ids, kv_dtype, ranks) -> dict:
+    """Encode the needed facts once per (window, style): (conv, encoding) → {fact index: fact_id};
+    ``ranks``: each fact's nearest facts (:func:`related_ranks`), for the nearest-facts windows."""
     import torch
 
     from inferscale.compose.segment import PREFIX_FACT, SYSTEM_USER
@@ -463,8 +510,6 @@ def encode_all(args, convs, needed, encodings, model_dir: str, data_dir: Path, p
 
     disk = DiskStore(DiskStore.Options(root=str(data_dir / "kv")))
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    ranks = related_ranks(convs, Path(args.related) if args.related else None, args.embedder) \
-        if any(e[2] for e in encodings) else {}
     ids: dict = {}
     with FactEncoder.from_spec(model_dir, dtype="float32", batch_size=args.encode_batch) as encoder:
         encoder.model.to(device)
@@ -503,7 +548,7 @@ def encode_all(args, convs, needed, encodings, model_dir: str, data_dir: Path, p
                     disk.put(scaled_facts[0].user_id, {fid: cast(kv) for fid, kv in put.items()})
                     ids[(cid, (window, style, neighbours, scale))] = {j: scaled_facts[j].fact_id for j in indices}
             name = user_of('', (window, style, neighbours, 1.0)).lstrip('.') \
-                + (f" f{-window}" if window <= 0 and not neighbours else "")
+                + (f" n{neighbours}" if neighbours else f" f{-window}" if window <= 0 else "")
             print(f"encoded {name} (content scales {', '.join(f'{c:g}' for c in group)}): "
                   f"{sum(map(len, needed.values()))} facts in {time.perf_counter() - start:.1f} s", flush=True)
     return ids
@@ -564,8 +609,10 @@ def segment_order(retrieved: list[int], composer: str) -> list[int]:
     raise ValueError(f"unknown composer order {composer!r}")
 
 
-def request(method: Method, item: Item, k: int, prompts: Prompts, fact_ids: dict, nonce: str, salt_of):
-    """(prompt dict, kv_transfer_params or None) for one question; ``salt_of`` is :func:`cache_salts`'."""
+def request(method: Method, item: Item, k: int, prompts: Prompts, fact_ids: dict, nonce: str, salt_of,
+            contexts: Contexts | None = None):
+    """(prompt dict, kv_transfer_params or None) for one question; ``salt_of`` is :func:`cache_salts`',
+    ``contexts`` what each fact was encoded behind (methods with ``contexts`` only)."""
     from inferscale.compose.request import make_params
 
     order = segment_order(item.retrieved[:k], method.order)
@@ -575,8 +622,12 @@ def request(method: Method, item: Item, k: int, prompts: Prompts, fact_ids: dict
     ids = segment + prompts.query(method.closing, item.question)
     if method.mode == "prompt":
         return {"prompt_token_ids": ids, "cache_salt": f"text:{nonce}"}, None
-    user = user_of(item.conv, method.encoding_at(0))
-    facts = [fact_ids[(item.conv, method.encoding_at(slot))][j] for slot, j in enumerate(order)]
+    user = user_of(item.conv, method.encodings[0])
+    if method.contexts:
+        chosen = [contexts.choose(method, item.conv, j, set(order)) for j in order]
+    else:
+        chosen = [method.encoding_at(slot) for slot in range(len(order))]
+    facts = [fact_ids[(item.conv, encoding)][j] for encoding, j in zip(chosen, order)]
     salt = salt_of(user, segment, method.recompute_tokens, method.key_scale)
     params = make_params(user, facts, method.recompute_tokens, method.key_scale)
     return {"prompt_token_ids": ids, "cache_salt": f"{salt}:{nonce}"}, params
@@ -594,13 +645,14 @@ def cache_salts(data_dir: Path):
     return lambda user, segment, *recipe: salts.segment(user, disk.epoch(user), segment, *recipe)
 
 
-def run_method(llm, method: Method, k: int, items, prompts, fact_ids, max_tokens: int, salt_of) -> list[dict]:
+def run_method(llm, method: Method, k: int, items, prompts, fact_ids, max_tokens: int, salt_of,
+               contexts: Contexts | None = None) -> list[dict]:
     from inferscale.connector.compat import greedy_sampling
 
     nonce = uuid.uuid4().hex
     batch, sampling = [], []
     for item in items:
-        prompt, params = request(method, item, k, prompts, fact_ids, nonce, salt_of)
+        prompt, params = request(method, item, k, prompts, fact_ids, nonce, salt_of, contexts)
         batch.append(prompt)
         sampling.append(greedy_sampling(max_tokens, params))
     outputs = llm.generate(batch, sampling, use_tqdm=False)
@@ -711,7 +763,10 @@ def main(argv=None) -> None:
     start = time.perf_counter()
     encodings = sorted({e for m in methods if m.mode == "kv" for e in m.encodings})
     needed = needed_facts(items, max(ks))
-    fact_ids = encode_all(args, convs, needed, encodings, model, data_dir, prompts.prefix, getattr(torch, args.dtype))
+    ranks = related_ranks(convs, Path(args.related) if args.related else None, args.embedder) \
+        if any(e[2] for e in encodings) else {}
+    fact_ids = encode_all(args, convs, needed, encodings, model, data_dir, prompts.prefix, getattr(torch, args.dtype),
+                          ranks)
     encode_s = time.perf_counter() - start
     if gpu:
         torch.cuda.empty_cache()
@@ -732,7 +787,7 @@ def main(argv=None) -> None:
             break
         for k in ks:
             start = time.perf_counter()
-            rows += run_method(llm, method, k, items, prompts, fact_ids, args.max_tokens, salt_of)
+            rows += run_method(llm, method, k, items, prompts, fact_ids, args.max_tokens, salt_of, Contexts(ranks))
             timing[f"{method.name}@{k}"] = time.perf_counter() - start
             s = summarize([r for r in rows if r["method"] == method.name and r["k"] == k], items)[method.name][str(k)]
             print(f"{method.name:44s} k={k:2d}  F1 {s['f1.all']:.3f}  contains {s['contains.all']:.3f}  "

@@ -109,6 +109,26 @@ def test_slot_methods_read_the_window_nearest_each_slot():
     assert plain.encodings == [plain.encoding] and plain.encoding_at(9) == plain.encoding
 
 
+def test_each_fact_reads_the_encoding_whose_context_holds_more_of_the_retrieved():
+    mixed = {m.name: m for m in harness.method_sets()["depth"]}["kv[contexts=f10/n10,closing=answer]"]
+    assert mixed.encodings == [(-10, "bullet", 0, 1.0), (0, "bullet", 10, 1.0)]
+    # both encodings under one user, their fact ids told apart, so one request reads both
+    assert len({harness.user_of("c", e) for e in mixed.encodings}) == 1
+    assert len({harness.source_tag(e, "D1:3") for e in mixed.encodings}) == 2
+    ranks = {"c": [[j + 20 + i for i in range(20)] for j in range(60)]}  # fact j's nearest: j+20, j+21, ...
+    contexts = harness.Contexts(ranks)
+    assert contexts.context("c", 12, mixed.encodings[0]) == set(range(2, 12))
+    assert contexts.context("c", 3, mixed.encodings[0]) == {0, 1, 2}
+    assert contexts.context("c", 12, mixed.encodings[1]) == set(range(32, 42))
+    stored_before, nearest = mixed.encodings
+    assert contexts.choose(mixed, "c", 12, {12, 3, 4, 5, 33}) == stored_before
+    assert contexts.choose(mixed, "c", 12, {12, 3, 33, 34}) == nearest
+    assert contexts.choose(mixed, "c", 12, {12, 3, 33}) == stored_before  # a tie: the first listed
+    assert contexts.choose(mixed, "c", 12, {12}) == stored_before
+    with pytest.raises(ValueError, match="unknown context"):
+        harness.context_encoding("x5", "bullet", 1.0)
+
+
 def test_content_scale_leaves_the_key_bias_alone():
     """b + c (k - b): the bias term of every logit (positional, the same with and without the
     scale) is kept; without a bias the whole key is scaled. Each scale is its own user."""
@@ -146,7 +166,8 @@ def test_harness_runs_on_every_conversation(tmp_path):
     proc = subprocess.run(
         [sys.executable, str(ROOT / "benchmarks" / "locomo_accuracy.py"), "--data", str(DATA), "--model", str(model),
          "--sample", "14", "--ks", "2,4", "--methods", "smoke", "--max-tokens", "4",
-         "--retrieval", str(ROOT / "benchmarks" / "results" / "locomo_retrieval_minilm.json"), "--out", str(out)],
+         "--retrieval", str(ROOT / "benchmarks" / "results" / "locomo_retrieval_minilm.json"),
+         "--related", str(ROOT / "benchmarks" / "results" / "locomo_related_minilm.json"), "--out", str(out)],
         capture_output=True, text=True, env=env, cwd=ROOT, timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(out.read_text())
@@ -159,3 +180,26 @@ def test_harness_runs_on_every_conversation(tmp_path):
     assert summary["kv[window=-5,recompute_tokens=64]"]["4"]["recomputed"] > 0
     assert summary["kv"]["4"]["recomputed"] == 0 and summary["kv"]["4"]["injected"] > 0
     assert out.with_suffix(".md").exists() and out.with_name("locomo_answers.json.gz").exists()
+
+
+def test_gaps_are_paired_per_question_with_an_interval_around_the_mean(tmp_path):
+    import gzip
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("locomo_gaps", ROOT / "benchmarks" / "locomo_gaps.py")
+    gaps = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gaps)
+    questions = [{"conv": "c", "index": i, "category": 1 + i % 4} for i in range(40)]
+    rows = [{"conv": "c", "q": i, "k": 5, "method": "prompt", "f1": (i % 7) / 7} for i in range(40)]
+    rows += [{"conv": "c", "q": i, "k": 5, "method": "level", "f1": (i % 7) / 7 - 0.1} for i in range(40)]
+    rows += [{"conv": "c", "q": i, "k": 5, "method": "mixed", "f1": float(i % 2)} for i in range(40)]
+    path = tmp_path / "answers.json.gz"
+    path.write_bytes(gzip.compress(json.dumps({"questions": questions, "rows": rows}).encode()))
+    out = {(r["method"], r["group"]): r for r in gaps.gaps(*gaps.load(path), baseline="prompt")}
+    level = out[("level", "all")]  # the same difference on every question: the interval is that point
+    assert level["questions"] == 40 and level["low"] == pytest.approx(-0.1) and level["high"] == pytest.approx(-0.1)
+    assert out[("level", "multi-hop")]["questions"] == 10 and out[("level", "temporal")]["questions"] == 10
+    mixed = out[("mixed", "all")]
+    assert mixed["low"] < mixed["gap"] < mixed["high"]
+    assert ("prompt", "all") not in out
+    assert "| level | 5 | -0.100 (-0.100, -0.100) |" in gaps.markdown(list(out.values()), "prompt")
