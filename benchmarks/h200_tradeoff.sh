@@ -8,12 +8,14 @@
 #   load      vllm_serve_load.py (Qwen2.5-7B shape, 100 users × 200 facts, k = 50, 32-token answers,
 #             one API server, hbm store) at 100 users for every budget in BUDGETS
 #   ttft      ttft.py at TTFT_KS (Llama-3.1-8B shape, CUDA graphs) for budgets TTFT_BUDGETS, stores TTFT_STORES
+#   calibrate a fact corpus the 1.5B writes (fact_corpus.py), then kv_calibration.py's scales for its stored
+#             K/V (benchmarks/results/kv_calibration_qwen15_h200.json, which METHODS15=calibrated reads)
 #   accuracy  locomo_accuracy.py: the 1.5B's grid (METHODS15) beside the 0.5B's (METHODS05), concurrently;
 #             fixed KV caches (no memory profile), so other GPU work may run beside them
 # The GGUFs are assembled, checked and converted in the background while "load" runs.
 set -uo pipefail
 RUN=${RUN:-/tmp/run}
-STEPS=${STEPS:-load ttft accuracy}
+STEPS=${STEPS:-load ttft accuracy}  # also: calibrate (before accuracy)
 BUDGETS=${BUDGETS:-0,16,32,64,128,256}
 TTFT_BUDGETS=${TTFT_BUDGETS:-0,64}
 TTFT_STORES=${TTFT_STORES:-hbm,pinned}
@@ -54,6 +56,17 @@ if has ttft; then
   PYTHONPATH=$NOW timeout 600 python3 benchmarks/ttft.py --cuda-graphs --shape llama-3.1-8b --kv-stores "$TTFT_STORES" \
     --ks "$TTFT_KS" --recompute "$TTFT_BUDGETS" --reps 30 --out "$RUN/ttft_budgets_h200.json" 2>&1 \
     | grep --line-buffered -v " INFO \| DEBUG "
+fi
+
+if has calibrate; then  # scales for the stored K/V, fitted on facts the 1.5B writes (not LoCoMo's)
+  for i in $(seq 1 450); do [[ -f /tmp/converted ]] && break; sleep 2; done
+  stamp "a fact corpus written by the 1.5B, then the K/V calibration against prompt injection"
+  PYTHONPATH=$NOW timeout 600 python3 benchmarks/fact_corpus.py --facts 3000 --people 256 --model $Q15 --no-embed \
+    --out /tmp/corpus 2>&1 | grep --line-buffered -v " INFO \| DEBUG " | tail -5
+  PYTHONPATH=$NOW timeout 900 python3 benchmarks/kv_calibration.py --model $Q15 --facts /tmp/corpus/facts.txt \
+    --window 10 --k 50 --samples ${CAL_SAMPLES:-96} --steps ${CAL_STEPS:-300} \
+    --out benchmarks/results/kv_calibration_qwen15_h200.json 2>&1 | grep --line-buffered -v "Warning"
+  cp benchmarks/results/kv_calibration_qwen15_h200.json /tmp/corpus/facts.txt "$RUN/" 2>/dev/null
 fi
 
 if has accuracy; then  # the 0.5B starts once converted, while the 1.5B's pieces still arrive

@@ -105,17 +105,25 @@ class Method:
     # a request reads, for each fact, the encoding whose context holds more of the facts retrieved
     # with it (the first listed on a tie; see Contexts.choose; the window unused)
     contexts: str = ""
+    # a benchmarks/kv_calibration.py JSON: per layer and KV head, a scale on the stored keys' content
+    # and one on the values, fitted offline against prompt injection (replaces content_scale)
+    calibration: str = ""
 
     @property
     def encoding(self) -> tuple[int, str, int, float]:
-        return (0 if self.neighbours else self.window), self.style, self.neighbours, self.content_scale
+        return (0 if self.neighbours else self.window), self.style, self.neighbours, self.transform
 
     @property
     def encodings(self) -> list[tuple[int, str, int]]:
         """Every encoding a request of this method may read."""
         if self.contexts:
-            return [context_encoding(c, self.style, self.content_scale) for c in self.contexts.split("/")]
-        return [(-w, self.style, 0, self.content_scale) for w in self.windows] if self.slots else [self.encoding]
+            return [context_encoding(c, self.style, self.transform) for c in self.contexts.split("/")]
+        return [(-w, self.style, 0, self.transform) for w in self.windows] if self.slots else [self.encoding]
+
+    @property
+    def transform(self) -> float | str:
+        """What the stored K/V go through after encoding: a key content scale, or a calibration file."""
+        return self.calibration or self.content_scale
 
     @property
     def windows(self) -> list[int]:
@@ -126,7 +134,7 @@ class Method:
         if not self.slots:
             return self.encoding
         best = min(self.windows, key=lambda w: (abs(w - slot), -w))
-        return -best, self.style, 0, self.content_scale
+        return -best, self.style, 0, self.transform
 
 
 def context_encoding(spec: str, style: str, scale: float) -> tuple[int, str, int, float]:
@@ -197,6 +205,7 @@ def method_sets() -> dict[str, list[Method]]:
         "context": context_grid(),
         "wide": wide_grid(),
         "depth": depth_grid(),
+        "calibrated": calibrated_grid(),
     }
 
 
@@ -238,6 +247,20 @@ def depth_grid() -> list[Method]:
     anchors = _anchors() + [_kv(window=-10, **close)]
     several = [_kv(contexts="f10/n10", **close), _kv(contexts="f10/n20", **close)]
     return anchors + several + [_kv(slots="10/40", **close), _kv(window=-40, **close)]
+
+
+#: where the calibrated set reads its scales (written by benchmarks/kv_calibration.py before the run)
+CALIBRATION = "benchmarks/results/kv_calibration_qwen15_h200.json"
+
+
+def calibrated_grid() -> list[Method]:
+    """Stored K/V through scales fitted offline against prompt injection on facts that are not
+    LoCoMo's (:data:`CALIBRATION`, fitted for the facts window of 10), at B = 0 and with the default
+    tail, against the same windows without them. Anchors first."""
+    close = dict(closing="answer")
+    anchors = _anchors() + [_kv(window=-10, **close)]
+    return anchors + [_kv(window=-10, **close, calibration=CALIBRATION), _kv(window=-5, **close, calibration=CALIBRATION),
+                      _kv(window=-10, **close, calibration=CALIBRATION, recompute_tokens=256)]
 
 
 def tradeoff_grid() -> list[Method]:
@@ -402,7 +425,7 @@ def user_of(conv: str, encoding: tuple[int, str, int, float]) -> str:
     context at all (window 0) share one user, their fact ids tagged by window (:func:`source_tag`),
     so one request can read several encodings."""
     window, style, neighbours, scale = encoding
-    scaled = f".c{scale:g}" if scale != 1.0 else ""
+    scaled = f".cal-{Path(scale).stem}" if isinstance(scale, str) else f".c{scale:g}" if scale != 1.0 else ""
     return f"{conv}.w{window}.{style}{scaled}" if window > 0 and not neighbours else f"{conv}.facts.{style}{scaled}"
 
 
@@ -489,6 +512,25 @@ def content_scaled(kv, biases: list, scale: float):
     return FactKV(kv.token_ids, keys.to(kv.keys.dtype), kv.values)
 
 
+def calibrated(kv, biases: list, path: str):
+    """``kv`` through a calibration (``benchmarks/kv_calibration.py``): per layer and KV head, its
+    keys' content scaled around the key bias (``b + c (k - b)``) and its values scaled."""
+    import torch
+
+    from inferscale.kv import FactKV
+
+    fitted = json.loads(Path(path).read_text())
+    c = torch.tensor(fitted["key_scale"])[:, None, :, None]
+    s = torch.tensor(fitted["value_scale"])[:, None, :, None]
+    if c.shape[0] != kv.keys.shape[0] or c.shape[2] != kv.keys.shape[2]:
+        raise ValueError(f"{path}: scales for {c.shape[0]} layers x {c.shape[2]} KV heads, "
+                         f"K/V of {kv.keys.shape[0]} x {kv.keys.shape[2]}")
+    keys = kv.keys.float()
+    b = torch.stack([x.view(keys.shape[2], keys.shape[3]).float() if x is not None else torch.zeros_like(keys[0, 0])
+                     for x in biases])[:, None]
+    return FactKV(kv.token_ids, (b + c * (keys - b)).to(kv.keys.dtype), (s * kv.values.float()).to(kv.values.dtype))
+
+
 def needed_facts(items: list[Item], k: int) -> dict[str, list[int]]:
     """The facts any question retrieves in its top k, per conversation."""
     out: dict = defaultdict(set)
@@ -519,7 +561,8 @@ def encode_all(args, convs, needed, encodings, model_dir: str, data_dir: Path, p
             return FactKV(kv.token_ids, kv.keys.to(kv_dtype), kv.values.to(kv_dtype))
 
         disk.put(SYSTEM_USER, {PREFIX_FACT: cast(encoder.encode_ids(prefix_ids))})
-        # the model runs once per (window, style, neighbours); each content scale is derived from it
+        # the model runs once per (window, style, neighbours); each transform (content scale,
+        # calibration) is derived from it
         scales: dict = defaultdict(list)
         for encoding in encodings:
             scales[encoding[:3]].append(encoding[3])
@@ -543,13 +586,15 @@ def encode_all(args, convs, needed, encodings, model_dir: str, data_dir: Path, p
                                      related=related)
                 for scale, scaled_facts in fact_lists.items():
                     put = {scaled_facts[j].fact_id: kvs[facts[j].fact_id] for j in indices}
-                    if scale != 1.0:
+                    if isinstance(scale, str):
+                        put = {fid: calibrated(kv, key_biases, scale) for fid, kv in put.items()}
+                    elif scale != 1.0:
                         put = {fid: content_scaled(kv, key_biases, scale) for fid, kv in put.items()}
                     disk.put(scaled_facts[0].user_id, {fid: cast(kv) for fid, kv in put.items()})
                     ids[(cid, (window, style, neighbours, scale))] = {j: scaled_facts[j].fact_id for j in indices}
             name = user_of('', (window, style, neighbours, 1.0)).lstrip('.') \
                 + (f" n{neighbours}" if neighbours else f" f{-window}" if window <= 0 else "")
-            print(f"encoded {name} (content scales {', '.join(f'{c:g}' for c in group)}): "
+            print(f"encoded {name} (transforms {', '.join(c if isinstance(c, str) else f'{c:g}' for c in group)}): "
                   f"{sum(map(len, needed.values()))} facts in {time.perf_counter() - start:.1f} s", flush=True)
     return ids
 
@@ -761,7 +806,7 @@ def main(argv=None) -> None:
     prompts = Prompts(AutoTokenizer.from_pretrained(model), convs)
     data_dir = Path(tempfile.mkdtemp(prefix="locomo-"))
     start = time.perf_counter()
-    encodings = sorted({e for m in methods if m.mode == "kv" for e in m.encodings})
+    encodings = sorted({e for m in methods if m.mode == "kv" for e in m.encodings}, key=repr)
     needed = needed_facts(items, max(ks))
     ranks = related_ranks(convs, Path(args.related) if args.related else None, args.embedder) \
         if any(e[2] for e in encodings) else {}

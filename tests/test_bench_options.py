@@ -178,3 +178,30 @@ def test_the_releases_table_sets_each_release_beside_the_other(tmp_path):
         assert set(load) == {"none", "kv@0", "kv@256", "prompt"} and load["kv@0"] > load["prompt"] > 0
     md = out.with_suffix(".md").read_text()
     assert "| kv@0 | 225.9 (5.55×) | 189.7 (4.59×) |" in md
+
+
+def test_kv_calibration_reproduces_the_text_exactly_and_fits_scales_that_lower_the_kl(tmp_path):
+    """Read behind exactly what each fact was encoded behind, the injected K/V are the text's own:
+    the KL before fitting is ~0 (fp32). Read in another order, fitting the scales lowers it."""
+    import tiny_models
+
+    model = tiny_models.tiny_model_dir("qwen2", "float32")
+    facts = tmp_path / "facts.txt"
+    facts.write_text("\n".join(f"{name} {what}." for name in ("Ana", "Bo", "Cy", "Di") for what in
+                               ("lives in Lima", "plays the violin", "has two dogs", "was born in May 1990")))
+    env = {**__import__("os").environ, "PYTHONPATH": str(REPO)}
+
+    def run(*extra: str) -> dict:
+        out = tmp_path / f"calibration{len(extra)}.json"
+        subprocess.run([sys.executable, str(REPO / "benchmarks" / "kv_calibration.py"), "--model", str(model),
+                        "--facts", str(facts), "--samples", "3", "--held-out", "1", "--answer-tokens", "4",
+                        "--out", str(out), *extra], check=True, capture_output=True, env=env, timeout=600)
+        return json.loads(out.read_text())
+
+    exact = run("--k", "8", "--pool", "8", "--window", "8", "--stored-order", "--steps", "0")
+    assert exact["kl_before"]["train"] < 1e-6 and exact["kl_before"]["held_out"] < 1e-6
+    fitted = run("--k", "6", "--pool", "12", "--window", "2", "--steps", "30", "--lr", "0.05")
+    assert fitted["kl_before"]["train"] > 1e-5  # other contexts: not the text's own K/V
+    assert fitted["kl_after"]["train"] < fitted["kl_before"]["train"]
+    layers = len(fitted["key_scale"])
+    assert layers == len(fitted["value_scale"]) > 0 and all(len(row) == len(fitted["key_scale"][0]) for row in fitted["key_scale"])

@@ -155,6 +155,39 @@ def test_content_scale_leaves_the_key_bias_alone():
     assert harness.user_of("c", plain.encoding) != harness.user_of("c", warm.encoding)
 
 
+def test_a_calibration_scales_each_layer_and_head_of_the_stored_kv(tmp_path):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from inferscale.kv import FactKV
+
+    qwen2 = AutoModelForCausalLM.from_pretrained(tiny_models.tiny_model_dir("qwen2", "float32"))
+    biases = harness.stored_key_biases(qwen2)
+    layers, heads = len(biases), qwen2.config.num_key_value_heads
+    size = qwen2.config.hidden_size // qwen2.config.num_attention_heads
+    keys = torch.randn(layers, 3, heads, size)
+    kv = FactKV((1, 2, 3), keys, torch.randn_like(keys))
+    key_scale = [[1.0 + 0.1 * (layer + head) for head in range(heads)] for layer in range(layers)]
+    value_scale = [[0.5] * heads for _ in range(layers)]
+    path = tmp_path / "calibration.json"
+    path.write_text(json.dumps({"key_scale": key_scale, "value_scale": value_scale}))
+    out = harness.calibrated(kv, biases, str(path))
+    for layer, bias in enumerate(biases):
+        b = bias.view(heads, size)
+        for head in range(heads):
+            torch.testing.assert_close(out.keys[layer, :, head] - b[head],
+                                       key_scale[layer][head] * (keys[layer, :, head] - b[head]))
+    torch.testing.assert_close(out.values, 0.5 * kv.values)
+    path.write_text(json.dumps({"key_scale": [[1.0] * heads] * layers, "value_scale": [[1.0] * heads] * layers}))
+    torch.testing.assert_close(harness.calibrated(kv, biases, str(path)).keys, keys)
+    path.write_text(json.dumps({"key_scale": [[1.0] * heads], "value_scale": [[1.0] * heads]}))
+    with pytest.raises(ValueError, match="scales for 1 layers"):
+        harness.calibrated(kv, biases, str(path))
+    cal = harness.Method("kv", window=-10, calibration=str(path))
+    assert cal.encoding[3] == str(path) and harness.user_of("c", cal.encoding) != harness.user_of("c", harness.Method("kv", window=-10).encoding)
+    assert sorted({cal.encoding, harness.Method("kv", window=-10).encoding}, key=repr)  # mixed transforms sort
+
+
 @pytest.mark.slow
 @needs_data
 def test_harness_runs_on_every_conversation(tmp_path):
