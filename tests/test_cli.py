@@ -4,6 +4,7 @@ import json
 import os
 import subprocess
 import sys
+import threading
 
 import pytest
 
@@ -13,6 +14,49 @@ import tiny_models
 def run(*args, env=None, timeout=600):
     return subprocess.run([sys.executable, "-m", "inferscale.cli", *args], capture_output=True, text=True,
                           timeout=timeout, env={**os.environ, **(env or {})})
+
+
+class Background:
+    """Commands run one after another in a thread (each waits for the one before), so that two
+    slow, independent sequences (the demo; encode then ask) run at the same time as each other and
+    as the module's other tests; ``steps()`` waits for them all (a sequence stops at a command that
+    fails: the test's assertion on it is then the one that fails)."""
+
+    def __init__(self, *commands, stop_unless_ok: bool = True):
+        self.outs: list[subprocess.CompletedProcess] = []
+        self.thread = threading.Thread(target=self._run, args=(commands, stop_unless_ok), daemon=True)
+        self.thread.start()
+
+    def _run(self, commands, stop_unless_ok):
+        for args in commands:
+            self.outs.append(run(*args))
+            if stop_unless_ok and self.outs[-1].returncode != 0:
+                break
+
+    def steps(self) -> list[subprocess.CompletedProcess]:
+        self.thread.join(timeout=1800)
+        assert not self.thread.is_alive(), "the commands did not finish"
+        return self.outs
+
+
+@pytest.fixture(scope="module", autouse=True)
+def slow_runs(request, tmp_path_factory):
+    """The demo and the encode → ask sequence of the tests selected here, both started at once,
+    before the module's first test."""
+    selected = {item.originalname for item in request.session.items if item.module is request.module}
+    started = {}
+    if "test_demo_runs_on_a_tiny_model" in selected:
+        model, data = tiny_models.tiny_model_dir("llama", "float32"), tmp_path_factory.mktemp("demo")
+        started["demo"] = Background(("demo", "--model", str(model), "--data-dir", str(data), "--max-tokens", "3",
+                                      "-k", "4"))
+    if "test_encode_then_ask" in selected and os.path.exists(LOCOMO):
+        model, data = str(tiny_models.tiny_model_dir("qwen3", "float32")), str(tmp_path_factory.mktemp("encode"))
+        started["encode"] = Background(
+            ("encode", LOCOMO, "--sessions", "1", "--model", model, "--data-dir", data),
+            ("ask", "caroline", "What did Caroline research?", "--model", model, "--data-dir", data,
+             "--max-tokens", "3", "-k", "3"),
+            ("ask", "nobody", "Hi?", "--model", model, "--data-dir", data))
+    return started
 
 
 def test_serve_config_is_a_kv_transfer_config(tmp_path):
@@ -36,9 +80,8 @@ def test_bad_config_is_a_clear_error(tmp_path):
 
 
 @pytest.mark.slow
-def test_demo_runs_on_a_tiny_model(tmp_path):
-    model = tiny_models.tiny_model_dir("llama", "float32")
-    out = run("demo", "--model", str(model), "--data-dir", str(tmp_path), "--max-tokens", "3", "-k", "4")
+def test_demo_runs_on_a_tiny_model(slow_runs):
+    (out,) = slow_runs["demo"].steps()  # the tiny Llama: demo --max-tokens 3 -k 4
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.count("KV injection") >= 4 and out.stdout.count("prompt injection") >= 4
     assert "median engine TTFT" in out.stdout and "fallback" not in out.stdout
@@ -49,17 +92,16 @@ LOCOMO = os.path.join(os.path.dirname(__file__), "..", "..", "shared", "data", "
 
 @pytest.mark.slow
 @pytest.mark.skipif(not os.path.exists(LOCOMO), reason="LoCoMo data not found: put LoCoMo's conversations, one JSON file each (conv-26.json, ...: the entries of data/locomo10.json at github.com/snap-research/locomo), in ../shared/data/locomo beside the checkout")
-def test_encode_then_ask(tmp_path):
-    model = str(tiny_models.tiny_model_dir("qwen3", "float32"))
-    out = run("encode", LOCOMO, "--sessions", "1", "--model", model, "--data-dir", str(tmp_path))
+def test_encode_then_ask(slow_runs):
+    outs = iter(slow_runs["encode"].steps())  # the tiny Qwen3: encode, ask caroline (-k 3), ask nobody
+    out = next(outs)
     assert out.returncode == 0, out.stderr[-3000:]
     assert "caroline:" in out.stdout and "melanie:" in out.stdout
-    out = run("ask", "caroline", "What did Caroline research?", "--model", model, "--data-dir", str(tmp_path),
-              "--max-tokens", "3", "-k", "3")
+    out = next(outs)
     assert out.returncode == 0, out.stderr[-3000:]
     report = json.loads(out.stderr.strip().splitlines()[-1])
     assert report["facts"] == 3 and report["fallback"] is None
-    out = run("ask", "nobody", "Hi?", "--model", model, "--data-dir", str(tmp_path))
+    out = next(outs)
     assert out.returncode == 2 and "no memory stored for user 'nobody'" in out.stderr
 
 
