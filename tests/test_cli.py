@@ -22,10 +22,11 @@ class Background:
     as the module's other tests; ``steps()`` waits for them all (a sequence stops at a command that
     fails: the test's assertion on it is then the one that fails)."""
 
-    def __init__(self, *commands, stop_unless_ok: bool = True):
+    def __init__(self, *commands, stop_unless_ok: bool = True, start: bool = True):
         self.outs: list[subprocess.CompletedProcess] = []
         self.thread = threading.Thread(target=self._run, args=(commands, stop_unless_ok), daemon=True)
-        self.thread.start()
+        if start:
+            self.thread.start()
 
     def _run(self, commands, stop_unless_ok):
         for args in commands:
@@ -34,6 +35,8 @@ class Background:
                 break
 
     def steps(self) -> list[subprocess.CompletedProcess]:
+        if self.thread.ident is None:
+            self.thread.start()
         self.thread.join(timeout=1800)
         assert not self.thread.is_alive(), "the commands did not finish"
         return self.outs
@@ -42,20 +45,24 @@ class Background:
 @pytest.fixture(scope="module", autouse=True)
 def slow_runs(request, tmp_path_factory):
     """The demo and the encode → ask sequence of the tests selected here, both started at once,
-    before the module's first test."""
+    before the module's first test (with a GPU, each when its test asks: every engine would claim
+    most of the GPU's memory)."""
+    import torch
+
     selected = {item.originalname for item in request.session.items if item.module is request.module}
+    now = not torch.cuda.is_available()
     started = {}
     if "test_demo_runs_on_a_tiny_model" in selected:
         model, data = tiny_models.tiny_model_dir("llama", "float32"), tmp_path_factory.mktemp("demo")
         started["demo"] = Background(("demo", "--model", str(model), "--data-dir", str(data), "--max-tokens", "3",
-                                      "-k", "4"))
+                                      "-k", "4"), start=now)
     if "test_encode_then_ask" in selected and os.path.exists(LOCOMO):
         model, data = str(tiny_models.tiny_model_dir("qwen3", "float32")), str(tmp_path_factory.mktemp("encode"))
         started["encode"] = Background(
             ("encode", LOCOMO, "--sessions", "1", "--model", model, "--data-dir", data),
             ("ask", "caroline", "What did Caroline research?", "--model", model, "--data-dir", data,
              "--max-tokens", "3", "-k", "3"),
-            ("ask", "nobody", "Hi?", "--model", model, "--data-dir", data))
+            ("ask", "nobody", "Hi?", "--model", model, "--data-dir", data), start=now)
     return started
 
 

@@ -21,14 +21,20 @@ class Run:
     their own server and share nothing, so the module starts both at once (its first test waits for
     its own; the other's is done by then, or nearly)."""
 
-    def __init__(self, script: str, out: Path, *args: str):
-        self.out = out
+    def __init__(self, script: str, out: Path, *args: str, start: bool = True):
+        self.out, self.cmd = out, [sys.executable, f"benchmarks/{script}.py", *args, "--out", str(out)]
         self.log = out.with_suffix(".log")
+        self.proc = None
+        if start:
+            self.start()
+
+    def start(self) -> None:
         with open(self.log, "wb") as log:
-            self.proc = subprocess.Popen([sys.executable, f"benchmarks/{script}.py", *args, "--out", str(out)],
-                                         cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
+            self.proc = subprocess.Popen(self.cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
 
     def result(self, timeout_s: float = 600) -> tuple[int, dict]:
+        if self.proc is None:
+            self.start()
         try:
             code = self.proc.wait(timeout=timeout_s)
         except subprocess.TimeoutExpired:
@@ -49,13 +55,18 @@ RUNS = {  # test name → the run it checks
 
 @pytest.fixture(scope="module")
 def runs(request, tmp_path_factory):
-    """The runs of the tests selected in this module, all started now."""
+    """The runs of the tests selected in this module, all started now (with a GPU, each when its
+    test asks: every server's engine would claim most of the GPU's memory)."""
+    import torch
+
     selected = {item.originalname for item in request.session.items if item.module is request.module}
     out = tmp_path_factory.mktemp("serve_runs")
-    started = {name: Run(script, out / stem, *args) for name, (script, stem, *args) in RUNS.items() if name in selected}
+    now = not torch.cuda.is_available()
+    started = {name: Run(script, out / stem, *args, start=now) for name, (script, stem, *args) in RUNS.items()
+               if name in selected}
     yield started
     for run in started.values():
-        if run.proc.poll() is None:
+        if run.proc is not None and run.proc.poll() is None:
             run.proc.kill()
             run.proc.wait(timeout=60)
 
