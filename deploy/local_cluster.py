@@ -107,9 +107,15 @@ class LocalCluster:
             for engine in engines:
                 self._wait(engine, "/health")
             self.start_router()
-            for i in range(self.fronts):
-                port = self.front_port if (i == 0 and self.front_port) else free_port()
-                self._wait(self._spawn(f"front{i}", self._front_cmd(port), f"http://127.0.0.1:{port}"), "/health")
+            ports = [self.front_port] if self.front_port and self.fronts else []
+            while len(ports) < self.fronts:
+                port = free_port()
+                if port not in ports:  # the ports are picked before any front binds its own
+                    ports.append(port)
+            fronts = [self._spawn(f"front{i}", self._front_cmd(port), f"http://127.0.0.1:{port}")
+                      for i, port in enumerate(ports)]
+            for front in fronts:  # started together, as the engines are
+                self._wait(front, "/health")
         except BaseException:
             self.stop()
             raise
