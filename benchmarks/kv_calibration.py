@@ -38,7 +38,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from locomo_accuracy import CLOSINGS, INSTRUCTION, stored_key_biases, window_policy  # noqa: E402
+from locomo_accuracy import CLOSINGS, INSTRUCTION, scale_content, stored_key_biases, window_policy  # noqa: E402
 
 
 @dataclass
@@ -123,13 +123,9 @@ class Scales(torch.nn.Module):
     def apply(self, keys: torch.Tensor, values: torch.Tensor, biases: list, facts_from: int):
         """Scaled copies of ``keys``/``values`` ``[layers, T, kv_heads, d]``; tokens before
         ``facts_from`` (the prefix, computed as text) are left alone."""
-        c = self.log_key.exp()[:, None, :, None].to(keys.dtype)
-        s = self.log_value.exp()[:, None, :, None].to(values.dtype)
-        b = torch.stack([x.view(keys.shape[2], keys.shape[3]) if x is not None else torch.zeros_like(keys[0, 0])
-                         for x in biases])[:, None].to(keys.dtype)
-        scaled_k = torch.cat([keys[:, :facts_from], b + c * (keys[:, facts_from:] - b)], dim=1)
-        scaled_v = torch.cat([values[:, :facts_from], s * values[:, facts_from:]], dim=1)
-        return scaled_k, scaled_v
+        facts_k, facts_v = scale_content(keys[:, facts_from:], values[:, facts_from:], biases,
+                                         self.log_key.exp(), self.log_value.exp())
+        return torch.cat([keys[:, :facts_from], facts_k], dim=1), torch.cat([values[:, :facts_from], facts_v], dim=1)
 
 
 def student_logprobs(model, rope, sample: Sample, scales: Scales | None, biases: list) -> torch.Tensor:

@@ -491,6 +491,23 @@ def stored_key_biases(model) -> list:
     return out
 
 
+def scale_content(keys, values, biases: list, key_scale, value_scale):
+    """``keys`` ``[layers, tokens, kv_heads, head_size]`` with their content scaled around each
+    layer's key bias (``b + c (k - b)``; a layer without a bias scales the whole key), and
+    ``values`` times ``s``. ``key_scale`` / ``value_scale``: a number, or ``[layers, kv_heads]``
+    tensors (per layer and head). Gradients reach tensor scales."""
+    import torch
+
+    heads, size = keys.shape[2], keys.shape[3]
+    b = torch.stack([x.view(heads, size).to(keys) if x is not None else keys.new_zeros(heads, size)
+                     for x in biases])[:, None]
+    if isinstance(key_scale, torch.Tensor):
+        key_scale = key_scale[:, None, :, None].to(keys.dtype)
+    if isinstance(value_scale, torch.Tensor):
+        value_scale = value_scale[:, None, :, None].to(values.dtype)
+    return b + key_scale * (keys - b), value_scale * values
+
+
 def content_scaled(kv, biases: list, scale: float):
     """``kv`` with its keys' content scaled around the key bias: ``b + scale (k - b)``.
 
@@ -502,13 +519,7 @@ def content_scaled(kv, biases: list, scale: float):
     the keys say."""
     from inferscale.kv import FactKV
 
-    keys = kv.keys.float().clone()
-    for layer, bias in enumerate(biases):
-        if bias is None:
-            keys[layer] *= scale
-        else:
-            b = bias.view(keys.shape[2], keys.shape[3]).to(keys.device)
-            keys[layer] = b + scale * (keys[layer] - b)
+    keys, _ = scale_content(kv.keys.float(), kv.values, biases, scale, 1.0)
     return FactKV(kv.token_ids, keys.to(kv.keys.dtype), kv.values)
 
 
@@ -520,15 +531,12 @@ def calibrated(kv, biases: list, path: str):
     from inferscale.kv import FactKV
 
     fitted = json.loads(Path(path).read_text())
-    c = torch.tensor(fitted["key_scale"])[:, None, :, None]
-    s = torch.tensor(fitted["value_scale"])[:, None, :, None]
-    if c.shape[0] != kv.keys.shape[0] or c.shape[2] != kv.keys.shape[2]:
-        raise ValueError(f"{path}: scales for {c.shape[0]} layers x {c.shape[2]} KV heads, "
+    c, s = torch.tensor(fitted["key_scale"]), torch.tensor(fitted["value_scale"])
+    if c.shape != (kv.keys.shape[0], kv.keys.shape[2]):
+        raise ValueError(f"{path}: scales for {c.shape[0]} layers x {c.shape[-1]} KV heads, "
                          f"K/V of {kv.keys.shape[0]} x {kv.keys.shape[2]}")
-    keys = kv.keys.float()
-    b = torch.stack([x.view(keys.shape[2], keys.shape[3]).float() if x is not None else torch.zeros_like(keys[0, 0])
-                     for x in biases])[:, None]
-    return FactKV(kv.token_ids, (b + c * (keys - b)).to(kv.keys.dtype), (s * kv.values.float()).to(kv.values.dtype))
+    keys, values = scale_content(kv.keys.float(), kv.values.float(), biases, c, s)
+    return FactKV(kv.token_ids, keys.to(kv.keys.dtype), values.to(kv.values.dtype))
 
 
 def needed_facts(items: list[Item], k: int) -> dict[str, list[int]]:
@@ -825,14 +833,14 @@ def main(argv=None) -> None:
             "conversations": sorted(convs), "sample": args.sample, "seed": args.seed,
             "methods": [asdict(m) for m in methods], "encode_s": encode_s, "recall": recall_k,
             "default": args.default, "baseline": args.baseline}
-    began = time.perf_counter()
+    began, contexts = time.perf_counter(), Contexts(ranks)
     for method in methods:
         if args.time_limit and time.perf_counter() - began > args.time_limit:
             print(f"time limit reached: {method.name} and the methods after it were not run", flush=True)
             break
         for k in ks:
             start = time.perf_counter()
-            rows += run_method(llm, method, k, items, prompts, fact_ids, args.max_tokens, salt_of, Contexts(ranks))
+            rows += run_method(llm, method, k, items, prompts, fact_ids, args.max_tokens, salt_of, contexts)
             timing[f"{method.name}@{k}"] = time.perf_counter() - start
             s = summarize([r for r in rows if r["method"] == method.name and r["k"] == k], items)[method.name][str(k)]
             print(f"{method.name:44s} k={k:2d}  F1 {s['f1.all']:.3f}  contains {s['contains.all']:.3f}  "
