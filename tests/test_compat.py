@@ -95,8 +95,6 @@ def test_asking_for_the_device_type_leaves_cuda_uninitialised():
 
 
 def test_load_failures_are_recomputed_only_where_the_release_answers_right_after_a_rollback():
-    assert compat.load_failure_policy((0, 32), "cpu") == "recompute"
-    assert compat.load_failure_policy((0, 26), "cpu") == "recompute"
+    assert compat.load_failure_policy("cpu") == "recompute"
     # vllm-project/vllm#49250 (the V2 model runner's rollback), seen on an H200 with 0.26 and 0.33
-    assert compat.load_failure_policy((0, 26), "cuda") == "fail"
-    assert compat.load_failure_policy((0, 33), "cuda") == "fail"
+    assert compat.load_failure_policy("cuda") == "fail"

@@ -159,8 +159,8 @@ def platform_device_type() -> str:
     return str(current_platform.device_type or "cpu")
 
 
-def load_failure_policy(version: tuple[int, ...] = VLLM_VERSION, device_type: str | None = None) -> str:
-    """``kv_load_failure_policy`` for this release: what vLLM does with a request whose memory
+def load_failure_policy(device_type: str | None = None) -> str:
+    """``kv_load_failure_policy`` for this platform: what vLLM does with a request whose memory
     the worker could not load after the scheduler had accepted it (a segment found corrupt on
     load, a memory tier that ran out of room).
 
@@ -171,7 +171,7 @@ def load_failure_policy(version: tuple[int, ...] = VLLM_VERSION, device_type: st
     an H200 with 0.26 (``benchmarks/results/gpu_connector_tests_fused_h200.log``) and 0.33
     (``benchmarks/results/gpu_connector_tests_vllm033_fused1_h200.log``). So on any GPU ``"fail"`` ends the
     request with ``finish_reason="error"``: a clear, retryable error instead of an answer from the
-    wrong K/V. ``version`` is kept for the release that merges the fix.
+    wrong K/V. (A release that merges the fix is the place for a release check.)
     """
     if (device_type or platform_device_type()) != "cpu":
         return "fail"
