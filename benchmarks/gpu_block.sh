@@ -5,22 +5,20 @@ exec > >(tee -a "$RUN/log") 2>&1
 stamp() { echo "== $(date +%T) $*"; }
 has() { [[ " $STEPS " == *" $1 "* ]]; }
 # SITE and BUNDLE pick the vLLM release: vllm-0.26.0-site (default) into /tmp/site, or e.g.
-# SITE=/tmp/site033 BUNDLE=vllm-0.33.0-site; cuda-*.tar.zst.NN parts in /tmp/parts (the CUDA libraries
-# benchmarks/build_vllm_033_bundle.sh adds) unpack into a SITE other than /tmp/site, where torch's
-# RPATH finds them before the image's. ($SITE/.unpacked marks a whole unpack: a driver started beside
-# another waits for it.)
-SITE=${SITE:-/tmp/site} BUNDLE=${BUNDLE:-vllm-0.26.0-site}
+# SITE=/tmp/site033 BUNDLE=vllm-0.33.0-site CUDA_LIBS="nccl cudnn": the CUDA libraries named (parts
+# /tmp/parts/cuda-<lib>.tar.zst.NN, from benchmarks/build_vllm_033_bundle.sh) unpack into the site, where
+# torch's RPATH finds them before the image's. ($SITE/.unpacked marks a whole unpack: a driver
+# started beside another waits for it.)
+SITE=${SITE:-/tmp/site} BUNDLE=${BUNDLE:-vllm-0.26.0-site} CUDA_LIBS=${CUDA_LIBS:-}
 if mkdir "$SITE.lock" 2>/dev/null; then
   if [[ ! -f $SITE/.unpacked ]]; then
     stamp "unpacking $BUNDLE into $SITE"
     mkdir -p "$SITE" && chmod +x .gpu/zstd
     cat /tmp/parts/$BUNDLE.tar.zst.* | .gpu/zstd -d -q | tar -x -C "$SITE"
-    if [[ $SITE != /tmp/site ]]; then
-      for lib in $(ls /tmp/parts | sed -n 's/^cuda-\(.*\)\.tar\.zst\.00$/\1/p'); do
-        stamp "unpacking CUDA library $lib into $SITE"
-        cat /tmp/parts/cuda-$lib.tar.zst.* | .gpu/zstd -d -q | tar -x -C "$SITE"
-      done
-    fi
+    for lib in $CUDA_LIBS; do
+      stamp "unpacking CUDA library $lib into $SITE"
+      cat /tmp/parts/cuda-$lib.tar.zst.* | .gpu/zstd -d -q | tar -x -C "$SITE"
+    done
     touch "$SITE/.unpacked"
   fi
 else

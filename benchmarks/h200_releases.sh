@@ -29,12 +29,12 @@ EOF
 }
 
 for rel in ${RELEASES:-033 026}; do
-  if [[ $rel == 033 ]]; then site=/tmp/site033 bundle=vllm-0.33.0-site steps=${STEPS033:-tests ttft load}
-  else site=/tmp/site bundle=vllm-0.26.0-site steps=${STEPS026:-ttft load}; fi
+  if [[ $rel == 033 ]]; then site=/tmp/site033 bundle=vllm-0.33.0-site libs="nccl cudnn" steps=${STEPS033:-tests ttft load}
+  else site=/tmp/site bundle=vllm-0.26.0-site libs= steps=${STEPS026:-ttft load}; fi
   mkdir -p "$RUN/v$rel"
   # gpu_block.sh (sourced by h200_speed.sh) unpacks; a facts-only pass first, so a release whose torch
   # does not load is reported and skipped
-  RUN=$RUN/v$rel SITE=$site BUNDLE=$bundle STEPS=none bash benchmarks/h200_speed.sh > /dev/null 2>&1
+  RUN=$RUN/v$rel SITE=$site BUNDLE=$bundle CUDA_LIBS=$libs STEPS=none bash benchmarks/h200_speed.sh > /dev/null 2>&1
   python3 -m pip list 2>/dev/null | grep -i -E "^(nvidia|cuda|torch |triton )" > "$RUN/v$rel/image_packages.txt"
   if ! release_facts "$site" "$RUN/v$rel/release.json" > "$RUN/v$rel/release.log" 2>&1; then
     echo "== vLLM $rel does not load:"; tail -30 "$RUN/v$rel/release.log"; continue
