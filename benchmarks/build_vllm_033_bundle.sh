@@ -3,7 +3,7 @@
 # torch 2.11.0+cu130, triton 3.6.0, transformers 5.17.0, Python 3.12, the CUDA 13 libraries of
 # torch 2.11), slimmed like ../shared/device/build-vllm-bundle.sh does for 0.26, in 44 MiB parts (a call
 # carries 64 MiB with the working tree), plus the CUDA libraries torch 2.14 pins newer than the image's,
-# each its own tar (cudnn, nccl, cusparselt: carried only if `import torch` needs them).
+# each its own tar (cudnn, nccl: the image's are too old for torch 2.14; its cuSPARSELt 0.8.0 loads).
 # usage: ZSTD_LEVEL=19 bash benchmarks/build_vllm_033_bundle.sh [OUTDIR]
 #
 # Measured download sizes (PyPI simple JSON API / pip download --no-deps, 2026-12-03; cp312, x86_64):
@@ -27,7 +27,7 @@
 # flashinfer-python 0.7.2.post1, torchvision 0.29.0, cuda-toolkit 13.0.3, nvidia-cudnn-cu13 9.24.0.43.
 #
 # Measured (2026-12-04, zstd -12): the site is 3.5 GB unpacked, 828 MB in 18 parts of 44 MiB (torch
-# 1.1 GB, triton 0.9, flashinfer 0.4, vLLM 0.3 unpacked); cuda-cudnn 11 parts, cuda-nccl 5, cuda-cusparselt 4.
+# 1.1 GB, triton 0.9, flashinfer 0.4, vLLM 0.3 unpacked); cuda-cudnn 11 parts, cuda-nccl 5.
 # Plan (the carry limit is 64 MiB a call with the working tree, the machine is held at most 30 minutes):
 #   1. The bundle carries vLLM 0.33.0 (slimmed), its missing dependencies, torch 2.14.0, triton 3.8.0
 #      (its AMD backend removed) and torchvision 0.29.0, and reuses the image's other CUDA 13 libraries.
@@ -76,7 +76,7 @@ ls -la "$OUT/vllm-0.33.0-site.tar.zst"
 cd "$OUT" && split -b 44M -d vllm-0.33.0-site.tar.zst vllm-0.33.0-site.tar.zst. && rm vllm-0.33.0-site.tar.zst
 # torch 2.14's CUDA pins (the twenty-first block carried NCCL 2.32.6, same soname, before this list had
 # manylinux_2_18, the tag of 2.30.7's wheel), as separate tars of their nvidia/<lib>/lib trees (PYTHONPATH order decides)
-for pin in nvidia-cudnn-cu13==9.24.0.43 nvidia-nccl-cu13==2.30.7 nvidia-cusparselt-cu13==0.8.1; do
+for pin in nvidia-cudnn-cu13==9.24.0.43 nvidia-nccl-cu13==2.30.7; do
   lib=$(echo "${pin%%==*}" | cut -d- -f2)
   mkdir -p "$WORK/cuda-$lib" && fetch "$pin"
   unzip -q -o "$WORK"/wheels/nvidia_${lib}_cu13-*.whl -d "$WORK/cuda-$lib"
