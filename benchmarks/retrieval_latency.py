@@ -1,4 +1,4 @@
-"""Query latency of the retrievers (exact, faiss flat/HNSW/IVF on the CPU or GPU, Jasper if importable).
+"""Query latency of the retrievers (exact, faiss flat/HNSW/IVF on the CPU or GPU, Jasper and CAGRA if importable).
 
 One user holds n unit vectors (dim 384, MiniLM's width): random (``--data``) or
 the first n rows of a seeded shuffle of an embedded corpus (``--corpus``, e.g.
@@ -6,12 +6,16 @@ the first n rows of a seeded shuffle of an embedded corpus (``--corpus``, e.g.
 Each backend answers single queries (the serving case: one request, one user)
 and batches of ``--batch``. Reports build time, the memory the index took (the
 growth of host RSS during the build, noisy below ~10 MiB, and of GPU memory in use), p50/p90/p99 single-query latency,
-p50/p99 batch latency and throughput, and recall@10 and @k against exact search.
+p50/p99 batch latency and throughput, and recall@10 and @k against exact search. Backends
+carry their parameters in their names (``jasper:r=64,beam=512``: ``retrieval_backends.py``), and
+each size records how hard its vectors are for any approximate index (LID and relative contrast:
+``neighbour_difficulty.py``).
 
     python benchmarks/retrieval_latency.py                      # n = 1k, 10k, 100k; k = 50
     python benchmarks/retrieval_latency.py --sizes 1000,10000   # quicker
     python benchmarks/retrieval_latency.py --threads 1          # busy or 2-core CPU machines
     python benchmarks/retrieval_latency.py --corpus /data/fact-corpus/vectors.npy --sizes 10000,100000,1000000
+    python benchmarks/retrieval_latency.py --backends exact,jasper:beam=256,jasper:r=64,beam=512,cagra:itopk=256
 
 On a loaded 2-core machine torch's and faiss's OpenMP pools with 2 threads ran
 10-40x slower than with 1 (threads wait for a core at every barrier): use
@@ -29,6 +33,7 @@ import math
 import os
 import platform
 import re
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -37,8 +42,13 @@ import torch
 
 from inferscale.retrieval.base import Retriever
 from inferscale.retrieval.exact import ExactRetriever
-from inferscale.retrieval.faiss_index import FaissRetriever
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from neighbour_difficulty import difficulty  # noqa: E402
+from retrieval_backends import ALIASES, BASES, available, factory, faiss_gpus  # noqa: E402, F401
+
+DEFAULT_BACKENDS = ("exact", "faiss-flat", "faiss-hnsw", "faiss-ivf", "faiss-flat-gpu", "faiss-ivf-gpu", "jasper",
+                    "cagra")
 RESULTS = Path(__file__).resolve().parent / "results"
 
 
@@ -49,7 +59,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--dim", type=int, default=384)
     p.add_argument("--queries", type=int, default=100, help="timed single queries per backend")
     p.add_argument("--batch", type=int, default=64, help="queries per timed batch search")
-    p.add_argument("--backends", default=None, help="comma-separated subset of: " + ", ".join(BACKENDS))
+    p.add_argument("--backends", default=None,
+                   help="comma-separated, each a base name with optional :key=value,... (retrieval_backends.py); "
+                        f"bases: {', '.join(BASES)}; default: {', '.join(DEFAULT_BACKENDS)}")
     p.add_argument("--data", default="uniform", choices=["uniform", "clustered"],
                    help="uniform: i.i.d. unit vectors (no structure: the hardest case for a graph index); "
                         "clustered: a mixture of n/1000 Gaussian clusters, queries drawn from the same mixture "
@@ -59,48 +71,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=None, help="torch and faiss threads (default: leave as is)")
     p.add_argument("--out", default=None, help="JSON path (default: results/retrieval_latency_<device>.json)")
     return p.parse_args(argv)
-
-
-def _jasper(beam_width: int) -> Callable[[], Retriever]:
-    def make() -> Retriever:
-        from inferscale.retrieval.jasper import JasperRetriever
-
-        return JasperRetriever(JasperRetriever.Options(min_graph_size=1, beam_width=beam_width))
-
-    return make
-
-
-def _faiss(kind: str, device: str) -> Callable[[], Retriever]:
-    return lambda: FaissRetriever(FaissRetriever.Options(kind=kind, approx_min=1, device=device))
-
-
-#: name → factory; approximate kinds are used from the first fact on (approx_min=1).
-BACKENDS: dict[str, Callable[[], Retriever]] = {
-    "exact": lambda: ExactRetriever(),
-    "faiss-flat": _faiss("flat", "cpu"),
-    "faiss-hnsw": _faiss("hnsw", "cpu"),
-    "faiss-ivf": _faiss("ivf", "cpu"),
-    "faiss-flat-gpu": _faiss("flat", "cuda"),
-    "faiss-ivf-gpu": _faiss("ivf", "cuda"),
-    "jasper": _jasper(256),
-    "jasper-wide": _jasper(1024),
-}
-
-
-def faiss_gpus() -> int:
-    if importlib.util.find_spec("faiss") is None:
-        return 0
-    import faiss
-
-    return faiss.get_num_gpus() if hasattr(faiss, "StandardGpuResources") else 0
-
-
-def available(names: list[str]) -> list[str]:
-    """The named backends that can run here (Jasper: importable and a GPU; faiss GPU: a faiss-gpu build)."""
-    has_jasper = importlib.util.find_spec("jasper") is not None and torch.cuda.is_available()
-    has_faiss_gpu = faiss_gpus() > 0
-    return [n for n in names if (has_jasper or not n.startswith("jasper"))
-            and (has_faiss_gpu or not n.endswith("-gpu"))]
 
 
 def load_corpus(path: str, n: int, queries: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -212,19 +182,20 @@ def vectors_for(args: argparse.Namespace, n: int) -> tuple[torch.Tensor, torch.T
 
 
 def run(args: argparse.Namespace) -> dict:
-    asked = args.backends.split(",") if args.backends else list(BACKENDS)
-    unknown = sorted(set(asked) - set(BACKENDS))
-    if unknown:
-        raise SystemExit(f"unknown backend(s) {', '.join(unknown)} — known: {', '.join(BACKENDS)}")
-    names = available(asked)
+    asked = split_backends(args.backends) if args.backends else list(DEFAULT_BACKENDS)
+    names = available(asked)  # also refuses unknown names
     if len(names) < len(asked):
         print(f"not available here: {', '.join(n for n in asked if n not in names)}", flush=True)
-    rows = []
+    rows, sizes = [], []
     for n in (int(s) for s in args.sizes.split(",")):
         x, q = vectors_for(args, n)
         truth = exact_ids(x, q[: args.batch], args.k)
+        hardness = difficulty(x, q[: args.batch], args.k)
+        print(f"n={n:,}: LID {hardness['lid_median']:.1f}, contrast at {args.k} "
+              f"{hardness[f'contrast_at_{args.k}_median']:.3f}", flush=True)
+        sizes.append({"n": n, **hardness})
         for name in names:
-            m = measure(BACKENDS[name], x, q[: args.queries], q[: args.batch], args.k, args.batches)
+            m = measure(factory(name), x, q[: args.queries], q[: args.batch], args.k, args.batches)
             found = m.pop("ids")
             m["recall_at_10"], m[f"recall_at_{args.k}"] = recall(found, truth, 10), recall(found, truth, args.k)
             rows.append({"backend": name, "n": n, "data": data_name(args), **m})
@@ -238,8 +209,21 @@ def run(args: argparse.Namespace) -> dict:
         "dim": int(x.shape[1]),
         "data": data_name(args),
         "command": " ".join(["python", "benchmarks/retrieval_latency.py", *(argv_of(args))]),
+        "difficulty": sizes,
         "rows": rows,
     }
+
+
+def split_backends(text: str) -> list[str]:
+    """``"exact,jasper:r=64,beam=512,cagra"`` → ``["exact", "jasper:r=64,beam=512", "cagra"]``: a part
+    holding ``=`` but no ``:`` continues the backend before it."""
+    names: list[str] = []
+    for part in filter(None, text.split(",")):
+        if "=" in part and ":" not in part and names:
+            names[-1] += "," + part
+        else:
+            names.append(part)
+    return names
 
 
 def exact_ids(x: torch.Tensor, q: torch.Tensor, k: int) -> list[list[str]]:
@@ -259,7 +243,7 @@ def argv_of(args: argparse.Namespace) -> list[str]:
 
 def print_row(row: dict, k: int) -> None:
     print(
-        f"{row['backend']:>14} {row['n']:>9,} {row['build_s']:>8.2f} {row['host_mib']:>8.0f} "
+        f"{row['backend']:>24} {row['n']:>9,} {row['build_s']:>8.2f} {row['host_mib']:>8.0f} "
         f"{row['p50_ms']:>8.3f} {row['p99_ms']:>8.3f} {row['batch_p50_ms']:>9.2f} {row['batch_p99_ms']:>9.2f} "
         f"{row['recall_at_10']:>6.3f} {row[f'recall_at_{k}']:>6.3f}",
         flush=True,
@@ -281,7 +265,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     set_threads(args.threads)
     print(f"k={args.k} dim={args.dim} device={device_slug()} torch threads={torch.get_num_threads()}")
-    print(f"{'backend':>14} {'n':>9} {'build s':>8} {'host MiB':>8} {'p50 ms':>8} {'p99 ms':>8} "
+    print(f"{'backend':>24} {'n':>9} {'build s':>8} {'host MiB':>8} {'p50 ms':>8} {'p99 ms':>8} "
           f"{'b p50 ms':>9} {'b p99 ms':>9} {'R@10':>6} {f'R@{args.k}':>6}")
     result = run(args)
     out = Path(args.out) if args.out else RESULTS / f"retrieval_latency_{result['device']}.json"

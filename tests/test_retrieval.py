@@ -1,10 +1,12 @@
-"""Retrievers (exact, faiss, jasper) and embedders (minilm, openai).
+"""Retrievers (exact, faiss, jasper, cagra) and embedders (minilm, openai).
 
 Every retriever runs the same behaviour suite. Jasper runs twice: against the
 real GPU index when it is importable (skipped here otherwise), and against a
 brute-force stand-in that follows Jasper's documented contract (fp16 inputs,
 int32 ids, ``ip`` distance = -inner product), which checks the adapter's id
-mapping, score conversion and rebuild-on-change on any machine.
+mapping, score conversion and rebuild-on-change on any machine. CAGRA likewise,
+against ``cuvs_stand_in`` (cuVS's calling contract; its own tests are in
+test_retrieval_cagra.py).
 """
 
 from __future__ import annotations
@@ -102,6 +104,13 @@ def jasper_stand_in(monkeypatch):
     return module
 
 
+@pytest.fixture
+def cuvs_stand_in(monkeypatch):
+    import cuvs_stand_in
+
+    return cuvs_stand_in.install(monkeypatch)
+
+
 # ---------------------------------------------------------------- retriever factory
 
 
@@ -123,6 +132,12 @@ def make_retriever(name: str, request):
         from inferscale.retrieval.jasper import JasperRetriever
 
         return JasperRetriever(JasperRetriever.Options(device="cpu", min_graph_size=1))
+    if name == "cagra-stand-in":
+        request.getfixturevalue("cuvs_stand_in")
+        from inferscale.retrieval.cagra import CagraRetriever
+
+        return CagraRetriever(CagraRetriever.Options(device="cpu", min_graph_size=1, graph_degree=1,
+                                                     intermediate_graph_degree=1))
     if name == "jasper":
         from inferscale.retrieval.jasper import JasperRetriever
 
@@ -130,7 +145,7 @@ def make_retriever(name: str, request):
     return FACTORIES[name]()
 
 
-BACKENDS = [*FACTORIES, "jasper-stand-in", pytest.param("jasper", marks=pytest.mark.skipif(not HAS_JASPER, reason=NO_JASPER))]
+BACKENDS = [*FACTORIES, "jasper-stand-in", "cagra-stand-in", pytest.param("jasper", marks=pytest.mark.skipif(not HAS_JASPER, reason=NO_JASPER))]
 
 
 @pytest.fixture(params=BACKENDS)

@@ -22,7 +22,7 @@ BACKEND_DEFAULTS = {
 }
 
 #: the names the built-in plugins always register (tests/test_config_names.py keeps this in step
-#: with them); "jasper" is left out, as it is registered only where it can be imported
+#: with them); "jasper" and "cagra" are left out, as they are registered only where they can be imported
 BUILTIN_NAMES: Mapping[str, frozenset[str]] = {
     "retriever": frozenset({"exact", "faiss"}),
     "kv_store": frozenset({"hbm", "pinned", "disk", "redis"}),

@@ -1,8 +1,8 @@
 """Built-in retrievers and embedders, registered through the same hooks as third-party plugins.
 
 The backend modules import torch but neither faiss, sentence-transformers, openai
-nor jasper: those load when a backend is built or first used. Jasper is
-registered only where it is importable.
+nor jasper nor cuVS: those load when a backend is built or first used. Jasper
+and CAGRA (cuVS) are registered only where they are importable.
 """
 
 from __future__ import annotations
@@ -17,6 +17,14 @@ def jasper_available() -> bool:
     return importlib.util.find_spec("jasper") is not None
 
 
+def cagra_available() -> bool:
+    """Whether NVIDIA cuVS (CAGRA) can be imported here."""
+    try:
+        return importlib.util.find_spec("cuvs.neighbors") is not None
+    except (ImportError, ValueError):  # no cuvs package at all, or one without a spec
+        return False
+
+
 @hookimpl
 def register_retrievers(register):
     from inferscale.retrieval.exact import ExactRetriever
@@ -28,6 +36,10 @@ def register_retrievers(register):
         from inferscale.retrieval.jasper import JasperRetriever
 
         register(JasperRetriever)
+    if cagra_available():
+        from inferscale.retrieval.cagra import CagraRetriever
+
+        register(CagraRetriever)
 
 
 @hookimpl
