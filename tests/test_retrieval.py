@@ -465,6 +465,21 @@ def test_jasper_scores_from_distances_without_rescoring(distance, jasper_stand_i
         assert [h.score for h in row] == pytest.approx(values.tolist(), abs=2e-3)
 
 
+def test_jasper_builds_over_the_medoid_first_and_maps_ids_back(jasper_stand_in):
+    from inferscale.retrieval.jasper import JasperRetriever, insertion_order
+
+    x = torch.cat([unit(40, DIM, seed=8), unit(1, DIM, seed=9) * 0.01])  # the last row is nearest the mean
+    order = insertion_order(x)
+    assert order[0] == 40 and sorted(order.tolist()) == list(range(41))
+    assert torch.equal(order, insertion_order(x)) and not torch.equal(order[1:], torch.arange(40))
+    for entry in ("medoid", "first"):
+        r = JasperRetriever(JasperRetriever.Options(device="cpu", min_graph_size=1, entry=entry))
+        r.add("u", [f"f{i}" for i in range(41)], x)
+        assert [ids_of(h)[0] for h in r.search("u", x[[0, 7, 39]], 3)] == ["f0", "f7", "f39"]
+        graph = r._graphs["u"]
+        assert (graph.order is None) == (entry == "first")
+
+
 def test_jasper_options_are_validated(jasper_stand_in):
     from inferscale.retrieval.jasper import JasperRetriever
 
@@ -474,6 +489,8 @@ def test_jasper_options_are_validated(jasper_stand_in):
         JasperRetriever.Options(beam_width=4096)
     with pytest.raises(ValueError, match="distance"):
         JasperRetriever.Options(distance="cosine")
+    with pytest.raises(ValueError, match="entry must be one of"):
+        JasperRetriever.Options(entry="centre")
 
 
 @pytest.mark.skipif(not HAS_JASPER, reason=NO_JASPER)

@@ -16,6 +16,12 @@ What is Jasper's own:
   (L = 64), the batch schedule (doubling up to n/50 rows inserted in parallel)
   and the single pass are compiled in (``ffi/jasper_ffi_common.cuh``). A search
   stops after ``2·beam_width`` expansions.
+* Entry point. Every Jasper search starts at node 0 (``graph.medoid = 0``), and
+  the first rows inserted form the graph's backbone. With ``entry="medoid"``
+  (default) the graph is built over the rows reordered as DiskANN does it: the
+  row nearest the rows' mean first (the medoid, DiskANN's start point), the
+  others in a seeded random order; ids are mapped back to rows. ``"first"``
+  builds over the rows as stored.
 * Recall and data. i.i.d. or Gaussian-cluster unit vectors in 384 dimensions
   have a local intrinsic dimensionality of 70-130, against 7-10 for embedded
   facts (``benchmarks/neighbour_difficulty.py``): on them every graph index
@@ -46,6 +52,7 @@ MAX_BEAM = 1983  # Jasper refuses beam_width + 64 >= 2048
 #: Floor under ``min_graph_size``: on an H200, ``Graph.build`` never returned
 #: for 3, 20 or 40 vectors (R=32); 100 and more worked.
 GRAPH_MIN_NODES = 128
+ENTRIES = ("medoid", "first")
 
 
 def import_jasper():
@@ -58,6 +65,23 @@ def import_jasper():
             "built with -DJASPER_BUILD_FFI=ON and its python/ folder on PYTHONPATH"
         ) from exc
     return jasper
+
+
+@dataclass
+class _Graph:
+    index: Any  # jasper.Graph
+    order: torch.Tensor | None  # graph id → row (None: the same)
+
+
+def insertion_order(vectors: torch.Tensor, seed: int = 0) -> torch.Tensor:
+    """Rows in the order a graph is built over: the medoid (the row nearest the mean) first, the
+    others in a seeded random order (the same rows always give the same order)."""
+    squared = torch.einsum("nd,nd->n", vectors, vectors) - 2 * vectors @ vectors.mean(0)  # |v - mean|² - |mean|²
+    medoid = int(squared.argmin()) if vectors.shape[0] else 0
+    g = torch.Generator().manual_seed(seed)
+    rest = torch.randperm(vectors.shape[0], generator=g).to(vectors.device)
+    rest = rest[rest != medoid]
+    return torch.cat([torch.tensor([medoid], device=vectors.device), rest])
 
 
 class JasperRetriever(GraphRetriever):
@@ -74,10 +98,13 @@ class JasperRetriever(GraphRetriever):
         min_graph_size: int = 1024  # users below this are searched exactly
         rerank_factor: int = 2  # candidates per wanted hit, re-scored exactly
         rescore: bool = True
+        entry: str = "medoid"  # "medoid" or "first": which row the graph is entered at (module docstring)
         device: str = "cuda"
         dim: int | None = None
 
         def __post_init__(self):
+            if self.entry not in ENTRIES:
+                raise ValueError(f"entry must be one of {', '.join(ENTRIES)}, got {self.entry!r}")
             if self.n_neighbors not in DEGREES:
                 raise ValueError(f"n_neighbors must be one of {DEGREES}, got {self.n_neighbors!r}")
             if not self.alpha >= 1.0:
@@ -95,17 +122,25 @@ class JasperRetriever(GraphRetriever):
         self._jasper = import_jasper()
         super().__init__(options or self.Options())
 
-    def build_graph(self, vectors: torch.Tensor) -> Any:
-        return self._jasper.Graph.build(
-            vectors.half().contiguous(),
+    def build_graph(self, vectors: torch.Tensor) -> _Graph:
+        order = insertion_order(vectors) if self.options.entry == "medoid" else None
+        rows = vectors if order is None else vectors[order]
+        graph = self._jasper.Graph.build(
+            rows.half().contiguous(),
             n_neighbors=self.options.n_neighbors,
             distance=self.options.distance,
             alpha=self.options.alpha,
         )
+        return _Graph(graph, order)
 
-    def graph_candidates(self, graph: Any, q: torch.Tensor, wanted: int) -> tuple[torch.Tensor, torch.Tensor]:
-        rows, distances = graph.search(q.half().contiguous(), wanted, max(self.options.beam_width, wanted))
-        return rows, score_from_distance(distances.float(), self.options.distance)
+    def graph_candidates(self, graph: _Graph, q: torch.Tensor, wanted: int) -> tuple[torch.Tensor, torch.Tensor]:
+        ids, distances = graph.index.search(q.half().contiguous(), wanted, max(self.options.beam_width, wanted))
+        scores = score_from_distance(distances.float(), self.options.distance)
+        if graph.order is None:
+            return ids, scores
+        ids = ids.long()
+        known = (ids >= 0) & (ids < graph.order.shape[0])
+        return torch.where(known, graph.order[ids.clamp(0, graph.order.shape[0] - 1)], -1), scores
 
     def max_candidates(self) -> int:
         return MAX_BEAM

@@ -1,0 +1,111 @@
+#!/usr/bin/env bash
+# The retrieval block on the H200: a million generated facts, then every retriever on them at
+# 10k / 100k / 1M (exact, faiss-gpu flat and IVF, Jasper over a grid, CAGRA, faiss-cpu flat and HNSW),
+# and the synthetic sets beside them for comparison.
+#   RUN=/tmp/run STEPS="libs jasper corpus table synthetic" bash benchmarks/h200_retrieval.sh
+# Run from the repository root once /tmp/parts holds vLLM 0.26.0's site parts, the retrieval bundle's
+# (benchmarks/build_retrieval_bundle.sh: faiss-gpu-site.tar.zst.NN, cuvs-site.tar.zst.NN) and the 0.5B's
+# GGUF pieces (q05.NN, closed by q05.done, as for h200_tradeoff.sh). .gpu/ holds zstd, the gguf wheel,
+# vendor/ (Jasper's sources, ../shared/vendor) and minilm/ (all-MiniLM-L6-v2, a sentence-transformers dir).
+#   libs       unpack faiss-gpu (CUDA 12 runtime and cuBLAS beside it) and cuVS; check both load
+#   jasper     build Jasper twice in the background: as shipped (build beam L = 64) and with L = 192
+#              (the largest its construct config allows: L + 64 <= 256), to tell the build from the data
+#   corpus     FACTS facts from PEOPLE people written by the 0.5B (fact_corpus.py), embedded by MiniLM
+#   table      retrieval_latency.py on the corpus at SIZES for BACKENDS, Jasper's grid with each build
+#   synthetic  the same on the clustered and uniform sets (fewer backends), for comparison
+# Results: $RUN/retrieval_*.json, then (here) python benchmarks/retrieval_table.py $RUN/retrieval_*.json.
+set -uo pipefail
+RUN=${RUN:-/tmp/run}
+STEPS=${STEPS:-libs jasper corpus table synthetic}
+FACTS=${FACTS:-1000000} PEOPLE=${PEOPLE:-1536} SIZES=${SIZES:-10000,100000,1000000}
+BACKENDS=${BACKENDS:-exact,faiss-flat-gpu,faiss-ivf-gpu,faiss-ivf-gpu:nprobe=64,cagra,cagra:itopk=256,cagra:itopk=512,faiss-flat,faiss-hnsw,faiss-hnsw:ef=512}
+JASPER_GRID=${JASPER_GRID:-jasper,jasper:beam=512,jasper:beam=1024,jasper:entry=first,jasper:r=64,jasper:r=64,beam=1024,jasper:alpha=1.5,jasper:r=64,alpha=2.0,beam=1024}
+source benchmarks/gpu_block.sh
+NOW=$SITE:$PWD
+python3 -m pip install -q --no-index --no-deps --target "$SITE" .gpu/gguf-*.whl 2>/dev/null
+IMAGE=$(cd / && PYTHONPATH= python3 -c 'import os, torch; print(os.path.dirname(os.path.dirname(torch.__file__)))')
+LIBS=/tmp/faiss-gpu-site:/tmp/cuvs-site
+# libfaiss.so finds its CUDA 12 libraries by name only; libcuvs.so wants nvJitLink >= 13.3 (preloaded, as
+# torch may load the image's 13.0 first) and the image's other CUDA 13 libraries
+export LD_LIBRARY_PATH=/tmp/faiss-gpu-site/nvidia/cuda_runtime/lib:/tmp/faiss-gpu-site/nvidia/cublas/lib:/tmp/cuvs-site/nvidia/cu13/lib:$IMAGE/nvidia/cu13/lib:$IMAGE/nvidia/nccl/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
+JITLINK=/tmp/cuvs-site/nvidia/cu13/lib/libnvJitLink.so.13
+Q05=/tmp/qwen2.5-coder-0.5b-instruct-bfloat16
+
+if has libs; then
+  for lib in faiss-gpu cuvs; do
+    stamp "unpacking $lib"
+    mkdir -p /tmp/$lib-site && cat /tmp/parts/$lib-site.tar.zst.* | .gpu/zstd -d -q | tar -x -C /tmp/$lib-site
+  done
+  LD_PRELOAD=$JITLINK PYTHONPATH=$LIBS:$NOW python3 -c '
+import torch, faiss
+print("faiss", faiss.__version__, "GPUs seen by faiss:", faiss.get_num_gpus())
+from cuvs.neighbors import cagra
+x = torch.nn.functional.normalize(torch.randn(4096, 64, device="cuda"), dim=1)
+index = cagra.build(cagra.IndexParams(build_algo="nn_descent"), x)
+d, i = cagra.search(cagra.SearchParams(), index, x[:4], 4)
+print("cagra: each row finds itself:", i.copy_to_host()[:, 0].tolist())'
+fi
+
+if has jasper; then  # CPU work while the corpus is written
+  stamp "building Jasper (L = 64 as shipped, and L = 192) in the background (logs: $RUN/jasper_build*.log)"
+  build_jasper() {  # $1 = folder, $2 = the construct beam L
+    (set -e; REPO=$PWD; export PYTHONPATH=$SITE; mkdir -p "$1" && cd "$1"
+     for f in jasper gallatin argparse gpu_error; do tar xzf "$REPO/.gpu/vendor/$f-src.tar.gz"; done
+     rmdir jasper/external/gpu_error; cp -r gpu_error jasper/external/gpu_error
+     cp "$REPO/.gpu/vendor/CPM_0.42.1.cmake" "$1/CPM.cmake"
+     printf 'include(%s/CPM.cmake)\n' "$1" > jasper/cmake/CPM.cmake
+     sed -i "s/graph_construct_config<cfg_##id, 64, 4, R, 64>/graph_construct_config<cfg_##id, 64, 4, R, $2>/" \
+       jasper/ffi/jasper_ffi_common.cuh
+     grep -c "R, $2>" jasper/ffi/jasper_ffi_common.cuh
+     cd jasper
+     cmake -B build -DJASPER_BUILD_FFI=ON -DCMAKE_CUDA_ARCHITECTURES=90 \
+       -DCPM_gallatin_SOURCE="$1/gallatin" -DCPM_argparse_SOURCE="$1/argparse" \
+       -DThrust_DIR=/usr/local/cuda-13.0/targets/x86_64-linux/lib/cmake/thrust -DPython_EXECUTABLE="$(which python3)"
+     nice cmake --build build -j8 && cmake --install build && touch "$1/built")
+  }
+  build_jasper /tmp/jb 64 > "$RUN/jasper_build.log" 2>&1 &
+  build_jasper /tmp/jb192 192 > "$RUN/jasper_build192.log" 2>&1 &
+fi
+
+if has corpus; then
+  if [[ ! -f /tmp/corpus/vectors.npy ]]; then
+    until [[ -f /tmp/parts/q05.done ]]; do sleep 2; done
+    cat /tmp/parts/q05.[0-9]* > /tmp/q05.gguf
+    echo "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32  /tmp/q05.gguf" | sha256sum -c - || exit 1
+    [[ -d $Q05 ]] || PYTHONPATH=$NOW python3 -m inferscale.cli convert /tmp/q05.gguf --out $Q05 --dtype bfloat16
+    stamp "a corpus of $FACTS facts from $PEOPLE people, written by the 0.5B, embedded by MiniLM"
+    PYTHONPATH=$NOW timeout 900 python3 benchmarks/fact_corpus.py --facts "$FACTS" --people "$PEOPLE" --model $Q05 \
+      --embedder-model .gpu/minilm --out /tmp/corpus 2>&1 | grep --line-buffered -v " INFO \| DEBUG \|it/s" | tail -8
+  fi
+  cp /tmp/corpus/corpus.json "$RUN/fact_corpus.json" && head -c 400000 /tmp/corpus/facts.txt > "$RUN/fact_corpus_head.txt"
+fi
+
+latency() {  # $1 = tag, $2 = Jasper's python folder or "", then retrieval_latency.py's arguments
+  local tag=$1 jasper=$2; shift 2
+  stamp "retrieval latency: $tag"
+  LD_PRELOAD=$JITLINK PYTHONPATH=${jasper:+$jasper:}$LIBS:$NOW timeout 900 python3 benchmarks/retrieval_latency.py \
+    --queries 100 --batch 64 --out "$RUN/retrieval_$tag.json" "$@" 2>&1 | grep --line-buffered -v "^\[\|progress"
+}
+wait_jasper() {  # $1 = folder
+  for i in $(seq 1 300); do [[ -f $1/built ]] && return 0; sleep 2; done
+  stamp "Jasper in $1 not built:"; tail -5 "$RUN"/jasper_build*.log; return 1
+}
+
+if has table; then
+  latency corpus "" --corpus /tmp/corpus/vectors.npy --sizes "$SIZES" --backends "$BACKENDS"
+  wait_jasper /tmp/jb && latency corpus_jasper64 /tmp/jb/jasper/python --corpus /tmp/corpus/vectors.npy \
+    --sizes "$SIZES" --backends "$JASPER_GRID"
+  wait_jasper /tmp/jb192 && latency corpus_jasper192 /tmp/jb192/jasper/python --corpus /tmp/corpus/vectors.npy \
+    --sizes "$SIZES" --backends "$JASPER_GRID"
+fi
+
+if has synthetic; then
+  for data in clustered uniform; do
+    latency ${data} /tmp/jb192/jasper/python --data $data --sizes 100000,1000000 \
+      --backends exact,faiss-ivf-gpu,cagra,cagra:itopk=256,faiss-hnsw,jasper,jasper:entry=first,jasper:r=64,beam=1024
+    [[ -f /tmp/jb/built ]] && latency ${data}_jasper64 /tmp/jb/jasper/python --data $data --sizes 100000,1000000 \
+      --backends jasper,jasper:entry=first
+  done
+fi
+stamp done
+touch "$RUN/done"
