@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Build the GPU retrieval libraries for the H200 (no network there) as two zstd tars in 44 MiB parts:
-#   faiss-gpu-site.tar.zst.NN   faiss-gpu 1.15.1 (built for CUDA 12) with the CUDA 12 runtime and cuBLAS
-#                               it links (libcudart.so.12, libcublas(Lt).so.12): the driver runs CUDA 12
-#                               user-space libraries beside the image's CUDA 13 ones
+#   faiss-gpu-site.tar.zst.NN   faiss-gpu 1.15.1 (built for CUDA 12) with the CUDA 12 runtime, cuBLAS and
+#                               cuRAND wheels its __init__ preloads from nvidia/<lib>/lib (it refuses to
+#                               import without any of them): the driver runs CUDA 12 user-space
+#                               libraries beside the image's CUDA 13 ones
 #   cuvs-site.tar.zst.NN        cuVS 26.10 for CUDA 13 (CAGRA): cuvs, libcuvs, libraft, pylibraft, rmm,
 #                               librmm, libkvikio, rapids-logger, cuda-bindings, cuda-pathfinder, and
 #                               nvJitLink 13.5 (libcuvs wants >= 13.3; the image's cuda-toolkit is 13.0.2);
@@ -11,12 +12,12 @@
 # usage: ZSTD_LEVEL=12 bash benchmarks/build_retrieval_bundle.sh [OUTDIR]
 #
 # On the machine (benchmarks/h200_retrieval.sh does it): unpack each into its own folder, put it first on
-# PYTHONPATH, and before Python starts put on LD_LIBRARY_PATH the folders libfaiss.so and libcuvs.so
-# resolve their CUDA libraries from (printed at the end; libfaiss.so has no RPATH to them).
+# PYTHONPATH, and before Python starts put on LD_LIBRARY_PATH the folders libcuvs.so resolves its CUDA
+# libraries from (printed at the end). faiss needs nothing more: `import faiss` loads its CUDA 12
+# libraries by path (checked on a CPU machine: faiss 1.15.1 imports and sees 0 GPUs).
 #
 # Wheel sizes (pip download, 2026-12-04): faiss_gpu-1.15.1 135.3 MB, nvidia_cublas_cu12-12.9.3.13 581.2 MB,
-# nvidia_cuda_runtime_cu12-12.9.79 3.5 MB (nvidia_curand_cu12, 68.3 MB, is a declared dependency that
-# neither libfaiss.so nor _swigfaiss links: left out), libcuvs_cu13-26.10.0 241.2 MB, libraft 20.6,
+# nvidia_cuda_runtime_cu12-12.9.79 3.5 MB, nvidia_curand_cu12-10.3.10.19 68.3 MB, libcuvs_cu13-26.10.0 241.2 MB, libraft 20.6,
 # nvidia_nvjitlink 13.5.37 46.6, librmm 4.8, libkvikio 3.2, cuda_bindings 13.5.0 8.4, the rest < 2 MB.
 set -euo pipefail
 OUT=${1:-$(pwd)/retrieval-bundle}
@@ -28,7 +29,8 @@ fetch() {  # cp312 manylinux wheels, no dependencies, into $WORK/$1
     --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_24_x86_64 \
     --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d "$into" "$@"
 }
-fetch faiss faiss-gpu==1.15.1 'nvidia-cuda-runtime-cu12>=12.6,<13' 'nvidia-cublas-cu12>=12.6,<13'
+fetch faiss faiss-gpu==1.15.1 'nvidia-cuda-runtime-cu12>=12.6,<13' 'nvidia-cublas-cu12>=12.6,<13' \
+  'nvidia-curand-cu12>=10.3.7,<11'
 fetch cuvs 'cuvs-cu13==26.10.*' 'libcuvs-cu13==26.10.*' 'libraft-cu13==26.10.*' 'pylibraft-cu13==26.10.*' \
   'rmm-cu13==26.10.*' 'librmm-cu13==26.10.*' 'libkvikio-cu13==26.10.*' 'rapids-logger==0.3.*' \
   'cuda-bindings>=13.0.1,<14' cuda-pathfinder 'nvidia-nvjitlink>=13.3,<14'
@@ -47,4 +49,4 @@ for part in faiss cuvs; do
 done
 (cd "$OUT" && sha256sum faiss-gpu-site.tar.zst.* cuvs-site.tar.zst.* > RETRIEVAL_SHA256SUMS)
 ls "$OUT" | sed -n '1,200p' | tr '\n' ' '; echo
-echo "LD_LIBRARY_PATH on the machine: <faiss-site>/nvidia/cuda_runtime/lib:<faiss-site>/nvidia/cublas/lib:<cuvs-site>/nvidia/cu13/lib:<image site-packages>/nvidia/cu13/lib:<image site-packages>/nvidia/nccl/lib"
+echo "LD_LIBRARY_PATH on the machine: <cuvs-site>/nvidia/cu13/lib:<image site-packages>/nvidia/cu13/lib:<image site-packages>/nvidia/nccl/lib"

@@ -25,9 +25,9 @@ NOW=$SITE:$PWD
 python3 -m pip install -q --no-index --no-deps --target "$SITE" .gpu/gguf-*.whl 2>/dev/null
 IMAGE=$(cd / && PYTHONPATH= python3 -c 'import os, torch; print(os.path.dirname(os.path.dirname(torch.__file__)))')
 LIBS=/tmp/faiss-gpu-site:/tmp/cuvs-site
-# libfaiss.so finds its CUDA 12 libraries by name only; libcuvs.so wants nvJitLink >= 13.3 (preloaded, as
-# torch may load the image's 13.0 first) and the image's other CUDA 13 libraries
-export LD_LIBRARY_PATH=/tmp/faiss-gpu-site/nvidia/cuda_runtime/lib:/tmp/faiss-gpu-site/nvidia/cublas/lib:/tmp/cuvs-site/nvidia/cu13/lib:$IMAGE/nvidia/cu13/lib:$IMAGE/nvidia/nccl/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
+# `import faiss` loads its CUDA 12 libraries by path from the site; libcuvs.so wants nvJitLink >= 13.3
+# (preloaded, as torch may load the image's 13.0 first) and the image's other CUDA 13 libraries
+export LD_LIBRARY_PATH=/tmp/cuvs-site/nvidia/cu13/lib:$IMAGE/nvidia/cu13/lib:$IMAGE/nvidia/nccl/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
 JITLINK=/tmp/cuvs-site/nvidia/cu13/lib/libnvJitLink.so.13
 Q05=/tmp/qwen2.5-coder-0.5b-instruct-bfloat16
 
