@@ -160,6 +160,17 @@ def test_a_wrong_method_on_search_is_a_405_that_names_the_allowed_one(client):
     assert response.json()["error"]["type"] == "invalid_request_error"
 
 
+@pytest.mark.parametrize("method, path, allow", [
+    ("patch", "/v1/memories", "GET, POST, DELETE"), ("put", "/v1/memories", "GET, POST, DELETE"),
+    ("patch", "/v1/memories/f1", "GET, PUT, DELETE"), ("post", "/v1/memories/f1", "GET, PUT, DELETE")])
+def test_a_method_a_memory_route_does_not_take_is_a_405(client, method, path, allow):
+    response = getattr(client, method)(path, params={"user_id": "bob"}, json={})
+    assert response.status_code == 405 and response.headers["allow"] == allow
+    assert response.json()["error"]["code"] == 405
+    searched = client.post("/v1/memories/search", json={"user_id": "nobody", "query": "x", "k": 1})
+    assert searched.status_code == 404 and "no memory stored" in searched.text  # the search route, not a 405
+
+
 def test_a_missing_engine_is_a_503_not_a_crash(client):
     client.post("/v1/memories", json={"user_id": "bob", "facts": ["Bob lives in Oslo."]})
     chat = {"model": "tiny", "user": "bob", "messages": [{"role": "user", "content": "Where do I live?"}]}

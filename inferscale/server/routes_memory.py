@@ -186,3 +186,18 @@ def _extract(state: ServerState, user_id: str, turns: list[Turn]) -> list[tuple[
                                           name_speakers=False, llm_model=state.served_model)
     except (ExtractionError, ConfigError) as exc:
         raise APIError(503, f"fact extraction failed: {exc}") from None
+
+
+# after every real route: Starlette matches in order, and POST /v1/memories/search is one
+@router.api_route("/v1/memories", methods=["PUT", "PATCH"], include_in_schema=False)
+def memories_by_another_method(request: Request) -> None:
+    """The collection answers GET (list), POST (add) and DELETE (forget a user): anything else is a 405."""
+    raise APIError(405, f"{request.method} /v1/memories: use GET (list), POST (add) or DELETE (forget a user)",
+                   headers={"Allow": "GET, POST, DELETE"})
+
+
+@router.api_route("/v1/memories/{fact_id}", methods=["POST", "PATCH"], include_in_schema=False)
+def memory_by_another_method(fact_id: str, request: Request) -> None:
+    """One fact answers GET, PUT (change its text) and DELETE: anything else is a 405."""
+    raise APIError(405, f"{request.method} /v1/memories/{{id}}: use GET, PUT (change the text) or DELETE",
+                   headers={"Allow": "GET, PUT, DELETE"})
