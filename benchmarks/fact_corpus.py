@@ -233,7 +233,8 @@ def make_llm(args: argparse.Namespace):
         from inferscale.encode.weights import model_dir
 
         model = str(model_dir(model, args.dtype))
-    memory = {"gpu_memory_utilization": 0.85} if torch.cuda.is_available() else {"kv_cache_memory_bytes": 2 << 30}
+    memory = ({"gpu_memory_utilization": args.gpu_memory_utilization} if torch.cuda.is_available()
+              else {"kv_cache_memory_bytes": 2 << 30})
     return LLM(model=model, dtype=args.dtype, seed=args.seed, max_model_len=1024, **memory)
 
 
@@ -321,6 +322,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--temperature", type=float, default=0.9)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--parts", type=int, default=8, help="generation parts (each saved when done)")
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.85,
+                   help="vLLM's share of the GPU (lower it when other work shares the GPU)")
     p.add_argument("--templates-only", action="store_true", help="no model: the built-in templates")
     p.add_argument("--no-embed", action="store_true", help="write facts.txt only")
     p.add_argument("--embedder-model", default=None,

@@ -14,6 +14,8 @@
 #   table      retrieval_latency.py on the corpus at SIZES for BACKENDS, Jasper's grid with each build
 #   synthetic  the same on the clustered and uniform sets (fewer backends), for comparison
 # Results: $RUN/retrieval_*.json, then (here) python benchmarks/retrieval_table.py $RUN/retrieval_*.json.
+# It may run beside h200_tradeoff.sh (its own RUN): they share the site's unpack and the 0.5B's conversion,
+# the corpus takes CORPUS_GPU_MEMORY (0.3) of the GPU and the accuracy runs fixed KV caches.
 set -uo pipefail
 RUN=${RUN:-/tmp/run}
 STEPS=${STEPS:-libs jasper corpus table synthetic}
@@ -29,7 +31,7 @@ LIBS=/tmp/faiss-gpu-site:/tmp/cuvs-site
 # (preloaded, as torch may load the image's 13.0 first) and the image's other CUDA 13 libraries
 export LD_LIBRARY_PATH=/tmp/cuvs-site/nvidia/cu13/lib:$IMAGE/nvidia/cu13/lib:$IMAGE/nvidia/nccl/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
 JITLINK=/tmp/cuvs-site/nvidia/cu13/lib/libnvJitLink.so.13
-Q05=/tmp/qwen2.5-coder-0.5b-instruct-bfloat16
+source benchmarks/gpu_models.sh
 
 if has libs; then
   for lib in faiss-gpu cuvs; do
@@ -69,13 +71,10 @@ fi
 
 if has corpus; then
   if [[ ! -f /tmp/corpus/vectors.npy ]]; then
-    until [[ -f /tmp/parts/q05.done ]]; do sleep 2; done
-    cat /tmp/parts/q05.[0-9]* > /tmp/q05.gguf
-    echo "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32  /tmp/q05.gguf" | sha256sum -c - || exit 1
-    [[ -d $Q05 ]] || PYTHONPATH=$NOW python3 -m inferscale.cli convert /tmp/q05.gguf --out $Q05 --dtype bfloat16
+    convert_model q05 || { stamp "the 0.5B did not convert:"; tail -3 /tmp/convert-q05.log; exit 1; }
     stamp "a corpus of $FACTS facts from $PEOPLE people, written by the 0.5B, embedded by MiniLM"
     PYTHONPATH=$NOW timeout 900 python3 benchmarks/fact_corpus.py --facts "$FACTS" --people "$PEOPLE" --model $Q05 \
-      --embedder-model .gpu/minilm --out /tmp/corpus 2>&1 | grep --line-buffered -v " INFO \| DEBUG \|it/s" | tail -8
+      --gpu-memory-utilization ${CORPUS_GPU_MEMORY:-0.3} --embedder-model .gpu/minilm --out /tmp/corpus 2>&1 | grep --line-buffered -v " INFO \| DEBUG \|it/s" | tail -8
   fi
   cp /tmp/corpus/corpus.json "$RUN/fact_corpus.json" && head -c 400000 /tmp/corpus/facts.txt > "$RUN/fact_corpus_head.txt"
 fi

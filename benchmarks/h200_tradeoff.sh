@@ -30,19 +30,9 @@ NOW=/tmp/site:$PWD
 python3 -m pip install -q --no-index --no-deps --target /tmp/site .gpu/gguf-*.whl 2>/dev/null
 mkdir -p ../shared/data && rm -rf ../shared/data/locomo && cp -r .gpu/locomo ../shared/data/locomo
 
-# a model's GGUF from its pieces, checked, converted to a bf16 directory: $1 = q05|q15, $2 = sha256, $3 = out
-convert() {
-  until [[ -f /tmp/parts/$1.done ]]; do sleep 2; done
-  cat /tmp/parts/$1.[0-9]* > /tmp/$1.gguf && echo "$2  /tmp/$1.gguf" | sha256sum -c - \
-    && OMP_NUM_THREADS=4 PYTHONPATH=$NOW nice python3 -m inferscale.cli convert /tmp/$1.gguf --out "$3" --dtype bfloat16
-}
-Q05=/tmp/qwen2.5-coder-0.5b-instruct-bfloat16 Q15=/tmp/qwen2.5-coder-1.5b-instruct-bfloat16
-# once per machine: a second run of this script (other steps) finds the models converted or converting
-mkdir /tmp/convert.lock 2>/dev/null && \
-( convert q05 1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32 $Q05 > "$RUN/convert05.log" 2>&1
-  touch /tmp/converted05
-  convert q15 cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046 $Q15 > "$RUN/convert15.log" 2>&1
-  touch /tmp/converted ) &
+source benchmarks/gpu_models.sh
+# in the background: the 0.5B, then the 1.5B (a driver beside this one, e.g. h200_retrieval.sh, shares them)
+( convert_model q05; convert_model q15 ) &
 
 if has load; then
   stamp "load through vllm serve: 100 users, 200 facts each, k = 50, 32-token answers, budgets $BUDGETS"
@@ -59,7 +49,7 @@ if has ttft; then
 fi
 
 if has calibrate; then  # scales for the stored K/V, fitted on facts the 1.5B writes (not LoCoMo's)
-  for i in $(seq 1 450); do [[ -f /tmp/converted ]] && break; sleep 2; done
+  convert_model q15 || { stamp "the 1.5B did not convert:"; tail -3 /tmp/convert-q15.log; }
   stamp "a fact corpus written by the 1.5B, then the K/V calibration against prompt injection"
   PYTHONPATH=$NOW timeout 600 python3 benchmarks/fact_corpus.py --facts 3000 --people 256 --model $Q15 --no-embed \
     --out /tmp/corpus 2>&1 | grep --line-buffered -v " INFO \| DEBUG " | tail -5
@@ -70,8 +60,7 @@ if has calibrate; then  # scales for the stored K/V, fitted on facts the 1.5B wr
 fi
 
 if has accuracy; then  # the 0.5B starts once converted, while the 1.5B's pieces still arrive
-  for i in $(seq 1 300); do [[ -f /tmp/converted05 ]] && break; sleep 2; done
-  tail -3 "$RUN/convert05.log"
+  convert_model q05; tail -3 /tmp/convert-q05.log
   stamp "LoCoMo, every question: 0.5B ($METHODS05), in the background ($RUN/acc05.log)"
   export VLLM_ENABLE_V1_MULTIPROCESSING=0
   common=(--ks 5,10,20,50 --retrieval benchmarks/results/locomo_retrieval_minilm.json
@@ -80,8 +69,7 @@ if has accuracy; then  # the 0.5B starts once converted, while the 1.5B's pieces
   PYTHONPATH=$NOW python3 benchmarks/locomo_accuracy.py --model $Q05 --methods "$METHODS05" "${common[@]}" \
     --gpu-memory-utilization 0.1 --kv-cache-gib 8 --out "$RUN/locomo_qwen05_h200.json" > "$RUN/acc05.log" 2>&1 &
   A05=$!
-  for i in $(seq 1 450); do [[ -f /tmp/converted ]] && break; sleep 2; done
-  tail -3 "$RUN/convert15.log"
+  convert_model q15; tail -3 /tmp/convert-q15.log
   stamp "LoCoMo, every question: 1.5B ($METHODS15)"
   PYTHONPATH=$NOW python3 benchmarks/locomo_accuracy.py --model $Q15 --methods "$METHODS15" "${common[@]}" \
     --gpu-memory-utilization 0.1 --kv-cache-gib 16 --out "$RUN/locomo_qwen15_h200.json" 2>&1 | grep --line-buffered -v " INFO \| DEBUG "
