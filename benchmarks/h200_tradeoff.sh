@@ -52,6 +52,7 @@ if has calibrate; then  # scales for the stored K/V, fitted on facts the 1.5B wr
   convert_model q15 || { stamp "the 1.5B did not convert:"; tail -3 /tmp/convert-q15.log; }
   stamp "a fact corpus written by the 1.5B, then the K/V calibration against prompt injection"
   PYTHONPATH=$NOW timeout 600 python3 benchmarks/fact_corpus.py --facts 3000 --people 256 --model $Q15 --no-embed \
+    --gpu-memory-utilization ${CORPUS_GPU_MEMORY:-0.3} \
     --out /tmp/corpus 2>&1 | grep --line-buffered -v " INFO \| DEBUG " | tail -5
   PYTHONPATH=$NOW timeout 900 python3 benchmarks/kv_calibration.py --model $Q15 --facts /tmp/corpus/facts.txt \
     --window 10 --k 50 --samples ${CAL_SAMPLES:-96} --steps ${CAL_STEPS:-300} \
