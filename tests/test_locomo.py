@@ -236,3 +236,15 @@ def test_gaps_are_paired_per_question_with_an_interval_around_the_mean(tmp_path)
     assert mixed["low"] < mixed["gap"] < mixed["high"]
     assert ("prompt", "all") not in out
     assert "| level | 5 | -0.100 (-0.100, -0.100) |" in gaps.markdown(list(out.values()), "prompt")
+
+
+def test_misses_groups_questions_by_their_retrieved_evidence():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("locomo_misses", ROOT / "benchmarks" / "locomo_misses.py")
+    misses = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(misses)
+    assert misses.group_of([], 5) == "none" and misses.group_of([7], 5) == "one"
+    assert misses.group_of([3, 7, 10], 5) == "near"  # 3-7 and 7-10 are within 5 of each other
+    assert misses.group_of([3, 7, 30], 5) == "apart"  # no encoding of 30 saw 3 or 7, nor theirs it
+    assert misses.window_of("kv[window=-10,closing=answer]") == 10 and misses.window_of("kv[slots=5/20]") == 5
