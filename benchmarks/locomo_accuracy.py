@@ -206,6 +206,8 @@ def method_sets() -> dict[str, list[Method]]:
         "wide": wide_grid(),
         "depth": depth_grid(),
         "calibrated": calibrated_grid(),
+        # both zero-cost families not yet measured on the 1.5B, in one run (calibrated's rows first)
+        "offline": offline_grid(),
     }
 
 
@@ -261,6 +263,13 @@ def calibrated_grid() -> list[Method]:
     anchors = _anchors() + [_kv(window=-10, **close)]
     return anchors + [_kv(window=-10, **close, calibration=CALIBRATION), _kv(window=-5, **close, calibration=CALIBRATION),
                       _kv(window=-10, **close, calibration=CALIBRATION, recompute_tokens=256)]
+
+
+def offline_grid() -> list[Method]:
+    """The calibrated set, then the depth set's rows it lacks (one run of both: shared anchors)."""
+    rows = calibrated_grid()
+    names = {m.name for m in rows}
+    return rows + [m for m in depth_grid() if m.name not in names]
 
 
 def tradeoff_grid() -> list[Method]:

@@ -109,6 +109,13 @@ def test_slot_methods_read_the_window_nearest_each_slot():
     assert plain.encodings == [plain.encoding] and plain.encoding_at(9) == plain.encoding
 
 
+def test_the_offline_set_is_the_calibrated_and_depth_sets_in_one_run():
+    sets = harness.method_sets()
+    names = [m.name for m in sets["offline"]]
+    assert len(names) == len(set(names)) and names[: len(sets["calibrated"])] == [m.name for m in sets["calibrated"]]
+    assert set(names) == {m.name for m in sets["calibrated"] + sets["depth"]}
+
+
 def test_each_fact_reads_the_encoding_whose_context_holds_more_of_the_retrieved():
     mixed = {m.name: m for m in harness.method_sets()["depth"]}["kv[contexts=f10/n10,closing=answer]"]
     assert mixed.encodings == [(-10, "bullet", 0, 1.0), (0, "bullet", 10, 1.0)]
