@@ -186,7 +186,7 @@ def run(args: argparse.Namespace) -> dict:
     names = available(asked)  # also refuses unknown names
     if len(names) < len(asked):
         print(f"not available here: {', '.join(n for n in asked if n not in names)}", flush=True)
-    rows, sizes = [], []
+    rows, sizes, failures = [], [], []
     for n in (int(s) for s in args.sizes.split(",")):
         x, q = vectors_for(args, n)
         truth = exact_ids(x, q[: args.batch], args.k)
@@ -195,7 +195,12 @@ def run(args: argparse.Namespace) -> dict:
               f"{hardness[f'contrast_at_{args.k}_median']:.3f}", flush=True)
         sizes.append({"n": n, **hardness})
         for name in names:
-            m = measure(factory(name), x, q[: args.queries], q[: args.batch], args.k, args.batches)
+            try:
+                m = measure(factory(name), x, q[: args.queries], q[: args.batch], args.k, args.batches)
+            except Exception as exc:  # one backend failing (a library that does not load, GPU memory) ends only its row
+                failures.append({"backend": name, "n": n, "error": f"{type(exc).__name__}: {exc}"[:500]})
+                print(f"{name:>24} {n:>9,}  failed: {failures[-1]['error']}", flush=True)
+                continue
             found = m.pop("ids")
             m["recall_at_10"], m[f"recall_at_{args.k}"] = recall(found, truth, 10), recall(found, truth, args.k)
             rows.append({"backend": name, "n": n, "data": data_name(args), **m})
@@ -211,6 +216,7 @@ def run(args: argparse.Namespace) -> dict:
         "command": " ".join(["python", "benchmarks/retrieval_latency.py", *(argv_of(args))]),
         "difficulty": sizes,
         "rows": rows,
+        "failures": failures,
     }
 
 

@@ -31,7 +31,9 @@ def load(paths: list[Path]) -> dict[str, dict]:
     sets: dict[str, dict] = {}
     for path in paths:
         result = json.loads(path.read_text())
-        data = sets.setdefault(result["data"], {"commands": [], "difficulty": {}, "rows": [], "k": result["k"]})
+        data = sets.setdefault(result["data"], {"commands": [], "difficulty": {}, "rows": [], "failures": [],
+                                                "k": result["k"]})
+        data["failures"] += [{**f, "backend": label(f["backend"], path)} for f in result.get("failures", [])]
         data["commands"].append(result["command"])
         for d in result.get("difficulty", []):
             data["difficulty"][d["n"]] = d
@@ -67,6 +69,8 @@ def table(name: str, data: dict, floor: float) -> tuple[list[str], dict]:
                          f"| {r['p99_ms']:.3f} | {r['batch_p50_ms']:.2f} | {r['batch_p99_ms']:.2f} | {r['build_s']:.2f} "
                          f"| {gpu} | {r['host_mib']:.0f} |")
         lines.append("")
+    if data["failures"]:
+        lines += ["Failed (no row):", "", *(f"- {f['backend']} at {f['n']:,}: {f['error']}" for f in data["failures"]), ""]
     lines += ["Commands:", "", *(f"    {c}" for c in data["commands"]), ""]
     return lines, picks
 

@@ -114,3 +114,22 @@ def test_the_table_picks_the_fastest_backend_that_reaches_the_recall_floor(tmp_p
     assert written["defaults"] == {"corpus:v.npy": {"1000": "cagra"}}
     md = (tmp_path / "t.md").read_text()
     assert "jasper[L=192]:beam=512" in md and "Default: **cagra**" in md and "LID 9.0" in md
+
+
+def test_a_backend_that_fails_ends_only_its_own_row(bench, tmp_path, monkeypatch):
+    backends = sys.modules["retrieval_backends"]
+
+    def broken(extra):
+        raise RuntimeError("libcuvs.so: cannot open shared object file")
+
+    monkeypatch.setitem(backends.BASES, "cagra", (broken, {}))
+    monkeypatch.setattr(bench, "available", lambda names: names)
+    out = tmp_path / "out.json"
+    bench.main(["--data", "clustered", "--sizes", "500", "--queries", "8", "--batch", "8", "--batches", "2",
+                "--k", "5", "--dim", "8", "--threads", "1", "--backends", "cagra,exact", "--out", str(out)])
+    result = json.loads(out.read_text())
+    assert [r["backend"] for r in result["rows"]] == ["exact"]
+    assert result["failures"] == [{"backend": "cagra", "n": 500, "error": "RuntimeError: libcuvs.so: cannot open shared object file"}]
+    table = _module("retrieval_table")
+    table.main([str(out), "--out", str(tmp_path / "t")])
+    assert "- cagra at 500: RuntimeError" in (tmp_path / "t.md").read_text()
