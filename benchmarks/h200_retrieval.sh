@@ -6,7 +6,8 @@
 # Run from the repository root once /tmp/parts holds vLLM 0.26.0's site parts, the retrieval bundle's
 # (benchmarks/build_retrieval_bundle.sh: faiss-gpu-site.tar.zst.NN, cuvs-site.tar.zst.NN) and the 0.5B's
 # GGUF pieces (q05.NN, closed by q05.done, as for h200_tradeoff.sh). .gpu/ holds zstd, the gguf wheel,
-# vendor/ (Jasper's sources, ../shared/vendor) and minilm/ (all-MiniLM-L6-v2, a sentence-transformers dir).
+# vendor/ (Jasper's sources, ../shared/vendor) and minilm/ (all-MiniLM-L6-v2, a sentence-transformers dir);
+# benchmarks/stage_gpu_block.sh stages all of it.
 #   libs       unpack faiss-gpu (CUDA 12 runtime and cuBLAS beside it) and cuVS; check both load
 #   jasper     build Jasper twice in the background: as shipped (build beam L = 64) and with L = 192
 #              (the largest its construct config allows: L + 64 <= 256), to tell the build from the data
