@@ -6,7 +6,8 @@ Rows from several files of the same data are merged (a file named ``*_jasper192.
 Jasper built with construct beam L = 192, ``*_jasper64.json`` the shipped L = 64: the backend's
 name says so). For each size the **default** is the backend with the lowest single-query p50 among
 those reaching recall@50 ≥ ``--recall`` (0.95); exact search reaches 1.0, so it is the default
-unless an index is both good enough and faster. Writes ``<out>.md`` and ``<out>.json``.
+unless an index is both good enough and faster. Writes ``<out>.md``, ``<out>.json`` and
+``<out>.png`` (recall@k against single-query p50, one panel per data set and size).
 """
 
 from __future__ import annotations
@@ -75,6 +76,44 @@ def table(name: str, data: dict, floor: float) -> tuple[list[str], dict]:
     return lines, picks
 
 
+def plot(sets: dict[str, dict], floor: float, path: Path) -> None:
+    """Recall@k against single-query p50 latency (log scale), one panel per data set and size; the
+    recall floor dashed, each backend family one colour."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    panels = [(name, n) for name, data in sets.items() for n in sorted({r["n"] for r in data["rows"]})]
+    if not panels:
+        return
+    cols = min(3, len(panels))
+    rows_ = -(-len(panels) // cols)
+    fig, axes = plt.subplots(rows_, cols, figsize=(5.5 * cols, 4.2 * rows_), squeeze=False)
+    families = sorted({r["backend"].split(":")[0].split("[")[0] for d in sets.values() for r in d["rows"]})
+    colour = {f: f"C{i % 10}" for i, f in enumerate(families)}
+    for ax, (name, n) in zip(axes.flat, panels):
+        data = sets[name]
+        k = data["k"]
+        for r in (r for r in data["rows"] if r["n"] == n):
+            family = r["backend"].split(":")[0].split("[")[0]
+            ax.scatter(r["p50_ms"], r[f"recall_at_{k}"], color=colour[family], s=28)
+            ax.annotate(r["backend"], (r["p50_ms"], r[f"recall_at_{k}"]), fontsize=6, xytext=(3, 2),
+                        textcoords="offset points")
+        ax.axhline(floor, linestyle="--", color="grey", linewidth=0.8)
+        ax.set_xscale("log")
+        ax.set_ylim(-0.02, 1.05)
+        ax.set_title(f"{name}, {n:,} facts", fontsize=9)
+        ax.set_xlabel("single query p50 (ms, log)")
+        ax.set_ylabel(f"recall@{k}")
+        ax.grid(alpha=0.3)
+    for ax in list(axes.flat)[len(panels):]:
+        ax.axis("off")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("results", nargs="+", type=Path)
@@ -94,6 +133,7 @@ def main(argv: list[str] | None = None) -> None:
     args.out.with_suffix(".md").write_text("\n".join(lines))
     args.out.with_suffix(".json").write_text(json.dumps({"recall_floor": args.recall, "defaults": defaults,
                                                          "sets": sets}, indent=1, default=str) + "\n")
+    plot(sets, args.recall, args.out.with_suffix(".png"))
     print("\n".join(lines))
 
 

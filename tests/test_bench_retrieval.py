@@ -114,6 +114,7 @@ def test_the_table_picks_the_fastest_backend_that_reaches_the_recall_floor(tmp_p
     assert written["defaults"] == {"corpus:v.npy": {"1000": "cagra"}}
     md = (tmp_path / "t.md").read_text()
     assert "jasper[L=192]:beam=512" in md and "Default: **cagra**" in md and "LID 9.0" in md
+    assert (tmp_path / "t.png").stat().st_size > 10_000
 
 
 def test_a_backend_that_fails_ends_only_its_own_row(bench, tmp_path, monkeypatch):
