@@ -12,7 +12,7 @@ from inferscale.devices import auto_device, check_device
 from inferscale.retrieval.base import Hit
 from inferscale.retrieval.per_user import PerUserRetriever
 from inferscale.retrieval.ranking import top_hits
-from inferscale.retrieval.checks import check_fact_ids, check_k, last_wins, require_finite
+from inferscale.retrieval.checks import check_k, require_finite
 from inferscale.retrieval.user_matrix import UserMatrix
 
 
@@ -42,8 +42,7 @@ class ExactRetriever(PerUserRetriever):
 
     def add(self, user_id: str, fact_ids: Sequence[str], embeddings: torch.Tensor) -> None:
         with self._lock:
-            x = self._dims.matrix(embeddings, "embeddings", fix=True)
-            ids, x = last_wins(check_fact_ids(fact_ids, x.shape[0]), x)
+            ids, x = self._rows(fact_ids, embeddings)
             if ids:
                 self._user(user_id).upsert(ids, x)
 

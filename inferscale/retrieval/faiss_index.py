@@ -30,7 +30,7 @@ import torch
 from inferscale.retrieval.base import Hit
 from inferscale.retrieval.per_user import PerUserRetriever
 from inferscale.retrieval.ranking import sort_hits
-from inferscale.retrieval.checks import check_fact_ids, check_k, check_positive, last_wins
+from inferscale.retrieval.checks import check_k, check_positive
 
 KINDS = ("flat", "hnsw", "ivf")
 _GPU_MAX_K = 2048  # faiss GPU indexes refuse larger k
@@ -95,8 +95,7 @@ class FaissRetriever(PerUserRetriever):
 
     def add(self, user_id: str, fact_ids: Sequence[str], embeddings: torch.Tensor) -> None:
         with self._lock:
-            x = self._dims.matrix(embeddings, "embeddings", fix=True)
-            ids, x = last_wins(check_fact_ids(fact_ids, x.shape[0]), x)
+            ids, x = self._rows(fact_ids, embeddings)
             if not ids:
                 return
             if user_id not in self._users:

@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 from inferscale.retrieval.base import Hit
-from inferscale.retrieval.checks import check_fact_ids, check_k, last_wins
+from inferscale.retrieval.checks import check_k
 from inferscale.retrieval.per_user import PerUserRetriever
 from inferscale.retrieval.ranking import sort_hits, top_hits
 from inferscale.retrieval.user_matrix import UserMatrix
@@ -63,8 +63,7 @@ class GraphRetriever(PerUserRetriever):
 
     def add(self, user_id: str, fact_ids: Sequence[str], embeddings: torch.Tensor) -> None:
         with self._lock:
-            x = self._dims.matrix(embeddings, "embeddings", fix=True)
-            ids, x = last_wins(check_fact_ids(fact_ids, x.shape[0]), x)
+            ids, x = self._rows(fact_ids, embeddings)
             if not ids:
                 return
             self._users.setdefault(user_id, UserMatrix(self._dims.dim, self.device)).upsert(ids, x)

@@ -6,8 +6,10 @@ import threading
 from collections.abc import Sequence
 from typing import Any
 
+import torch
+
 from inferscale.retrieval.base import Retriever
-from inferscale.retrieval.checks import DimLock, check_fact_ids
+from inferscale.retrieval.checks import DimLock, check_fact_ids, last_wins
 
 
 class PerUserRetriever(Retriever):
@@ -20,6 +22,11 @@ class PerUserRetriever(Retriever):
         self._dims = DimLock(dim)
         self._users: dict[str, Any] = {}
         self._lock = threading.RLock()
+
+    def _rows(self, fact_ids: Sequence[str], embeddings: torch.Tensor) -> tuple[list[str], torch.Tensor]:
+        """The checked ids and rows of an ``add`` (the width fixed by the first), the last of a repeated id kept."""
+        x = self._dims.matrix(embeddings, "embeddings", fix=True)
+        return last_wins(check_fact_ids(fact_ids, x.shape[0]), x)
 
     def delete(self, user_id: str, fact_ids: Sequence[str] | None = None) -> None:
         with self._lock:
