@@ -25,6 +25,7 @@ import torch
 from inferscale.retrieval.base import Retriever
 from inferscale.retrieval.exact import ExactRetriever
 from inferscale.retrieval.faiss_index import FaissRetriever
+from inferscale.retrieval.plugin import cagra_available, jasper_available
 
 _FAISS_KEYS = {"m": "hnsw_m", "ef": "ef_search", "efc": "ef_construction", "nlist": "nlist", "nprobe": "nprobe"}
 _JASPER_KEYS = {"r": "n_neighbors", "beam": "beam_width", "alpha": "alpha", "distance": "distance",
@@ -102,17 +103,10 @@ def faiss_gpus() -> int:
     return faiss.get_num_gpus() if hasattr(faiss, "StandardGpuResources") else 0
 
 
-def _importable(module: str) -> bool:
-    try:
-        return importlib.util.find_spec(module) is not None
-    except (ImportError, ValueError):
-        return False
-
-
 def available(names: list[str]) -> list[str]:
     """The named backends that can run here (Jasper, CAGRA: importable and a GPU; faiss GPU: a faiss-gpu build)."""
     gpu = torch.cuda.is_available()
-    runs = {"jasper": gpu and _importable("jasper"), "cagra": gpu and _importable("cuvs.neighbors")}
+    runs = {"jasper": gpu and jasper_available(), "cagra": gpu and cagra_available()}
     has_faiss_gpu = faiss_gpus() > 0
     keep = []
     for name in names:

@@ -5,24 +5,16 @@ The shared retriever suite runs it too (``cagra-stand-in`` in test_retrieval.py)
 
 from __future__ import annotations
 
-import importlib.util
-
 import pytest
 import torch
 
 import cuvs_stand_in
+from inferscale.retrieval.plugin import cagra_available
 
 DIM = 16
 
 
-def _has_cuvs() -> bool:
-    try:
-        return importlib.util.find_spec("cuvs.neighbors") is not None and torch.cuda.is_available()
-    except (ImportError, ValueError):
-        return False
-
-
-HAS_CUVS = _has_cuvs()
+HAS_CUVS = cagra_available() and torch.cuda.is_available()
 NO_CUVS = "needs a CUDA GPU and NVIDIA cuVS (pip install cuvs-cu13)"
 
 
