@@ -51,23 +51,9 @@ fi
 
 if has jasper; then  # CPU work while the corpus is written
   stamp "building Jasper (L = 64 as shipped, and L = 192) in the background (logs: $RUN/jasper_build*.log)"
-  build_jasper() {  # $1 = folder, $2 = the construct beam L
-    (set -e; REPO=$PWD; export PYTHONPATH=$SITE; mkdir -p "$1" && cd "$1"
-     for f in jasper gallatin argparse gpu_error; do tar xzf "$REPO/.gpu/vendor/$f-src.tar.gz"; done
-     rmdir jasper/external/gpu_error; cp -r gpu_error jasper/external/gpu_error
-     cp "$REPO/.gpu/vendor/CPM_0.42.1.cmake" "$1/CPM.cmake"
-     printf 'include(%s/CPM.cmake)\n' "$1" > jasper/cmake/CPM.cmake
-     sed -i "s/graph_construct_config<cfg_##id, 64, 4, R, 64>/graph_construct_config<cfg_##id, 64, 4, R, $2>/" \
-       jasper/ffi/jasper_ffi_common.cuh
-     grep -c "R, $2>" jasper/ffi/jasper_ffi_common.cuh
-     cd jasper
-     cmake -B build -DJASPER_BUILD_FFI=ON -DCMAKE_CUDA_ARCHITECTURES=90 \
-       -DCPM_gallatin_SOURCE="$1/gallatin" -DCPM_argparse_SOURCE="$1/argparse" \
-       -DThrust_DIR=/usr/local/cuda-13.0/targets/x86_64-linux/lib/cmake/thrust -DPython_EXECUTABLE="$(which python3)"
-     nice cmake --build build -j8 && cmake --install build && touch "$1/built")
-  }
-  build_jasper /tmp/jb 64 > "$RUN/jasper_build.log" 2>&1 &
-  build_jasper /tmp/jb192 192 > "$RUN/jasper_build192.log" 2>&1 &
+  source benchmarks/gpu_jasper.sh
+  build_jasper /tmp/jb 64 8 > "$RUN/jasper_build.log" 2>&1 &
+  build_jasper /tmp/jb192 192 8 > "$RUN/jasper_build192.log" 2>&1 &
 fi
 
 if has corpus; then

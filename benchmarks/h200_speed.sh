@@ -27,16 +27,8 @@ fi
 
 if has jasper; then  # CPU work: built beside the correctness tests, ready for step "retrieval"
   stamp "building Jasper in the background (log: $RUN/jasper_build.log)"
-  (set -e; REPO=$PWD; export PYTHONPATH=$SITE; mkdir -p /tmp/jb && cd /tmp/jb
-   for f in jasper gallatin argparse gpu_error; do tar xzf "$REPO/.gpu/vendor/$f-src.tar.gz"; done
-   rmdir jasper/external/gpu_error; cp -r gpu_error jasper/external/gpu_error
-   cp "$REPO/.gpu/vendor/CPM_0.42.1.cmake" /tmp/jb/CPM.cmake
-   printf 'include(/tmp/jb/CPM.cmake)\n' > jasper/cmake/CPM.cmake
-   cd jasper
-   cmake -B build -DJASPER_BUILD_FFI=ON -DCMAKE_CUDA_ARCHITECTURES=90 \
-     -DCPM_gallatin_SOURCE=/tmp/jb/gallatin -DCPM_argparse_SOURCE=/tmp/jb/argparse \
-     -DThrust_DIR=/usr/local/cuda-13.0/targets/x86_64-linux/lib/cmake/thrust -DPython_EXECUTABLE="$(which python3)"
-   nice cmake --build build -j12 && cmake --install build && touch /tmp/jb/built) > "$RUN/jasper_build.log" 2>&1 &
+  source benchmarks/gpu_jasper.sh
+  build_jasper /tmp/jb > "$RUN/jasper_build.log" 2>&1 &
   JASPER_PID=$!
 fi
 
