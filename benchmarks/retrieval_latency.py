@@ -45,7 +45,7 @@ from inferscale.retrieval.exact import ExactRetriever
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from neighbour_difficulty import difficulty  # noqa: E402
-from retrieval_backends import ALIASES, BASES, available, factory, faiss_gpus  # noqa: E402, F401
+from retrieval_backends import BASES, available, factory  # noqa: E402
 
 DEFAULT_BACKENDS = ("exact", "faiss-flat", "faiss-hnsw", "faiss-ivf", "faiss-flat-gpu", "faiss-ivf-gpu", "jasper",
                     "cagra")

@@ -34,7 +34,7 @@ def test_a_corpus_run_reports_recall_latency_build_and_memory(bench, tmp_path):
                 "--out", str(out)])
     result = json.loads(out.read_text())
     assert result["dim"] == 32 and result["data"] == "corpus:vectors.npy"
-    gpu = bench.faiss_gpus() > 0
+    gpu = sys.modules["retrieval_backends"].faiss_gpus() > 0
     assert [(r["backend"], r["n"]) for r in result["rows"]] == [
         (b, n) for n in (300, 600) for b in ("exact", "faiss-flat") + (("faiss-flat-gpu",) if gpu else ())]
     for row in result["rows"]:
