@@ -8,8 +8,9 @@
 #   load      vllm_serve_load.py (Qwen2.5-7B shape, 100 users × 200 facts, k = 50, 32-token answers,
 #             one API server, hbm store) at 100 users for every budget in BUDGETS
 #   ttft      ttft.py at TTFT_KS (Llama-3.1-8B shape, CUDA graphs) for budgets TTFT_BUDGETS, stores TTFT_STORES
-#   calibrate a fact corpus the 1.5B writes (fact_corpus.py), then kv_calibration.py's scales for its stored
-#             K/V (benchmarks/results/kv_calibration_qwen15_h200.json, which METHODS15=calibrated reads)
+#   calibrate a fact corpus the 1.5B writes (fact_corpus.py), then kv_calibration.py's corrections for its
+#             stored K/V, per head and per channel (benchmarks/results/kv_calibration{,_channel}_qwen15_h200.json,
+#             which METHODS15=calibrated and offline read)
 #   accuracy  locomo_accuracy.py: the 1.5B's grid (METHODS15) beside the 0.5B's (METHODS05), concurrently;
 #             fixed KV caches (no memory profile), so other GPU work may run beside them
 # The GGUFs are assembled, checked and converted in the background while "load" runs.
@@ -54,10 +55,14 @@ if has calibrate; then  # scales for the stored K/V, fitted on facts the 1.5B wr
   PYTHONPATH=$NOW timeout 600 python3 benchmarks/fact_corpus.py --facts 3000 --people 256 --model $Q15 --no-embed \
     --gpu-memory-utilization ${CORPUS_GPU_MEMORY:-0.3} \
     --out /tmp/corpus 2>&1 | grep --line-buffered -v " INFO \| DEBUG " | tail -5
-  PYTHONPATH=$NOW timeout 900 python3 benchmarks/kv_calibration.py --model $Q15 --facts /tmp/corpus/facts.txt \
-    --window 10 --k 50 --samples ${CAL_SAMPLES:-96} --steps ${CAL_STEPS:-300} \
-    --out benchmarks/results/kv_calibration_qwen15_h200.json 2>&1 | grep --line-buffered -v "Warning"
-  cp benchmarks/results/kv_calibration_qwen15_h200.json /tmp/corpus/facts.txt "$RUN/" 2>/dev/null
+  for form in head channel; do  # the calibrated set reads both (locomo_accuracy.CALIBRATION*)
+    out=benchmarks/results/kv_calibration$([ $form = head ] || echo _$form)_qwen15_h200.json
+    PYTHONPATH=$NOW timeout 600 python3 benchmarks/kv_calibration.py --model $Q15 --facts /tmp/corpus/facts.txt \
+      --window 10 --k 50 --samples ${CAL_SAMPLES:-96} --steps ${CAL_STEPS:-300} --form $form \
+      --out $out 2>&1 | grep --line-buffered -v "Warning"
+    cp $out "$RUN/" 2>/dev/null
+  done
+  cp /tmp/corpus/facts.txt "$RUN/" 2>/dev/null
 fi
 
 if has accuracy; then  # the 0.5B starts once converted, while the 1.5B's pieces still arrive

@@ -2,14 +2,17 @@
 
 Each fact's K/V is encoded behind a few other facts, not behind the ones it is read with, so a
 query after injected facts sees keys and values a little unlike those after the same facts as
-text. This script fits, per layer and KV head, one scale on the keys' content (around the key
-bias: ``k = b + c (k - b)``, a softmax temperature on what the keys say) and one on the values
-(``v = s v``), so that the model's next-token distributions over a query after the injected facts
-match those after the same facts as text (the KL divergence, prompt injection as the teacher).
+text. This script fits the correction of :mod:`inferscale.encode.calibration` — per layer and KV
+head (``--form head``), one scale on the keys' content (around the key bias: ``k = b + c (k - b)``,
+a softmax temperature on what the keys say) and one on the values (``v = s v``); per channel, with
+a shift on each (``--form channel``) — so that the model's next-token distributions over a query
+after the injected facts match those after the same facts as text (the KL divergence, prompt
+injection as the teacher).
 No answers are used: the queries are questions about people the facts name, followed by the
 answer the model gives from the text (teacher forcing), and the facts come from a corpus that is
 not the evaluation's (``benchmarks/fact_corpus.py``: one fact a line, each naming a person).
-The scales are applied to the stored K/V at encoding time, so a request costs nothing more.
+The product applies the file to the stored K/V at encoding (``Config.calibration``), so a request
+costs nothing more.
 
 Each sample is a user: ``--pool`` facts in a stored order (each encoded behind the ``--window``
 facts stored before it, as the product's ``facts`` window does), of which ``--k`` are read in a
@@ -20,8 +23,9 @@ random order after the instruction, then a question about a person one of them n
     python benchmarks/kv_calibration.py --model <tiny> --facts facts.txt --k 6 --pool 12 \
         --samples 4 --steps 5 --out /tmp/c.json                          # a CPU smoke
 
-Writes OUT (JSON): the scales ``[layers][kv_heads]``, the KL before and after on the training
-samples and on held-out ones, and the command.
+Writes OUT (JSON): the calibration (``key_scale``, ``value_scale``, and in the channel form
+``key_shift``, ``value_shift``), the KL before and after on the training samples and on held-out
+ones, and the command.
 """
 
 from __future__ import annotations
@@ -38,7 +42,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from locomo_accuracy import CLOSINGS, INSTRUCTION, scale_content, stored_key_biases, window_policy  # noqa: E402
+from locomo_accuracy import CLOSINGS, INSTRUCTION, window_policy  # noqa: E402
+
+from inferscale.encode.calibration import FORMS, KVCalibration, corrected  # noqa: E402
 
 
 @dataclass
@@ -113,28 +119,55 @@ def greedy(model, ids: list[int], n: int, device) -> list[int]:
 
 
 class Scales(torch.nn.Module):
-    """Per layer and KV head: the key content scale ``c`` and the value scale ``s`` (log-parametrized)."""
+    """The correction being fitted (:func:`inferscale.encode.calibration.corrected`), log-parametrized
+    scales. ``head`` form: a key content scale and a value scale per layer and KV head. ``channel``
+    form: both per channel of each head, and a shift on the keys and on the values, each in units of
+    ``spread`` (``[2, layers, kv_heads, head_size]``: the RMS of the facts' key content and values per
+    channel), so one learning rate suits every channel."""
 
-    def __init__(self, layers: int, kv_heads: int):
+    def __init__(self, layers: int, kv_heads: int, head_size: int, form: str = "head", spread: torch.Tensor | None = None):
         super().__init__()
-        self.log_key = torch.nn.Parameter(torch.zeros(layers, kv_heads))
-        self.log_value = torch.nn.Parameter(torch.zeros(layers, kv_heads))
+        shape = (layers, kv_heads) if form == "head" else (layers, kv_heads, head_size)
+        self.form = form
+        self.log_key = torch.nn.Parameter(torch.zeros(shape))
+        self.log_value = torch.nn.Parameter(torch.zeros(shape))
+        if form == "channel":
+            self.key_shift = torch.nn.Parameter(torch.zeros(layers, kv_heads, head_size))
+            self.value_shift = torch.nn.Parameter(torch.zeros(layers, kv_heads, head_size))
+            self.register_buffer("spread", spread if spread is not None else torch.ones(2, *shape))
 
-    def apply(self, keys: torch.Tensor, values: torch.Tensor, biases: list, facts_from: int):
-        """Scaled copies of ``keys``/``values`` ``[layers, T, kv_heads, d]``; tokens before
+    def shifts(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        if self.form == "head":
+            return None, None
+        return self.key_shift * self.spread[0], self.value_shift * self.spread[1]
+
+    def apply(self, keys: torch.Tensor, values: torch.Tensor, bias: torch.Tensor, facts_from: int):
+        """Corrected copies of ``keys``/``values`` ``[layers, T, kv_heads, d]``; tokens before
         ``facts_from`` (the prefix, computed as text) are left alone."""
-        facts_k, facts_v = scale_content(keys[:, facts_from:], values[:, facts_from:], biases,
-                                         self.log_key.exp(), self.log_value.exp())
+        facts_k, facts_v = corrected(keys[:, facts_from:], values[:, facts_from:], bias,
+                                     self.log_key.exp(), self.log_value.exp(), *self.shifts())
         return torch.cat([keys[:, :facts_from], facts_k], dim=1), torch.cat([values[:, :facts_from], facts_v], dim=1)
 
+    def calibration(self, model: str) -> KVCalibration:
+        key_shift, value_shift = (t.detach().cpu() if t is not None else None for t in self.shifts())
+        return KVCalibration(self.log_key.detach().exp().cpu(), self.log_value.detach().exp().cpu(),
+                             key_shift, value_shift, model=model)
 
-def student_logprobs(model, rope, sample: Sample, scales: Scales | None, biases: list) -> torch.Tensor:
+
+def spread(samples: list[Sample], bias: torch.Tensor) -> torch.Tensor:
+    """Per layer, KV head and channel, the RMS of the facts' key content (``k - b``) and values."""
+    keys = torch.cat([(s.keys[:, len(s.prefix):].float() - bias[:, None]) for s in samples], dim=1)
+    values = torch.cat([s.values[:, len(s.prefix):].float() for s in samples], dim=1)
+    return torch.stack([keys.pow(2).mean(1).sqrt(), values.pow(2).mean(1).sqrt()]).clamp_min(1e-6)
+
+
+def student_logprobs(model, rope, sample: Sample, scales: Scales | None, bias: torch.Tensor) -> torch.Tensor:
     """Log-probabilities over the query after the facts' stored K/V, placed at 0..m-1 with RoPE."""
     from transformers import DynamicCache
 
     keys, values = sample.keys, sample.values
     if scales is not None:
-        keys, values = scales.apply(keys, values, biases, len(sample.prefix))
+        keys, values = scales.apply(keys, values, bias, len(sample.prefix))
     m = keys.shape[1]
     positions = torch.arange(m, device=keys.device)
     cache = DynamicCache(config=model.config)
@@ -146,12 +179,12 @@ def student_logprobs(model, rope, sample: Sample, scales: Scales | None, biases:
     return torch.log_softmax(out.logits[0].float(), -1)
 
 
-def kl(model, rope, samples: list[Sample], scales: Scales | None, biases: list) -> float:
+def kl(model, rope, samples: list[Sample], scales: Scales | None, bias: torch.Tensor) -> float:
     """Mean KL(teacher || student) per query token."""
     total, tokens = 0.0, 0
     with torch.no_grad():
         for s in samples:
-            student = student_logprobs(model, rope, s, scales, biases)
+            student = student_logprobs(model, rope, s, scales, bias)
             total += float((s.teacher.exp() * (s.teacher - student)).sum())
             tokens += len(s.query)
     return total / max(tokens, 1)
@@ -167,6 +200,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--samples", type=int, default=96, help="training samples (users)")
     parser.add_argument("--held-out", type=int, default=None, help="held-out samples (default: a quarter of --samples)")
     parser.add_argument("--answer-tokens", type=int, default=8, help="teacher answer tokens scored after the question")
+    parser.add_argument("--form", choices=FORMS, default="head",
+                        help="head: a key content scale and a value scale per layer and KV head; channel: both per "
+                             "channel, with a shift on keys and values")
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--lr", type=float, default=0.02)
     parser.add_argument("--encode-batch", type=int, default=32)
@@ -181,6 +217,7 @@ def main(argv: list[str] | None = None) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from inferscale.compose.rope import RotaryEmbedding
+    from inferscale.encode.capture import attention_modules, key_biases, text_config
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     dtype = getattr(torch, args.dtype or ("bfloat16" if device == "cuda" else "float32"))
@@ -189,7 +226,10 @@ def main(argv: list[str] | None = None) -> None:
     for p in model.parameters():
         p.requires_grad_(False)
     rope = RotaryEmbedding.from_hf_config(model.config)
-    biases = [b.to(device) if b is not None else None for b in stored_key_biases(model)]
+    config = text_config(model)
+    heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    size = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    bias = key_biases(attention_modules(model), heads, size).to(device)
     facts = read_facts(args.facts)
     rng = random.Random(args.seed)
     start = time.perf_counter()
@@ -197,28 +237,27 @@ def main(argv: list[str] | None = None) -> None:
     train = build_samples(model, tokenizer, facts, args, rng, args.samples, device)
     test = build_samples(model, tokenizer, facts, args, rng, held, device)
     built_s = time.perf_counter() - start
-    config = model.config
-    scales = Scales(config.num_hidden_layers, getattr(config, "num_key_value_heads", config.num_attention_heads)).to(device)
-    before = {"train": kl(model, rope, train, None, biases), "held_out": kl(model, rope, test, None, biases)}
+    scales = Scales(config.num_hidden_layers, heads, size, args.form,
+                    spread(train, bias) if args.form == "channel" else None).to(device)
+    before = {"train": kl(model, rope, train, None, bias), "held_out": kl(model, rope, test, None, bias)}
     print(f"{len(train)} + {len(test)} samples in {built_s:.0f} s; KL before: {before}", flush=True)
     optimizer = torch.optim.Adam(scales.parameters(), lr=args.lr)
     start = time.perf_counter()
     for step in range(args.steps):
         sample = train[step % len(train)]
-        student = student_logprobs(model, rope, sample, scales, biases)
+        student = student_logprobs(model, rope, sample, scales, bias)
         loss = (sample.teacher.exp() * (sample.teacher - student)).sum(-1).mean()
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()
         if step % max(1, args.steps // 10) == 0:
             print(f"step {step:4d}  KL {loss.item():.4f}", flush=True)
-    after = {"train": kl(model, rope, train, scales, biases), "held_out": kl(model, rope, test, scales, biases)}
+    after = {"train": kl(model, rope, train, scales, bias), "held_out": kl(model, rope, test, scales, bias)}
     print(f"KL after: {after} ({time.perf_counter() - start:.0f} s)", flush=True)
     result = {"command": " ".join(["python", *sys.argv]), "model": Path(args.model).name, "device": device,
               "dtype": str(dtype).removeprefix("torch."), "window": args.window, "k": args.k, "pool": args.pool,
               "samples": len(train), "held_out": len(test), "steps": args.steps, "lr": args.lr,
-              "kl_before": before, "kl_after": after,
-              "key_scale": scales.log_key.exp().tolist(), "value_scale": scales.log_value.exp().tolist()}
+              "kl_before": before, "kl_after": after, **scales.calibration(Path(args.model).name).to_dict()}
     args.out.write_text(json.dumps(result, indent=1) + "\n")
 
 

@@ -105,8 +105,8 @@ class Method:
     # a request reads, for each fact, the encoding whose context holds more of the facts retrieved
     # with it (the first listed on a tie; see Contexts.choose; the window unused)
     contexts: str = ""
-    # a benchmarks/kv_calibration.py JSON: per layer and KV head, a scale on the stored keys' content
-    # and one on the values, fitted offline against prompt injection (replaces content_scale)
+    # a benchmarks/kv_calibration.py JSON (inferscale.encode.calibration): scales (and shifts) on
+    # the stored keys' content and values, fitted offline against prompt injection (replaces content_scale)
     calibration: str = ""
 
     @property
@@ -251,18 +251,21 @@ def depth_grid() -> list[Method]:
     return anchors + several + [_kv(slots="10/40", **close), _kv(window=-40, **close)]
 
 
-#: where the calibrated set reads its scales (written by benchmarks/kv_calibration.py before the run)
+#: where the calibrated set reads its corrections (written by benchmarks/kv_calibration.py before the
+#: run): per layer and KV head, and per channel with shifts (``--form channel``)
 CALIBRATION = "benchmarks/results/kv_calibration_qwen15_h200.json"
+CALIBRATION_CHANNEL = "benchmarks/results/kv_calibration_channel_qwen15_h200.json"
 
 
 def calibrated_grid() -> list[Method]:
-    """Stored K/V through scales fitted offline against prompt injection on facts that are not
-    LoCoMo's (:data:`CALIBRATION`, fitted for the facts window of 10), at B = 0 and with the default
-    tail, against the same windows without them. Anchors first."""
+    """Stored K/V through corrections fitted offline against prompt injection on facts that are not
+    LoCoMo's (:data:`CALIBRATION`, :data:`CALIBRATION_CHANNEL`, fitted for the facts window of 10),
+    at B = 0 and with the default tail, against the same windows without them. Anchors first."""
     close = dict(closing="answer")
     anchors = _anchors() + [_kv(window=-10, **close)]
-    return anchors + [_kv(window=-10, **close, calibration=CALIBRATION), _kv(window=-5, **close, calibration=CALIBRATION),
-                      _kv(window=-10, **close, calibration=CALIBRATION, recompute_tokens=256)]
+    head = [_kv(window=-10, **close, calibration=CALIBRATION), _kv(window=-5, **close, calibration=CALIBRATION)]
+    channel = [_kv(window=-10, **close, calibration=CALIBRATION_CHANNEL), _kv(window=-5, **close, calibration=CALIBRATION_CHANNEL)]
+    return anchors + head + channel + [_kv(window=-10, **close, calibration=CALIBRATION, recompute_tokens=256)]
 
 
 def offline_grid() -> list[Method]:
@@ -486,39 +489,9 @@ def related_ranks(convs, cache: Path | None, embedder_name: str) -> dict[str, li
     return out
 
 
-def stored_key_biases(model) -> list:
-    """Per layer, the bias in the keys the encoder stores, ``[kv_heads, head_size]`` (None where
-    the stored keys have none: no bias, or a k_norm after the projection)."""
-    from inferscale.encode.capture import attention_modules
-
-    out = []
-    for attn in attention_modules(model):
-        bias = None
-        if getattr(attn, "k_norm", None) is None and getattr(attn.k_proj, "bias", None) is not None:
-            bias = attn.k_proj.bias.detach().float().cpu()
-        out.append(bias)
-    return out
-
-
-def scale_content(keys, values, biases: list, key_scale, value_scale):
-    """``keys`` ``[layers, tokens, kv_heads, head_size]`` with their content scaled around each
-    layer's key bias (``b + c (k - b)``; a layer without a bias scales the whole key), and
-    ``values`` times ``s``. ``key_scale`` / ``value_scale``: a number, or ``[layers, kv_heads]``
-    tensors (per layer and head). Gradients reach tensor scales."""
-    import torch
-
-    heads, size = keys.shape[2], keys.shape[3]
-    b = torch.stack([x.view(heads, size).to(keys) if x is not None else keys.new_zeros(heads, size)
-                     for x in biases])[:, None]
-    if isinstance(key_scale, torch.Tensor):
-        key_scale = key_scale[:, None, :, None].to(keys.dtype)
-    if isinstance(value_scale, torch.Tensor):
-        value_scale = value_scale[:, None, :, None].to(values.dtype)
-    return b + key_scale * (keys - b), value_scale * values
-
-
-def content_scaled(kv, biases: list, scale: float):
-    """``kv`` with its keys' content scaled around the key bias: ``b + scale (k - b)``.
+def content_scaled(kv, bias, scale: float):
+    """``kv`` with its keys' content scaled around the key bias (``bias``: ``[layers, kv_heads,
+    head_size]``, :attr:`FactEncoder.key_bias`): ``b + scale (k - b)``.
 
     A key is ``k = W x + b``; the query's logit on it is ``q . R(k) = q . R(W x) + q . R(b)``. The
     bias term depends only on the two positions (it draws the model's positional patterns, its
@@ -526,26 +499,11 @@ def content_scaled(kv, biases: list, scale: float):
     Scaling the whole key by ``c`` scales that term too, on the injected facts only, and moves their
     attention against the prefix and the question; scaling ``W x`` alone is a temperature on what
     the keys say."""
+    from inferscale.encode.calibration import corrected
     from inferscale.kv import FactKV
 
-    keys, _ = scale_content(kv.keys.float(), kv.values, biases, scale, 1.0)
+    keys, _ = corrected(kv.keys.float(), kv.values, bias, scale, 1.0)
     return FactKV(kv.token_ids, keys.to(kv.keys.dtype), kv.values)
-
-
-def calibrated(kv, biases: list, path: str):
-    """``kv`` through a calibration (``benchmarks/kv_calibration.py``): per layer and KV head, its
-    keys' content scaled around the key bias (``b + c (k - b)``) and its values scaled."""
-    import torch
-
-    from inferscale.kv import FactKV
-
-    fitted = json.loads(Path(path).read_text())
-    c, s = torch.tensor(fitted["key_scale"]), torch.tensor(fitted["value_scale"])
-    if c.shape != (kv.keys.shape[0], kv.keys.shape[2]):
-        raise ValueError(f"{path}: scales for {c.shape[0]} layers x {c.shape[-1]} KV heads, "
-                         f"K/V of {kv.keys.shape[0]} x {kv.keys.shape[2]}")
-    keys, values = scale_content(kv.keys.float(), kv.values.float(), biases, c, s)
-    return FactKV(kv.token_ids, keys.to(kv.keys.dtype), values.to(kv.values.dtype))
 
 
 def needed_facts(items: list[Item], k: int) -> dict[str, list[int]]:
@@ -562,6 +520,7 @@ def encode_all(args, convs, needed, encodings, model_dir: str, data_dir: Path, p
     import torch
 
     from inferscale.compose.segment import PREFIX_FACT, SYSTEM_USER
+    from inferscale.encode.calibration import KVCalibration
     from inferscale.encode.encoder import FactEncoder
     from inferscale.facts import Fact, make_fact_id
     from inferscale.kv import FactKV
@@ -572,7 +531,7 @@ def encode_all(args, convs, needed, encodings, model_dir: str, data_dir: Path, p
     ids: dict = {}
     with FactEncoder.from_spec(model_dir, dtype="float32", batch_size=args.encode_batch) as encoder:
         encoder.model.to(device)
-        key_biases = stored_key_biases(encoder.model)
+        calibrations = {path: KVCalibration.load(path) for path in {e[3] for e in encodings if isinstance(e[3], str)}}
 
         def cast(kv: FactKV) -> FactKV:
             return FactKV(kv.token_ids, kv.keys.to(kv_dtype), kv.values.to(kv_dtype))
@@ -604,9 +563,9 @@ def encode_all(args, convs, needed, encodings, model_dir: str, data_dir: Path, p
                 for scale, scaled_facts in fact_lists.items():
                     put = {scaled_facts[j].fact_id: kvs[facts[j].fact_id] for j in indices}
                     if isinstance(scale, str):
-                        put = {fid: calibrated(kv, key_biases, scale) for fid, kv in put.items()}
+                        put = {fid: calibrations[scale].apply(kv, encoder.key_bias) for fid, kv in put.items()}
                     elif scale != 1.0:
-                        put = {fid: content_scaled(kv, key_biases, scale) for fid, kv in put.items()}
+                        put = {fid: content_scaled(kv, encoder.key_bias, scale) for fid, kv in put.items()}
                     disk.put(scaled_facts[0].user_id, {fid: cast(kv) for fid, kv in put.items()})
                     ids[(cid, (window, style, neighbours, scale))] = {j: scaled_facts[j].fact_id for j in indices}
             name = user_of('', (window, style, neighbours, 1.0)).lstrip('.') \

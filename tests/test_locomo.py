@@ -142,61 +142,32 @@ def test_content_scale_leaves_the_key_bias_alone():
     import torch
     from transformers import AutoModelForCausalLM
 
+    from inferscale.encode.capture import attention_modules, key_biases
     from inferscale.kv import FactKV
 
     qwen2 = AutoModelForCausalLM.from_pretrained(tiny_models.tiny_model_dir("qwen2", "float32"))
-    llama = AutoModelForCausalLM.from_pretrained(tiny_models.tiny_model_dir("llama", "float32"))
-    biases = harness.stored_key_biases(qwen2)
-    assert len(biases) == qwen2.config.num_hidden_layers and all(b is not None for b in biases)
-    assert all(b is None for b in harness.stored_key_biases(llama))
     heads, size = qwen2.config.num_key_value_heads, qwen2.config.hidden_size // qwen2.config.num_attention_heads
+    biases = key_biases(attention_modules(qwen2), heads, size)
     keys = torch.randn(len(biases), 3, heads, size)
     kv = FactKV((1, 2, 3), keys, torch.randn_like(keys))
     scaled = harness.content_scaled(kv, biases, 1.5)
-    for layer, bias in enumerate(biases):
-        b = bias.view(heads, size)
+    for layer, b in enumerate(biases):
         torch.testing.assert_close(scaled.keys[layer] - b, 1.5 * (keys[layer] - b))
-    torch.testing.assert_close(harness.content_scaled(kv, [None] * len(biases), 1.5).keys, 1.5 * keys)
+    torch.testing.assert_close(harness.content_scaled(kv, torch.zeros_like(biases), 1.5).keys, 1.5 * keys)
     assert scaled.values is kv.values and scaled.token_ids == kv.token_ids
     plain, warm = harness.Method("kv", window=-5), harness.Method("kv", window=-5, content_scale=1.1)
     assert harness.user_of("c", plain.encoding) != harness.user_of("c", warm.encoding)
 
 
-def test_a_calibration_scales_each_layer_and_head_of_the_stored_kv(tmp_path):
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    from inferscale.kv import FactKV
-
-    qwen2 = AutoModelForCausalLM.from_pretrained(tiny_models.tiny_model_dir("qwen2", "float32"))
-    biases = harness.stored_key_biases(qwen2)
-    layers, heads = len(biases), qwen2.config.num_key_value_heads
-    size = qwen2.config.hidden_size // qwen2.config.num_attention_heads
-    keys = torch.randn(layers, 3, heads, size)
-    kv = FactKV((1, 2, 3), keys, torch.randn_like(keys))
-    key_scale = [[1.0 + 0.1 * (layer + head) for head in range(heads)] for layer in range(layers)]
-    value_scale = [[0.5] * heads for _ in range(layers)]
+def test_a_calibration_is_an_encoding_of_its_own(tmp_path):
+    """A method reading a calibration file stores its facts under users of their own (the
+    correction itself is tested in tests/test_calibration.py)."""
     path = tmp_path / "calibration.json"
-    path.write_text(json.dumps({"key_scale": key_scale, "value_scale": value_scale}))
-    out = harness.calibrated(kv, biases, str(path))
-    for layer, bias in enumerate(biases):
-        b = bias.view(heads, size)
-        for head in range(heads):
-            torch.testing.assert_close(out.keys[layer, :, head] - b[head],
-                                       key_scale[layer][head] * (keys[layer, :, head] - b[head]))
-    torch.testing.assert_close(out.values, 0.5 * kv.values)
-    path.write_text(json.dumps({"key_scale": [[1.0] * heads] * layers, "value_scale": [[1.0] * heads] * layers}))
-    torch.testing.assert_close(harness.calibrated(kv, biases, str(path)).keys, keys)
-    path.write_text(json.dumps({"key_scale": [[1.0] * heads], "value_scale": [[1.0] * heads]}))
-    with pytest.raises(ValueError, match="scales for 1 layers"):
-        harness.calibrated(kv, biases, str(path))
     cal = harness.Method("kv", window=-10, calibration=str(path))
     assert cal.encoding[3] == str(path) and harness.user_of("c", cal.encoding) != harness.user_of("c", harness.Method("kv", window=-10).encoding)
     assert sorted({cal.encoding, harness.Method("kv", window=-10).encoding}, key=repr)  # mixed transforms sort
 
 
-@pytest.mark.slow
-@needs_data
 def test_harness_runs_on_every_conversation(tmp_path):
     """A stratified sample across all 7 conversations, on a tiny model: every method answers every
     question, nothing falls back, the tail budget recomputes and the files are written."""

@@ -59,6 +59,11 @@ class MemoryAPI:
     def __init__(self, context: Context):
         self.context = context
         self.config = context.config
+        self.calibration = None
+        if self.config.calibration:  # read now, so a bad file stops the start, not the first write
+            from inferscale.encode.calibration import KVCalibration
+
+            self.calibration = KVCalibration.load(self.config.calibration)
 
     # ------------------------------------------------------------ writing
 
@@ -165,7 +170,7 @@ class MemoryAPI:
 
         window = build("window", self.config.window)
         return FactEncoder.from_spec(str(self.context.model_dir), window, dtype=self.config.model.encode_dtype,
-                                     fact_style=self.config.fact_style)
+                                     fact_style=self.config.fact_style, calibration=self.calibration)
 
     def close(self) -> None:
         if "encoder" in self.__dict__:

@@ -64,6 +64,9 @@ class Config:
     #: the injected facts' keys are multiplied by this: a temperature 1/key_scale on models without
     #: a key bias; with one (Qwen2) it also scales the bias's positional term (docs/connector.md)
     key_scale: float = 1.0
+    #: a KV calibration file (``benchmarks/kv_calibration.py``) every fact's K/V are corrected with
+    #: at encoding, fitted for the model and window ("": none; :mod:`inferscale.encode.calibration`)
+    calibration: str = ""
     #: at most this many facts are kept per conversation turn (Mem0 extraction or given facts)
     max_facts_per_turn: int = 5
     #: the server secret that keys cache salts (created, mode 0600, on first use); "" = <data_dir>/secret
@@ -76,7 +79,7 @@ class Config:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ConfigError(f"{name} must be a positive integer, got {value!r}")
-        for name in ("instruction", "closing", "secret_file"):
+        for name in ("instruction", "closing", "secret_file", "calibration"):
             if not isinstance(getattr(self, name), str):
                 raise ConfigError(f"{name} must be a string")
         if not isinstance(self.tuning, Tuning):

@@ -113,3 +113,15 @@ class KVCapture:
             store[layer] = out.detach()
 
         return hook
+
+
+def key_biases(attn: Sequence[nn.Module], num_kv_heads: int, head_size: int) -> torch.Tensor:
+    """Per layer, the bias in the keys the encoder stores, ``[layers, kv_heads, head_size]``
+    (float32, on the CPU): the key projection's bias, zero where it has none or where a k_norm
+    after the projection is what is stored."""
+    out = torch.zeros(len(attn), num_kv_heads, head_size)
+    for layer, module in enumerate(attn):
+        bias = getattr(module.k_proj, "bias", None)
+        if not isinstance(getattr(module, "k_norm", None), nn.Module) and bias is not None:
+            out[layer] = bias.detach().float().cpu().view(num_kv_heads, head_size)
+    return out

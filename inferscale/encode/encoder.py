@@ -48,7 +48,8 @@ from tqdm.auto import tqdm
 from inferscale.devices import module_device
 from inferscale.encode import prefill, sharing
 from inferscale.encode.capture import KVCapture as _KVCapture
-from inferscale.encode.capture import attention_modules, has_sliding_window, model_name, text_config
+from inferscale.encode.calibration import KVCalibration
+from inferscale.encode.capture import attention_modules, has_sliding_window, key_biases, model_name, text_config
 from inferscale.encode.fact_rows import related_ids, source_index, unique_facts
 from inferscale.encode.policies import NoWindow
 from inferscale.encode.prefill import Prefilled as _Prefilled
@@ -66,12 +67,15 @@ class FactEncoder:
 
     ``window`` chooses each fact's context (default: none); ``batch_size`` is
     the most rows one forward pass runs; ``share_prefixes`` prefills shared
-    prefixes once (None: on a CPU only; see the module's docstring). Use as a context manager, or
+    prefixes once (None: on a CPU only; see the module's docstring); ``calibration``
+    corrects every fact's K/V (:mod:`inferscale.encode.calibration`; not those of
+    :meth:`encode_ids`, which are read as the text they are). Use as a context manager, or
     call :meth:`close`, to release the model.
     """
 
     def __init__(self, model: nn.Module, tokenizer, window: WindowPolicy | None = None, batch_size: int = 8,
-                 fact_style: str = "bullet", share_prefixes: bool | None = None):
+                 fact_style: str = "bullet", share_prefixes: bool | None = None,
+                 calibration: KVCalibration | None = None):
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
         render_fact("", fact_style)  # rejects an unknown style now
@@ -83,15 +87,19 @@ class FactEncoder:
         self._share = share_prefixes if not has_sliding_window(text_config(model)) else False
         self._attn = attention_modules(model)
         self._pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+        #: the bias in the keys it stores, ``[layers, kv_heads, head_size]`` (what a calibration keeps)
+        self.key_bias = key_biases(self._attn, self.num_kv_heads, self.head_size)
+        self.calibration = calibration.check(self.num_layers, self.num_kv_heads, self.head_size) if calibration else None
 
     @classmethod
     def from_spec(cls, spec, window: WindowPolicy | None = None, dtype: Any = None, batch_size: int = 8,
-                  fact_style: str = "bullet", share_prefixes: bool | None = None):
+                  fact_style: str = "bullet", share_prefixes: bool | None = None,
+                  calibration: KVCalibration | None = None):
         """Load the model named by a ModelSpec / directory / GGUF / known name and wrap it."""
         from inferscale.encode.weights import load_causal_lm
 
         model, tokenizer = load_causal_lm(spec, dtype=dtype)
-        return cls(model, tokenizer, window, batch_size, fact_style, share_prefixes)
+        return cls(model, tokenizer, window, batch_size, fact_style, share_prefixes, calibration)
 
     @property
     def share_prefixes(self) -> bool:
@@ -163,6 +171,8 @@ class FactEncoder:
                 for i in chosen]
         with tqdm(total=len(rows), desc="encoding facts", unit="fact", disable=not progress) as bar:
             kvs = self._encode_rows(rows, bar)
+        if self.calibration is not None:
+            kvs = [self.calibration.apply(kv, self.key_bias) for kv in kvs]
         return {unique[i].fact_id: kv for i, kv in zip(chosen, kvs)}
 
     def encode_ids(self, token_ids: Sequence[int], context_ids: Sequence[int] = ()) -> FactKV:
