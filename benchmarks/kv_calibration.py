@@ -23,6 +23,9 @@ random order after the instruction, then a question about a person one of them n
     python benchmarks/kv_calibration.py --model <tiny> --facts facts.txt --k 6 --pool 12 \
         --samples 4 --steps 5 --out /tmp/c.json                          # a CPU smoke
 
+With ``--locomo DIR`` the KL before and after is also measured on LoCoMo questions after their
+retrieved facts (``locomo``: conversations the fit never saw, their answers never read).
+
 Writes OUT (JSON): the calibration (``key_scale``, ``value_scale``, and in the channel form
 ``key_shift``, ``value_shift``), the KL before and after on the training samples and on held-out
 ones, and the command.
@@ -80,35 +83,83 @@ def question(fact: str) -> str:
     return f"What do you know about {name}?"
 
 
-def build_samples(model, tokenizer, facts: list[str], args, rng: random.Random, count: int, device) -> list[Sample]:
-    from inferscale.compose.prompt import PromptFormat, fact_token_ids
-    from inferscale.encode.encoder import FactEncoder
+class Reader:
+    """What every sample shares: the model, the prompt format, the prefix and its K/V, and an
+    encoder of facts behind the ``--window`` facts stored before each."""
+
+    def __init__(self, model, tokenizer, args, device):
+        from inferscale.compose.prompt import PromptFormat
+        from inferscale.encode.encoder import FactEncoder
+
+        self.model, self.tokenizer, self.args, self.device = model, tokenizer, args, device
+        self.fmt = PromptFormat.from_tokenizer(tokenizer, INSTRUCTION, CLOSINGS["answer"])
+        self.prefix = self.fmt.prefix_ids(tokenizer)
+        self.encoder = FactEncoder(model, tokenizer, window_policy(-args.window), batch_size=args.encode_batch,
+                                   share_prefixes=False)
+        self.prefix_kv = self.encoder.encode_ids(self.prefix)
+
+    def encode(self, stored: list, only: set[str]) -> dict:
+        return self.encoder.encode(stored, progress=False, prefix_ids=self.prefix, only=only)
+
+    def sample(self, texts: list[str], kvs: list, ask: str) -> Sample:
+        """The facts ``texts`` (with their K/V ``kvs``) read in this order, then the question ``ask``
+        and the answer the model gives from the text."""
+        from inferscale.compose.prompt import fact_token_ids
+
+        seg_facts = [fact_token_ids(self.tokenizer, text, "bullet") for text in texts]
+        query = self.fmt.query_ids(self.tokenizer, ask)
+        segment = self.prefix + [t for f in seg_facts for t in f]
+        with torch.no_grad():
+            answer = greedy(self.model, segment + query, self.args.answer_tokens, self.device)
+            ids = torch.tensor([segment + query + answer], device=self.device)
+            logits = self.model(input_ids=ids).logits[0, len(segment):].float()  # after each query token
+        keys = torch.cat([self.prefix_kv.keys] + [kv.keys for kv in kvs], dim=1)
+        values = torch.cat([self.prefix_kv.values] + [kv.values for kv in kvs], dim=1)
+        return Sample(self.prefix, seg_facts, query + answer, keys.to(self.device), values.to(self.device),
+                      torch.log_softmax(logits, -1))
+
+
+def build_samples(reader: Reader, facts: list[str], rng: random.Random, count: int) -> list[Sample]:
+    """Users drawn from the corpus: ``--pool`` facts stored, ``--k`` read in a random order, a
+    question about a person one of them names."""
     from inferscale.facts import Fact, make_fact_id
 
-    fmt = PromptFormat.from_tokenizer(tokenizer, INSTRUCTION, CLOSINGS["answer"])
-    prefix = fmt.prefix_ids(tokenizer)
-    encoder = FactEncoder(model, tokenizer, window_policy(-args.window),
-                          batch_size=args.encode_batch, share_prefixes=False)
-    prefix_kv = encoder.encode_ids(prefix)
-    samples = []
+    args, samples = reader.args, []
     for _ in range(count):
         pool = rng.sample(facts, min(args.pool, len(facts)))
         stored = [Fact(make_fact_id("calibration", text, None), "calibration", text) for text in pool]
         read = rng.sample(range(len(stored)), min(args.k, len(stored)))
         if args.stored_order:
             read.sort()
-        kvs = encoder.encode(stored, progress=False, prefix_ids=prefix, only={stored[i].fact_id for i in read})
-        seg_facts = [fact_token_ids(tokenizer, pool[i], "bullet") for i in read]
-        ask = fmt.query_ids(tokenizer, question(pool[rng.choice(read)]))
-        segment = prefix + [t for f in seg_facts for t in f]
-        with torch.no_grad():
-            answer = greedy(model, segment + ask, args.answer_tokens, device)
-            ids = torch.tensor([segment + ask + answer], device=device)
-            logits = model(input_ids=ids).logits[0, len(segment):].float()  # after each query token
-        keys = torch.cat([prefix_kv.keys] + [kvs[stored[i].fact_id].keys for i in read], dim=1)
-        values = torch.cat([prefix_kv.values] + [kvs[stored[i].fact_id].values for i in read], dim=1)
-        samples.append(Sample(prefix, seg_facts, ask + answer, keys.to(device), values.to(device),
-                              torch.log_softmax(logits, -1)))
+        kvs = reader.encode(stored, {stored[i].fact_id for i in read})
+        samples.append(reader.sample([pool[i] for i in read], [kvs[stored[i].fact_id] for i in read],
+                                     question(pool[rng.choice(read)])))
+    return samples
+
+
+def locomo_samples(reader: Reader, data: Path, count: int, retrieval: Path | None, embedder: str, seed: int) -> list[Sample]:
+    """A check on conversations the fit never saw: ``count`` LoCoMo questions (a stratified, seeded
+    sample), each after its top ``--k`` facts (retrieved as ``locomo_accuracy.py`` retrieves them,
+    composed the most relevant last), each fact encoded behind the ``--window`` facts stored before
+    it. The teacher's answer from the text is scored, as in the fit; LoCoMo's answers are not read."""
+    from types import SimpleNamespace
+
+    from locomo_accuracy import load_items, retrieve
+
+    from inferscale.facts import Fact, make_fact_id
+
+    convs, keys = load_items(SimpleNamespace(data=data, sample=count, seed=seed))
+    retrieved = retrieve(convs, keys, reader.args.k, retrieval, embedder)
+    samples = []
+    for cid in dict.fromkeys(c for c, _ in keys):
+        conv = convs[cid]
+        stored = [Fact(make_fact_id(cid, text, src), cid, text, src) for text, src in conv.all_facts()]
+        asked = [(i, retrieved[(c, i)][: reader.args.k]) for c, i in keys if c == cid]
+        kvs = reader.encode(stored, {stored[j].fact_id for _, top in asked for j in top})
+        for i, top in asked:
+            read = list(reversed(top))  # the relevance composer: the most relevant last
+            samples.append(reader.sample([stored[j].text for j in read], [kvs[stored[j].fact_id] for j in read],
+                                         conv.questions[i].question))
     return samples
 
 
@@ -210,6 +261,14 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--stored-order", action="store_true",
                         help="read the facts in the order they were stored (a check: with --window >= --pool the "
                              "injected K/V are the text's own, and the KL before fitting is ~0)")
+    parser.add_argument("--locomo", type=Path, default=None,
+                        help="LoCoMo conversations (../shared/data/locomo): also the KL before and after on "
+                             "--locomo-questions of their questions, which the fit never sees")
+    parser.add_argument("--locomo-questions", type=int, default=64)
+    parser.add_argument("--locomo-retrieval", type=Path, default=None,
+                        help="locomo_accuracy.py's retrieval cache (benchmarks/results/locomo_retrieval_minilm.json; "
+                             "default: retrieve with --embedder)")
+    parser.add_argument("--embedder", default="minilm", help="the retrieval embedder when the cache lacks questions")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args(argv)
@@ -234,13 +293,17 @@ def main(argv: list[str] | None = None) -> None:
     rng = random.Random(args.seed)
     start = time.perf_counter()
     held = args.held_out if args.held_out is not None else max(1, args.samples // 4)
-    train = build_samples(model, tokenizer, facts, args, rng, args.samples, device)
-    test = build_samples(model, tokenizer, facts, args, rng, held, device)
+    reader = Reader(model, tokenizer, args, device)
+    train = build_samples(reader, facts, rng, args.samples)
+    test = build_samples(reader, facts, rng, held)
+    locomo = locomo_samples(reader, args.locomo, args.locomo_questions, args.locomo_retrieval, args.embedder,
+                            args.seed) if args.locomo else []
     built_s = time.perf_counter() - start
     scales = Scales(config.num_hidden_layers, heads, size, args.form,
                     spread(train, bias) if args.form == "channel" else None).to(device)
-    before = {"train": kl(model, rope, train, None, bias), "held_out": kl(model, rope, test, None, bias)}
-    print(f"{len(train)} + {len(test)} samples in {built_s:.0f} s; KL before: {before}", flush=True)
+    sets = {"train": train, "held_out": test, **({"locomo": locomo} if locomo else {})}
+    before = {name: kl(model, rope, group, None, bias) for name, group in sets.items()}
+    print(f"{len(train)} + {len(test)} + {len(locomo)} samples in {built_s:.0f} s; KL before: {before}", flush=True)
     optimizer = torch.optim.Adam(scales.parameters(), lr=args.lr)
     start = time.perf_counter()
     for step in range(args.steps):
@@ -252,11 +315,11 @@ def main(argv: list[str] | None = None) -> None:
         optimizer.step()
         if step % max(1, args.steps // 10) == 0:
             print(f"step {step:4d}  KL {loss.item():.4f}", flush=True)
-    after = {"train": kl(model, rope, train, scales, bias), "held_out": kl(model, rope, test, scales, bias)}
+    after = {name: kl(model, rope, group, scales, bias) for name, group in sets.items()}
     print(f"KL after: {after} ({time.perf_counter() - start:.0f} s)", flush=True)
     result = {"command": " ".join(["python", *sys.argv]), "model": Path(args.model).name, "device": device,
               "dtype": str(dtype).removeprefix("torch."), "window": args.window, "k": args.k, "pool": args.pool,
-              "samples": len(train), "held_out": len(test), "steps": args.steps, "lr": args.lr,
+              "samples": len(train), "held_out": len(test), "locomo_questions": len(locomo), "steps": args.steps, "lr": args.lr,
               "kl_before": before, "kl_after": after, **scales.calibration(Path(args.model).name).to_dict()}
     args.out.write_text(json.dumps(result, indent=1) + "\n")
 

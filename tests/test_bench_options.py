@@ -192,7 +192,7 @@ def test_kv_calibration_reproduces_the_text_exactly_and_fits_scales_that_lower_t
     env = {**__import__("os").environ, "PYTHONPATH": str(REPO)}
 
     def run(*extra: str) -> dict:
-        out = tmp_path / f"calibration{len(extra)}.json"
+        out = tmp_path / f"calibration{len(list(tmp_path.glob('calibration*.json')))}.json"
         subprocess.run([sys.executable, str(REPO / "benchmarks" / "kv_calibration.py"), "--model", str(model),
                         "--facts", str(facts), "--samples", "3", "--held-out", "1", "--answer-tokens", "4",
                         "--out", str(out), *extra], check=True, capture_output=True, env=env, timeout=600)
@@ -205,3 +205,14 @@ def test_kv_calibration_reproduces_the_text_exactly_and_fits_scales_that_lower_t
     assert fitted["kl_after"]["train"] < fitted["kl_before"]["train"]
     layers = len(fitted["key_scale"])
     assert layers == len(fitted["value_scale"]) > 0 and all(len(row) == len(fitted["key_scale"][0]) for row in fitted["key_scale"])
+    # per channel, with shifts; and the KL on LoCoMo questions, which the fit never sees
+    locomo = REPO.parent / "shared" / "data" / "locomo"
+    channel = run("--k", "6", "--pool", "12", "--window", "2", "--steps", "30", "--lr", "0.05", "--form", "channel",
+                  *(("--locomo", str(locomo), "--locomo-questions", "2") if locomo.is_dir() else ()))
+    assert channel["form"] == "channel" and channel["kl_after"]["train"] < channel["kl_before"]["train"]
+    from inferscale.encode.calibration import KVCalibration
+
+    fitted_file = KVCalibration.load(sorted(tmp_path.glob("calibration*.json"))[-1])
+    assert fitted_file.form == "channel" and fitted_file.key_shift is not None and fitted_file.shape[0] == layers
+    if locomo.is_dir():
+        assert channel["locomo_questions"] == 2 and channel["kl_before"]["locomo"] > 1e-5 and channel["kl_after"]["locomo"] > 0
