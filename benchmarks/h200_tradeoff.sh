@@ -58,7 +58,8 @@ if has calibrate; then  # scales for the stored K/V, fitted on facts the 1.5B wr
   for form in head channel; do  # the calibrated set reads both (locomo_accuracy.CALIBRATION*)
     out=benchmarks/results/kv_calibration$([ $form = head ] || echo _$form)_qwen15_h200.json
     PYTHONPATH=$NOW timeout 600 python3 benchmarks/kv_calibration.py --model $Q15 --facts /tmp/corpus/facts.txt \
-      --window 10 --k 50 --samples ${CAL_SAMPLES:-96} --steps ${CAL_STEPS:-300} --form $form \
+      --window 10 --k 5,10,20,50 --samples ${CAL_SAMPLES:-160} --steps ${CAL_STEPS:-480} --form $form \
+      --locomo ../shared/data/locomo --locomo-questions 64 --locomo-retrieval benchmarks/results/locomo_retrieval_minilm.json \
       --out $out 2>&1 | grep --line-buffered -v "Warning"
     cp $out "$RUN/" 2>/dev/null
   done

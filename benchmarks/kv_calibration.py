@@ -16,10 +16,11 @@ costs nothing more.
 
 Each sample is a user: ``--pool`` facts in a stored order (each encoded behind the ``--window``
 facts stored before it, as the product's ``facts`` window does), of which ``--k`` are read in a
-random order after the instruction, then a question about a person one of them names.
+random order after the instruction, then a question about a person one of them names (``--k
+5,10,20,50``: the samples read each number in turn, so one fit serves every k).
 
     python benchmarks/kv_calibration.py --model <HF dir> --facts <corpus>/facts.txt --window 10 \
-        --k 50 --samples 96 --steps 300 --out kv_calibration.json        # on the GPU
+        --k 5,10,20,50 --samples 96 --steps 300 --out kv_calibration.json   # on the GPU
     python benchmarks/kv_calibration.py --model <tiny> --facts facts.txt --k 6 --pool 12 \
         --samples 4 --steps 5 --out /tmp/c.json                          # a CPU smoke
 
@@ -125,10 +126,10 @@ def build_samples(reader: Reader, facts: list[str], rng: random.Random, count: i
     from inferscale.facts import Fact, make_fact_id
 
     args, samples = reader.args, []
-    for _ in range(count):
+    for n in range(count):
         pool = rng.sample(facts, min(args.pool, len(facts)))
         stored = [Fact(make_fact_id("calibration", text, None), "calibration", text) for text in pool]
-        read = rng.sample(range(len(stored)), min(args.k, len(stored)))
+        read = rng.sample(range(len(stored)), min(args.k[n % len(args.k)], len(stored)))
         if args.stored_order:
             read.sort()
         kvs = reader.encode(stored, {stored[i].fact_id for i in read})
@@ -139,7 +140,7 @@ def build_samples(reader: Reader, facts: list[str], rng: random.Random, count: i
 
 def locomo_samples(reader: Reader, data: Path, count: int, retrieval: Path | None, embedder: str, seed: int) -> list[Sample]:
     """A check on conversations the fit never saw: ``count`` LoCoMo questions (a stratified, seeded
-    sample), each after its top ``--k`` facts (retrieved as ``locomo_accuracy.py`` retrieves them,
+    sample), each after its top ``--k`` facts (a list: in turn) (retrieved as ``locomo_accuracy.py`` retrieves them,
     composed the most relevant last), each fact encoded behind the ``--window`` facts stored before
     it. The teacher's answer from the text is scored, as in the fit; LoCoMo's answers are not read."""
     from types import SimpleNamespace
@@ -149,12 +150,14 @@ def locomo_samples(reader: Reader, data: Path, count: int, retrieval: Path | Non
     from inferscale.facts import Fact, make_fact_id
 
     convs, keys = load_items(SimpleNamespace(data=data, sample=count, seed=seed))
-    retrieved = retrieve(convs, keys, reader.args.k, retrieval, embedder)
+    ks = reader.args.k
+    retrieved = retrieve(convs, keys, max(ks), retrieval, embedder)
+    k_of = {key: ks[n % len(ks)] for n, key in enumerate(keys)}
     samples = []
     for cid in dict.fromkeys(c for c, _ in keys):
         conv = convs[cid]
         stored = [Fact(make_fact_id(cid, text, src), cid, text, src) for text, src in conv.all_facts()]
-        asked = [(i, retrieved[(c, i)][: reader.args.k]) for c, i in keys if c == cid]
+        asked = [(i, retrieved[(c, i)][: k_of[(c, i)]]) for c, i in keys if c == cid]
         kvs = reader.encode(stored, {stored[j].fact_id for _, top in asked for j in top})
         for i, top in asked:
             read = list(reversed(top))  # the relevance composer: the most relevant last
@@ -246,7 +249,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--model", required=True, help="a Hugging Face model directory (the serving model)")
     parser.add_argument("--facts", type=Path, required=True, help="one fact a line (benchmarks/fact_corpus.py's facts.txt)")
     parser.add_argument("--window", type=int, default=10, help="facts each fact is encoded behind (the facts window)")
-    parser.add_argument("--k", type=int, default=50, help="facts read per sample")
+    parser.add_argument("--k", type=lambda v: [int(k) for k in v.split(",")], default=[50],
+                        help="facts read per sample; a list (5,10,20,50): the samples take each in turn")
     parser.add_argument("--pool", type=int, default=200, help="facts a sample's user has stored")
     parser.add_argument("--samples", type=int, default=96, help="training samples (users)")
     parser.add_argument("--held-out", type=int, default=None, help="held-out samples (default: a quarter of --samples)")

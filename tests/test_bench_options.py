@@ -207,9 +207,10 @@ def test_kv_calibration_reproduces_the_text_exactly_and_fits_scales_that_lower_t
     assert layers == len(fitted["value_scale"]) > 0 and all(len(row) == len(fitted["key_scale"][0]) for row in fitted["key_scale"])
     # per channel, with shifts; and the KL on LoCoMo questions, which the fit never sees
     locomo = REPO.parent / "shared" / "data" / "locomo"
-    channel = run("--k", "6", "--pool", "12", "--window", "2", "--steps", "30", "--lr", "0.05", "--form", "channel",
+    channel = run("--k", "4,6", "--pool", "12", "--window", "2", "--steps", "30", "--lr", "0.05", "--form", "channel",
                   *(("--locomo", str(locomo), "--locomo-questions", "2") if locomo.is_dir() else ()))
-    assert channel["form"] == "channel" and channel["kl_after"]["train"] < channel["kl_before"]["train"]
+    assert channel["form"] == "channel" and channel["k"] == [4, 6]
+    assert channel["kl_after"]["train"] < channel["kl_before"]["train"]
     from inferscale.encode.calibration import KVCalibration
 
     fitted_file = KVCalibration.load(sorted(tmp_path.glob("calibration*.json"))[-1])
