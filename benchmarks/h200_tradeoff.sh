@@ -22,7 +22,7 @@ TTFT_BUDGETS=${TTFT_BUDGETS:-0,64}
 TTFT_STORES=${TTFT_STORES:-hbm,pinned}
 TTFT_KS=${TTFT_KS:-50,100}
 METHODS15=${METHODS15:-order}
-METHODS05=${METHODS05:-order05}
+METHODS05=${METHODS05-order05}  # "": no 0.5B run
 # the product's default (a method of the grids) and the load system that serves it
 DEFAULT=${DEFAULT:-kv[window=-5,closing=answer,recompute_tokens=256]}
 DEFAULT_SYSTEM=${DEFAULT_SYSTEM:-kv@256}
@@ -33,7 +33,7 @@ mkdir -p ../shared/data && rm -rf ../shared/data/locomo && cp -r .gpu/locomo ../
 
 source benchmarks/gpu_models.sh
 # in the background: the 0.5B, then the 1.5B (a driver beside this one, e.g. h200_retrieval.sh, shares them)
-( convert_model q05; convert_model q15 ) &
+( [[ -n $METHODS05 ]] && convert_model q05; convert_model q15 ) &  # METHODS05="": no 0.5B run (nor its pieces)
 
 if has load; then
   stamp "load through vllm serve: 100 users, 200 facts each, k = 50, 32-token answers, budgets $BUDGETS"
@@ -52,9 +52,13 @@ fi
 if has calibrate; then  # scales for the stored K/V, fitted on facts the 1.5B writes (not LoCoMo's)
   convert_model q15 || { stamp "the 1.5B did not convert:"; tail -3 /tmp/convert-q15.log; }
   stamp "a fact corpus written by the 1.5B, then the K/V calibration against prompt injection"
-  PYTHONPATH=$NOW timeout 600 python3 benchmarks/fact_corpus.py --facts 3000 --people 256 --model $Q15 --no-embed \
-    --gpu-memory-utilization ${CORPUS_GPU_MEMORY:-0.3} \
-    --out /tmp/corpus 2>&1 | grep --line-buffered -v " INFO \| DEBUG " | tail -5
+  if [[ -n ${CAL_FACTS:-} ]]; then  # a corpus brought along (e.g. fact_corpus.py --templates-only), no engine start
+    mkdir -p /tmp/corpus && cp "$CAL_FACTS" /tmp/corpus/facts.txt
+  else
+    PYTHONPATH=$NOW timeout 600 python3 benchmarks/fact_corpus.py --facts 3000 --people 256 --model $Q15 --no-embed \
+      --gpu-memory-utilization ${CORPUS_GPU_MEMORY:-0.3} \
+      --out /tmp/corpus 2>&1 | grep --line-buffered -v " INFO \| DEBUG " | tail -5
+  fi
   for form in head channel; do  # the calibrated set reads both (locomo_accuracy.CALIBRATION*)
     out=benchmarks/results/kv_calibration$([ $form = head ] || echo _$form)_qwen15_h200.json
     PYTHONPATH=$NOW timeout 600 python3 benchmarks/kv_calibration.py --model $Q15 --facts /tmp/corpus/facts.txt \
@@ -67,21 +71,26 @@ if has calibrate; then  # scales for the stored K/V, fitted on facts the 1.5B wr
 fi
 
 if has accuracy; then  # the 0.5B starts once converted, while the 1.5B's pieces still arrive
-  convert_model q05; tail -3 /tmp/convert-q05.log
-  stamp "LoCoMo, every question: 0.5B ($METHODS05), in the background ($RUN/acc05.log)"
   export VLLM_ENABLE_V1_MULTIPROCESSING=0
   common=(--ks 5,10,20,50 --retrieval benchmarks/results/locomo_retrieval_minilm.json
           --related benchmarks/results/locomo_related_minilm.json --encode-batch 64
           --default "$DEFAULT" --baseline "prompt[closing=answer]" --time-limit "${TIME_LIMIT:-0}")
-  PYTHONPATH=$NOW python3 benchmarks/locomo_accuracy.py --model $Q05 --methods "$METHODS05" "${common[@]}" \
-    --gpu-memory-utilization 0.1 --kv-cache-gib 8 --out "$RUN/locomo_qwen05_h200.json" > "$RUN/acc05.log" 2>&1 &
-  A05=$!
+  A05=
+  if [[ -n $METHODS05 ]]; then
+    convert_model q05; tail -3 /tmp/convert-q05.log
+    stamp "LoCoMo, every question: 0.5B ($METHODS05), in the background ($RUN/acc05.log)"
+    PYTHONPATH=$NOW python3 benchmarks/locomo_accuracy.py --model $Q05 --methods "$METHODS05" "${common[@]}" \
+      --gpu-memory-utilization 0.1 --kv-cache-gib 8 --out "$RUN/locomo_qwen05_h200.json" > "$RUN/acc05.log" 2>&1 &
+    A05=$!
+  fi
   convert_model q15; tail -3 /tmp/convert-q15.log
   stamp "LoCoMo, every question: 1.5B ($METHODS15)"
   PYTHONPATH=$NOW python3 benchmarks/locomo_accuracy.py --model $Q15 --methods "$METHODS15" "${common[@]}" \
     --gpu-memory-utilization 0.1 --kv-cache-gib 16 --out "$RUN/locomo_qwen15_h200.json" 2>&1 | grep --line-buffered -v " INFO \| DEBUG "
-  wait $A05
-  grep --line-buffered -v " INFO \| DEBUG " "$RUN/acc05.log" | tail -40
+  if [[ -n $A05 ]]; then
+    wait $A05
+    grep --line-buffered -v " INFO \| DEBUG " "$RUN/acc05.log" | tail -40
+  fi
 fi
 stamp done
 touch "$RUN/done"
