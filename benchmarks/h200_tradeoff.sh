@@ -59,14 +59,16 @@ if has calibrate; then  # scales for the stored K/V, fitted on facts the 1.5B wr
       --gpu-memory-utilization ${CORPUS_GPU_MEMORY:-0.3} \
       --out /tmp/corpus 2>&1 | grep --line-buffered -v " INFO \| DEBUG " | tail -5
   fi
-  for form in head channel; do  # the calibrated set reads both (locomo_accuracy.CALIBRATION*)
+  for form in head channel; do  # side by side; the calibrated set reads both (locomo_accuracy.CALIBRATION*)
     out=benchmarks/results/kv_calibration$([ $form = head ] || echo _$form)_qwen15_h200.json
     PYTHONPATH=$NOW timeout 600 python3 benchmarks/kv_calibration.py --model $Q15 --facts /tmp/corpus/facts.txt \
       --window 10 --k 5,10,20,50 --samples ${CAL_SAMPLES:-160} --steps ${CAL_STEPS:-480} --form $form \
-      --locomo ../shared/data/locomo --locomo-questions 64 --locomo-retrieval benchmarks/results/locomo_retrieval_minilm.json \
-      --out $out 2>&1 | grep --line-buffered -v "Warning"
-    cp $out "$RUN/" 2>/dev/null
+      --locomo ../shared/data/locomo --locomo-questions ${CAL_LOCOMO:-64} \
+      --locomo-retrieval benchmarks/results/locomo_retrieval_minilm.json --out $out > "$RUN/fit_$form.log" 2>&1 &
   done
+  wait
+  for form in head channel; do grep -v "Warning\|Loading" "$RUN/fit_$form.log" | tail -4; done
+  cp benchmarks/results/kv_calibration*_qwen15_h200.json "$RUN/" 2>/dev/null
   cp /tmp/corpus/facts.txt "$RUN/" 2>/dev/null
 fi
 

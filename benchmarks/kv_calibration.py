@@ -198,9 +198,11 @@ class Scales(torch.nn.Module):
     def apply(self, keys: torch.Tensor, values: torch.Tensor, bias: torch.Tensor, facts_from: int):
         """Corrected copies of ``keys``/``values`` ``[layers, T, kv_heads, d]``; tokens before
         ``facts_from`` (the prefix, computed as text) are left alone."""
-        facts_k, facts_v = corrected(keys[:, facts_from:], values[:, facts_from:], bias,
+        # in float32: k - b cancels (|b| reaches 354 on the 1.5B), which bf16 cannot carry
+        facts_k, facts_v = corrected(keys[:, facts_from:].float(), values[:, facts_from:].float(), bias,
                                      self.log_key.exp(), self.log_value.exp(), *self.shifts())
-        return torch.cat([keys[:, :facts_from], facts_k], dim=1), torch.cat([values[:, :facts_from], facts_v], dim=1)
+        return (torch.cat([keys[:, :facts_from].float(), facts_k], dim=1),
+                torch.cat([values[:, :facts_from].float(), facts_v], dim=1))
 
     def calibration(self, model: str) -> KVCalibration:
         key_shift, value_shift = (t.detach().cpu() if t is not None else None for t in self.shifts())

@@ -260,12 +260,15 @@ CALIBRATION_CHANNEL = "benchmarks/results/kv_calibration_channel_qwen15_h200.jso
 def calibrated_grid() -> list[Method]:
     """Stored K/V through corrections fitted offline against prompt injection on facts that are not
     LoCoMo's (:data:`CALIBRATION`, :data:`CALIBRATION_CHANNEL`, fitted for the facts window of 10),
-    at B = 0 and with the default tail, against the same windows without them. Anchors first."""
+    at B = 0 and with the default tail, against the same windows without them. The facts window of
+    10 with and without them comes first, beside prompt injection and the default, so a run cut
+    short keeps the comparison."""
     close = dict(closing="answer")
-    anchors = _anchors() + [_kv(window=-10, **close)]
-    head = [_kv(window=-10, **close, calibration=CALIBRATION), _kv(window=-5, **close, calibration=CALIBRATION)]
-    channel = [_kv(window=-10, **close, calibration=CALIBRATION_CHANNEL), _kv(window=-5, **close, calibration=CALIBRATION_CHANNEL)]
-    return anchors + head + channel + [_kv(window=-10, **close, calibration=CALIBRATION, recompute_tokens=256)]
+    prompt, free, default = _anchors()
+    f10 = dict(window=-10, **close)
+    first = [prompt, _kv(**f10), _kv(**f10, calibration=CALIBRATION_CHANNEL), _kv(**f10, calibration=CALIBRATION), default]
+    return first + [free, _kv(window=-5, **close, calibration=CALIBRATION_CHANNEL), _kv(window=-5, **close, calibration=CALIBRATION),
+                    _kv(**f10, calibration=CALIBRATION, recompute_tokens=256)]
 
 
 def offline_grid() -> list[Method]:
@@ -504,6 +507,23 @@ def content_scaled(kv, bias, scale: float):
 
     keys, _ = corrected(kv.keys.float(), kv.values, bias, scale, 1.0)
     return FactKV(kv.token_ids, keys.to(kv.keys.dtype), kv.values)
+
+
+def usable(methods: list[Method]) -> list[Method]:
+    """``methods`` less those whose calibration file does not load (each is named, with the reason)."""
+    from inferscale.encode.calibration import KVCalibration
+    from inferscale.errors import ConfigError
+
+    bad = {}
+    for path in {m.calibration for m in methods if m.calibration}:
+        try:
+            KVCalibration.load(path)
+        except ConfigError as exc:
+            bad[path] = exc
+    for m in methods:
+        if m.calibration in bad:
+            print(f"skipped {m.name}: {bad[m.calibration]}", flush=True)
+    return [m for m in methods if m.calibration not in bad]
 
 
 def needed_facts(items: list[Item], k: int) -> dict[str, list[int]]:
@@ -768,7 +788,7 @@ def main(argv=None) -> None:
     gpu = torch.cuda.is_available()
     args.dtype = args.dtype or ("bfloat16" if gpu else "float32")
     ks = [int(k) for k in args.ks.split(",")]
-    methods = select_methods(args.methods)
+    methods = usable(select_methods(args.methods))
     model = args.model if os.path.isdir(args.model) else str(known_model_dir(args.model, args.dtype))
     convs, keys = load_items(args)
     retrieved = retrieve(convs, keys, max(50, *ks), Path(args.retrieval) if args.retrieval else None, args.embedder)
