@@ -226,3 +226,12 @@ def test_misses_groups_questions_by_their_retrieved_evidence():
     assert misses.group_of([3, 7, 10], 5) == "near"  # 3-7 and 7-10 are within 5 of each other
     assert misses.group_of([3, 7, 30], 5) == "apart"  # no encoding of 30 saw 3 or 7, nor theirs it
     assert misses.window_of("kv[window=-10,closing=answer]") == 10 and misses.window_of("kv[slots=5/20]") == 5
+
+
+def test_a_method_whose_calibration_does_not_load_is_skipped_by_name(tmp_path, capsys):
+    good = tmp_path / "good.json"
+    good.write_text(json.dumps({"key_scale": [[1.0]], "value_scale": [[1.0]]}))
+    methods = [harness.Method("kv", window=-10), harness.Method("kv", window=-10, calibration=str(good)),
+               harness.Method("kv", window=-10, calibration=str(tmp_path / "missing.json"))]
+    assert harness.usable(methods) == methods[:2]
+    assert "skipped kv: calibration" in capsys.readouterr().out
