@@ -168,6 +168,7 @@ def test_a_calibration_is_an_encoding_of_its_own(tmp_path):
     assert sorted({cal.encoding, harness.Method("kv", window=-10).encoding}, key=repr)  # mixed transforms sort
 
 
+@needs_data
 def test_harness_runs_on_every_conversation(tmp_path):
     """A stratified sample across all 7 conversations, on a tiny model: every method answers every
     question, nothing falls back, the tail budget recomputes and the files are written."""
