@@ -2,17 +2,21 @@
 # The retrieval block on the H200: a million generated facts, then every retriever on them at
 # 10k / 100k / 1M (exact, faiss-gpu flat and IVF, Jasper over a grid, CAGRA, faiss-cpu flat and HNSW),
 # and the synthetic sets beside them for comparison.
-#   RUN=/tmp/run STEPS="libs jasper corpus table synthetic" bash benchmarks/h200_retrieval.sh
-# Run from the repository root once /tmp/parts holds vLLM 0.26.0's site parts, the retrieval bundle's
-# (benchmarks/build_retrieval_bundle.sh: faiss-gpu-site.tar.zst.NN, cuvs-site.tar.zst.NN) and the 0.5B's
-# GGUF pieces (q05.NN, closed by q05.done, as for h200_tradeoff.sh). .gpu/ holds zstd, the gguf wheel,
+#   RUN=/tmp/run STEPS="jasper corpus libs table synthetic" bash benchmarks/h200_retrieval.sh
+# Run from the repository root once /tmp/parts holds vLLM 0.26.0's site parts. The rest may arrive while
+# it runs: the corpus model's GGUF pieces (q05.NN or q15.NN, closed by q05.done / q15.done, as for
+# h200_tradeoff.sh) and the retrieval bundle's (benchmarks/build_retrieval_bundle.sh: faiss-gpu-site.tar.zst.NN,
+# cuvs-site.tar.zst.NN, closed by /tmp/parts/retrieval.done). .gpu/ holds zstd, the gguf wheel,
 # vendor/ (Jasper's sources, ../shared/vendor) and minilm/ (all-MiniLM-L6-v2, a sentence-transformers dir);
 # benchmarks/stage_gpu_block.sh stages all of it.
-#   libs       unpack faiss-gpu (CUDA 12 runtime and cuBLAS beside it) and cuVS; check both load
 #   jasper     build Jasper twice in the background: as shipped (build beam L = 64) and with L = 192
 #              (the largest its construct config allows: L + 64 <= 256), to tell the build from the data
-#   corpus     FACTS facts from PEOPLE people written by the 0.5B (fact_corpus.py), embedded by MiniLM
-#   table      retrieval_latency.py on the corpus at SIZES for BACKENDS, Jasper's grid with each build
+#   corpus     FACTS facts from PEOPLE people written by CORPUS_MODEL (q05, the 0.5B, or q15; fact_corpus.py),
+#              embedded by MiniLM
+#   libs       unpack faiss-gpu (CUDA 12 runtime and cuBLAS beside it) and cuVS; check both load
+#   table      retrieval_latency.py on the corpus at SIZES for BACKENDS, Jasper's grid with each build (L = 192
+#              first); with WAIT_FOR set, only once that file exists (another driver's done: no GPU work beside
+#              the latencies)
 #   synthetic  the same on the clustered and uniform sets (fewer backends), for comparison
 # Results: $RUN/retrieval_*.json, then (here) python benchmarks/retrieval_table.py $RUN/retrieval_*.json.
 # It may run beside h200_tradeoff.sh (its own RUN): they share the site's unpack and the 0.5B's conversion,
@@ -21,8 +25,9 @@ set -uo pipefail
 RUN=${RUN:-/tmp/run}
 STEPS=${STEPS:-libs jasper corpus table synthetic}
 FACTS=${FACTS:-1000000} PEOPLE=${PEOPLE:-1536} SIZES=${SIZES:-10000,100000,1000000}
-BACKENDS=${BACKENDS:-exact,faiss-flat-gpu,faiss-ivf-gpu,faiss-ivf-gpu:nprobe=64,cagra,cagra:itopk=256,cagra:itopk=512,faiss-flat,faiss-hnsw,faiss-hnsw:ef=512}
-JASPER_GRID=${JASPER_GRID:-jasper,jasper:beam=512,jasper:beam=1024,jasper:entry=first,jasper:r=64,jasper:r=64,beam=1024,jasper:alpha=1.5,jasper:r=64,alpha=2.0,beam=1024}
+BACKENDS=${BACKENDS:-exact,faiss-flat-gpu,faiss-ivf-gpu,faiss-ivf-gpu:nprobe=64,cagra,cagra:itopk=256,cagra:itopk=512,faiss-flat,faiss-hnsw}
+JASPER_GRID=${JASPER_GRID:-jasper,jasper:beam=1024,jasper:entry=first,jasper:r=64,beam=1024}
+CORPUS_MODEL=${CORPUS_MODEL:-q05}
 source benchmarks/gpu_block.sh
 NOW=$SITE:$PWD
 python3 -m pip install -q --no-index --no-deps --target "$SITE" .gpu/gguf-*.whl 2>/dev/null
@@ -34,7 +39,25 @@ export LD_LIBRARY_PATH=/tmp/cuvs-site/nvidia/cu13/lib:$IMAGE/nvidia/cu13/lib:$IM
 JITLINK=/tmp/cuvs-site/nvidia/cu13/lib/libnvJitLink.so.13
 source benchmarks/gpu_models.sh
 
+if has jasper; then  # CPU work while the corpus is written
+  stamp "building Jasper (L = 64 as shipped, and L = 192) in the background (logs: $RUN/jasper_build*.log)"
+  source benchmarks/gpu_jasper.sh
+  build_jasper /tmp/jb 64 8 > "$RUN/jasper_build.log" 2>&1 &
+  build_jasper /tmp/jb192 192 8 > "$RUN/jasper_build192.log" 2>&1 &
+fi
+
+if has corpus; then
+  if [[ ! -f /tmp/corpus/vectors.npy ]]; then
+    convert_model $CORPUS_MODEL || { stamp "$CORPUS_MODEL did not convert:"; tail -3 /tmp/convert-$CORPUS_MODEL.log; exit 1; }
+    stamp "a corpus of $FACTS facts from $PEOPLE people, written by $CORPUS_MODEL, embedded by MiniLM"
+    PYTHONPATH=$NOW timeout 900 python3 benchmarks/fact_corpus.py --facts "$FACTS" --people "$PEOPLE" --model ${MODEL_DIR[$CORPUS_MODEL]} \
+      --gpu-memory-utilization ${CORPUS_GPU_MEMORY:-0.3} --embedder-model .gpu/minilm --out /tmp/corpus 2>&1 | grep --line-buffered -v " INFO \| DEBUG \|it/s" | tail -8
+  fi
+  cp /tmp/corpus/corpus.json "$RUN/fact_corpus.json" && head -c 400000 /tmp/corpus/facts.txt > "$RUN/fact_corpus_head.txt"
+fi
+
 if has libs; then
+  until [[ -f /tmp/parts/retrieval.done ]]; do sleep 2; done
   for lib in faiss-gpu cuvs; do
     stamp "unpacking $lib"
     mkdir -p /tmp/$lib-site && cat /tmp/parts/$lib-site.tar.zst.* | .gpu/zstd -d -q | tar -x -C /tmp/$lib-site
@@ -49,23 +72,6 @@ d, i = cagra.search(cagra.SearchParams(), index, x[:4], 4)
 print("cagra: each row finds itself:", i.copy_to_host()[:, 0].tolist())'
 fi
 
-if has jasper; then  # CPU work while the corpus is written
-  stamp "building Jasper (L = 64 as shipped, and L = 192) in the background (logs: $RUN/jasper_build*.log)"
-  source benchmarks/gpu_jasper.sh
-  build_jasper /tmp/jb 64 8 > "$RUN/jasper_build.log" 2>&1 &
-  build_jasper /tmp/jb192 192 8 > "$RUN/jasper_build192.log" 2>&1 &
-fi
-
-if has corpus; then
-  if [[ ! -f /tmp/corpus/vectors.npy ]]; then
-    convert_model q05 || { stamp "the 0.5B did not convert:"; tail -3 /tmp/convert-q05.log; exit 1; }
-    stamp "a corpus of $FACTS facts from $PEOPLE people, written by the 0.5B, embedded by MiniLM"
-    PYTHONPATH=$NOW timeout 900 python3 benchmarks/fact_corpus.py --facts "$FACTS" --people "$PEOPLE" --model $Q05 \
-      --gpu-memory-utilization ${CORPUS_GPU_MEMORY:-0.3} --embedder-model .gpu/minilm --out /tmp/corpus 2>&1 | grep --line-buffered -v " INFO \| DEBUG \|it/s" | tail -8
-  fi
-  cp /tmp/corpus/corpus.json "$RUN/fact_corpus.json" && head -c 400000 /tmp/corpus/facts.txt > "$RUN/fact_corpus_head.txt"
-fi
-
 latency() {  # $1 = tag, $2 = Jasper's python folder or "", then retrieval_latency.py's arguments
   local tag=$1 jasper=$2; shift 2
   stamp "retrieval latency: $tag"
@@ -78,10 +84,11 @@ wait_jasper() {  # $1 = folder
 }
 
 if has table; then
+  if [[ -n ${WAIT_FOR:-} ]]; then stamp "waiting for $WAIT_FOR"; until [[ -f $WAIT_FOR ]]; do sleep 5; done; fi
   latency corpus "" --corpus /tmp/corpus/vectors.npy --sizes "$SIZES" --backends "$BACKENDS"
-  wait_jasper /tmp/jb && latency corpus_jasper64 /tmp/jb/jasper/python --corpus /tmp/corpus/vectors.npy \
-    --sizes "$SIZES" --backends "$JASPER_GRID"
   wait_jasper /tmp/jb192 && latency corpus_jasper192 /tmp/jb192/jasper/python --corpus /tmp/corpus/vectors.npy \
+    --sizes "$SIZES" --backends "$JASPER_GRID"
+  wait_jasper /tmp/jb && latency corpus_jasper64 /tmp/jb/jasper/python --corpus /tmp/corpus/vectors.npy \
     --sizes "$SIZES" --backends "$JASPER_GRID"
 fi
 

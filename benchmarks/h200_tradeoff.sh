@@ -53,15 +53,15 @@ if has calibrate; then  # scales for the stored K/V, fitted on facts the 1.5B wr
   convert_model q15 || { stamp "the 1.5B did not convert:"; tail -3 /tmp/convert-q15.log; }
   stamp "a fact corpus written by the 1.5B, then the K/V calibration against prompt injection"
   if [[ -n ${CAL_FACTS:-} ]]; then  # a corpus brought along (e.g. fact_corpus.py --templates-only), no engine start
-    mkdir -p /tmp/corpus && cp "$CAL_FACTS" /tmp/corpus/facts.txt
+    mkdir -p /tmp/cal-corpus && cp "$CAL_FACTS" /tmp/cal-corpus/facts.txt
   else
     PYTHONPATH=$NOW timeout 600 python3 benchmarks/fact_corpus.py --facts 3000 --people 256 --model $Q15 --no-embed \
       --gpu-memory-utilization ${CORPUS_GPU_MEMORY:-0.3} \
-      --out /tmp/corpus 2>&1 | grep --line-buffered -v " INFO \| DEBUG " | tail -5
+      --out /tmp/cal-corpus 2>&1 | grep --line-buffered -v " INFO \| DEBUG " | tail -5
   fi
   for form in head channel; do  # side by side; the calibrated set reads both (locomo_accuracy.CALIBRATION*)
     out=benchmarks/results/kv_calibration$([ $form = head ] || echo _$form)_qwen15_h200.json
-    PYTHONPATH=$NOW timeout 600 python3 benchmarks/kv_calibration.py --model $Q15 --facts /tmp/corpus/facts.txt \
+    PYTHONPATH=$NOW timeout 600 python3 benchmarks/kv_calibration.py --model $Q15 --facts /tmp/cal-corpus/facts.txt \
       --window 10 --k 5,10,20,50 --samples ${CAL_SAMPLES:-160} --steps ${CAL_STEPS:-480} --form $form \
       --locomo ../shared/data/locomo --locomo-questions ${CAL_LOCOMO:-64} \
       --locomo-retrieval benchmarks/results/locomo_retrieval_minilm.json --out $out > "$RUN/fit_$form.log" 2>&1 &
@@ -69,7 +69,7 @@ if has calibrate; then  # scales for the stored K/V, fitted on facts the 1.5B wr
   wait
   for form in head channel; do grep -v "Warning\|Loading" "$RUN/fit_$form.log" | tail -4; done
   cp benchmarks/results/kv_calibration*_qwen15_h200.json "$RUN/" 2>/dev/null
-  cp /tmp/corpus/facts.txt "$RUN/" 2>/dev/null
+  cp /tmp/cal-corpus/facts.txt "$RUN/" 2>/dev/null
 fi
 
 if has accuracy; then  # the 0.5B starts once converted, while the 1.5B's pieces still arrive

@@ -181,7 +181,9 @@ def vectors_for(args: argparse.Namespace, n: int) -> tuple[torch.Tensor, torch.T
     return unit(n, args.dim, seed=n), unit(queries, args.dim, seed=n + 1)
 
 
-def run(args: argparse.Namespace) -> dict:
+def run(args: argparse.Namespace, save: Callable[[dict], None] = lambda result: None) -> dict:
+    """Every backend at every size; ``save`` gets the result so far after each row (a run cut
+    short keeps what it measured)."""
     asked = split_backends(args.backends) if args.backends else list(DEFAULT_BACKENDS)
     names = available(asked)  # also refuses unknown names
     if len(names) < len(asked):
@@ -205,6 +207,11 @@ def run(args: argparse.Namespace) -> dict:
             m["recall_at_10"], m[f"recall_at_{args.k}"] = recall(found, truth, 10), recall(found, truth, args.k)
             rows.append({"backend": name, "n": n, "data": data_name(args), **m})
             print_row(rows[-1], args.k)
+            save(summary(args, x, sizes, rows, failures))
+    return summary(args, x, sizes, rows, failures)
+
+
+def summary(args: argparse.Namespace, x: torch.Tensor, sizes: list, rows: list, failures: list) -> dict:
     return {
         "device": device_slug(),
         "machine": platform.processor() or platform.machine(),
@@ -273,10 +280,13 @@ def main(argv: list[str] | None = None) -> None:
     print(f"k={args.k} dim={args.dim} device={device_slug()} torch threads={torch.get_num_threads()}")
     print(f"{'backend':>24} {'n':>9} {'build s':>8} {'host MiB':>8} {'p50 ms':>8} {'p99 ms':>8} "
           f"{'b p50 ms':>9} {'b p99 ms':>9} {'R@10':>6} {f'R@{args.k}':>6}")
-    result = run(args)
-    out = Path(args.out) if args.out else RESULTS / f"retrieval_latency_{result['device']}.json"
+    out = Path(args.out) if args.out else RESULTS / f"retrieval_latency_{device_slug()}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2) + "\n")
+
+    def write(result: dict) -> None:
+        out.write_text(json.dumps(result, indent=2) + "\n")
+
+    write(run(args, save=write))
     print(f"wrote {out}")
 
 
