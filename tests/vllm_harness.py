@@ -54,7 +54,7 @@ MEMORY = {"gpu_memory_utilization": 0.1} if torch.cuda.is_available() else {}
 TOP_LOGPROBS = 5
 
 
-def engine_config(model_dir: Path, data_dir: Path, dtype: str, recompute_tokens: int = 0) -> Config:
+def engine_config(model_dir: Path, data_dir: Path, dtype: str, recompute_tokens: int | str = 0) -> Config:
     """The connector's config; by default every memory token is injected (no tail recompute),
     so a test compares injected K/V with plain prefill token for token."""
     return Config(model=ModelSpec(path=str(model_dir), dtype=dtype), data_dir=str(data_dir),
@@ -79,12 +79,13 @@ def env(**values: str):
 
 
 def make_engine(model_dir: Path, data_dir: Path, dtype: str, *, multiprocess: bool = False,
-                prefix_caching: bool = True, connector: tuple[str, str] | None = None, **kwargs: Any):
+                prefix_caching: bool = True, connector: tuple[str, str] | None = None,
+                recompute_tokens: int | str = 0, **kwargs: Any):
     from vllm import LLM
     from vllm.config import KVTransferConfig
 
     release_shared()
-    ktc = kv_transfer_config(engine_config(model_dir, data_dir, dtype))
+    ktc = kv_transfer_config(engine_config(model_dir, data_dir, dtype, recompute_tokens))
     if connector:
         ktc["kv_connector"], ktc["kv_connector_module_path"] = connector
     with env(VLLM_ENABLE_V1_MULTIPROCESSING="1" if multiprocess else "0"):

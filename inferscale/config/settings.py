@@ -49,7 +49,7 @@ class Config:
     #: store replicas share ("redis", or "disk" with a root on a shared filesystem: docs/cluster.md)
     store: BackendSpec = BackendSpec("disk")
     #: what each fact is encoded behind (a window policy)
-    window: BackendSpec = BackendSpec("facts", {"window": 5})
+    window: BackendSpec = BackendSpec("facts", {"window": 10})
     composer: BackendSpec = BackendSpec("relevance")
     embedder: BackendSpec = BackendSpec("minilm")
     data_dir: str = "~/.local/share/inferscale"
@@ -59,8 +59,10 @@ class Config:
     fact_style: str = "bullet"
     #: text right after the facts (prefilled with the question, never injected)
     closing: str = DEFAULT_CLOSING
-    #: memory tokens at the segment's tail vLLM recomputes: an integer or "auto" (by device)
-    recompute_tokens: int | str = "auto"
+    #: memory tokens at the segment's tail vLLM recomputes: "adaptive" (up to the device's budget,
+    #: 256 on CUDA and 16 on a CPU, only while the engine has room to prefill them; thresholds in
+    #: ``tuning``), "auto" (the device's budget for every request) or an integer (fixed)
+    recompute_tokens: int | str = "adaptive"
     #: the injected facts' keys are multiplied by this: a temperature 1/key_scale on models without
     #: a key bias; with one (Qwen2) it also scales the bias's positional term (docs/connector.md)
     key_scale: float = 1.0
@@ -93,9 +95,9 @@ class Config:
 
     def blend(self, device_type: str):
         """The recompute budget and key scale for an engine on ``device_type``."""
-        from inferscale.compose.blend import Blend, resolve_recompute_tokens
+        from inferscale.compose.blend import resolve_blend
 
-        return Blend(resolve_recompute_tokens(self.recompute_tokens, device_type), self.key_scale)
+        return resolve_blend(self.recompute_tokens, self.key_scale, device_type)
 
     @property
     def data_path(self) -> Path:

@@ -52,12 +52,22 @@ class Tuning:
     #: in-place read costs about the same fixed host time (its launch, the forward's waits) at any
     #: size; 0 reads every step in place
     pinned_copy_below_mib: float = 96.0
+    #: with recompute_tokens = "adaptive": a request's tail is left to vLLM only while the step
+    #: being scheduled holds at most this many tokens besides it: one for each request decoding,
+    #: those of each request admitted before it in the step (a tail included), its own question.
+    #: A lone request's tail costs little; under load every token of a step costs the GPU its full
+    #: price and delays every request decoding beside it (docs/connector.md)
+    tail_max_step_tokens: int = 64
+    #: with recompute_tokens = "adaptive": ... and at most this many other requests are waiting
+    #: to be admitted (a queue means the engine has no room to spare)
+    tail_max_waiting: int = 0
 
     def __post_init__(self):
         for name in ("fused_write", "write_graphs", "pinned_read_graphs"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"tuning {name} must be true or false, got {getattr(self, name)!r}")
-        for name, least in (("pinned_read_programs", 0), ("pinned_read_launches", 1)):
+        for name, least in (("pinned_read_programs", 0), ("pinned_read_launches", 1), ("tail_max_step_tokens", 0),
+                            ("tail_max_waiting", 0)):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < least:
                 raise ConfigError(f"tuning {name} must be an integer ≥ {least}, got {value!r}")

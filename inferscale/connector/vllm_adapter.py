@@ -11,7 +11,9 @@ Load it with::
     )
 
 Scheduler side (EngineCore process): :mod:`inferscale.inject.planner` decides
-how many memory tokens each request skips; only a picklable
+how many memory tokens each request skips, an adaptive tail only while the
+engine has room (:mod:`inferscale.inject.load_signal`, fed by the scheduler's
+hooks); only a picklable
 :class:`InferScaleMetadata` crosses to the workers. Worker side: the KV store's
 tiers live here (:func:`~inferscale.storage.tiers.build_tiers`) and
 :class:`~inferscale.inject.writer.KVWriter` writes each step's loads into vLLM's
@@ -27,6 +29,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field, replace
+from functools import partial
 from typing import Any
 
 import torch
@@ -38,6 +41,7 @@ from inferscale.config import Config
 from inferscale.connector import compat
 from inferscale.connector.metrics import InferScalePromMetrics, InferScaleStats, stats_or_none
 from inferscale.inject.layout import LayoutError, PagedLayers
+from inferscale.inject.load_signal import EngineLoad
 from inferscale.inject.loader import LoadSpec, kv_head_range, load_blocks
 from inferscale.inject.planner import NO_MEMORY, Plan, plan_request
 from inferscale.inject.report import client_report
@@ -107,15 +111,20 @@ class InferScaleConnector(compat.KVConnectorBase_V1):
             self._loaded_blocks: dict[str, set[int]] = {}
             self._failed: set[str] = set()
             self.off_reason = ""  # why the workers cannot inject ("": they can, or have not said)
+            self.load = EngineLoad.from_tuning(self.config.tuning)  # room for an adaptive tail?
         else:
             self._init_worker(vllm_config)
 
     # ---------------- scheduler side ----------------
 
+    def on_new_request(self, request) -> None:
+        self.load.arrived(request.request_id)
+
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int, bool]:
         began = time.perf_counter()
         plan = plan_request(self.disk, self.salts, request.prompt_token_ids or [], request.kv_transfer_params,
-                            request.cache_salt, num_computed_tokens, self.blend)
+                            request.cache_salt, num_computed_tokens, self.blend,
+                            partial(self.load.has_room, request.request_id))
         plan = claim_nothing(plan, self.off_reason) if self.off_reason else plan
         if plan is not NO_MEMORY:
             self._plans[request.request_id] = plan
@@ -123,6 +132,8 @@ class InferScaleConnector(compat.KVConnectorBase_V1):
         return plan.num_external, False
 
     def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
+        plan = self._plans.get(request.request_id)
+        self.load.admitted(request.request_id, request.num_tokens - (plan.claim_len if plan else 0))
         if num_external_tokens > 0:
             self._pending[request.request_id] = self._plans[request.request_id]
 
@@ -138,6 +149,7 @@ class InferScaleConnector(compat.KVConnectorBase_V1):
             meta.loads.append(LoadSpec(req_id, plan.request, start, plan.claim_len, plan.segment_len, blocks,
                                        self.block_size, plan.epochs, plan.blend.key_scale))
             self._loaded_blocks[req_id] = set(blocks)
+        self.load.step_built(compat.scheduled_request_ids(scheduler_output))
         return meta
 
     def update_connector_output(self, connector_output) -> None:
@@ -151,6 +163,7 @@ class InferScaleConnector(compat.KVConnectorBase_V1):
 
     def request_finished(self, request, block_ids, *extra: Any) -> tuple[bool, dict | None]:
         req_id = request.request_id
+        self.load.finished(req_id)
         plan = self._plans.pop(req_id, None)
         self._pending.pop(req_id, None)
         loaded = self._loaded_blocks.pop(req_id, None) is not None
@@ -162,9 +175,11 @@ class InferScaleConnector(compat.KVConnectorBase_V1):
             self.stats.record_fallback(fallback)
             logger.warning("inferscale: request %s prefilled normally (%s): %s", req_id,
                            fallback.value, plan.detail or "the worker could not load the memory")
-        elif loaded:
-            self.stats.record_injection(plan.num_external)
-        report = client_report(fallback, plan.num_external if loaded else 0, plan.recomputed)
+        else:
+            self.stats.record_budget(plan.budget)
+            if loaded:
+                self.stats.record_injection(plan.num_external)
+        report = client_report(fallback, plan.num_external if loaded else 0, plan.recomputed, plan.budget, plan.room)
         return False, {"inferscale": report}
 
     # ---------------- worker side ----------------
