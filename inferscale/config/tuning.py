@@ -1,6 +1,7 @@
-"""How the connector writes a step's memory into vLLM's paged cache: internal tuning, kept apart
-from the user's settings. The defaults suit the GPUs InferScale is tested on; what each choice
-costs is measured in benchmarks/results/README.md.
+"""How the connector writes a step's memory into vLLM's paged cache, and when the engine has room
+for an adaptive recompute tail: internal tuning, kept apart from the user's settings. The defaults
+suit the GPUs InferScale is tested on; what each choice costs is measured in
+benchmarks/results/README.md.
 
 In TOML these go in a ``[tuning]`` table; the same keys at the top level are still accepted,
 with a ``DeprecationWarning`` (:func:`split_flat_tuning`).
