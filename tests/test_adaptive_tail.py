@@ -11,7 +11,8 @@ from inferscale.compose.blend import AUTO_RECOMPUTE_TOKENS
 
 pytestmark = pytest.mark.slow
 
-FACTS = ["Alice has a cat named Miso.", "Alice works as a nurse in Lisbon.", "Ana is nine."]  # the last fits the CPU cap
+#: the last fact (8 tokens) fits the CPU's cap of 16, the two before it do not
+FACTS = ["Alice has a cat named Miso.", "Alice works as a nurse in Lisbon.", "Ana is nine."]
 QUERY = "What is the name of my cat?"
 BURST = 24
 

@@ -55,30 +55,30 @@ def test_the_thresholds_are_tuning():
 def test_an_idle_engine_has_room():
     load = EngineLoad(max_step_tokens=64, max_waiting=0)
     load.arrived("r1")
-    assert load.has_room("r1", 20)
-    assert not load.has_room("r1", 65)  # a question this long fills the step by itself
+    assert load.has_room("r1")  # however long its own question: it delays no one else
 
 
 def test_a_queue_leaves_no_room_but_the_last_request_of_it_may_have_some():
     load = EngineLoad(max_step_tokens=64, max_waiting=0)
     for r in ("r1", "r2"):
         load.arrived(r)
-    assert not load.has_room("r1", 10) and load.waiting_besides("r1") == 1
+    assert not load.has_room("r1") and load.waiting_besides("r1") == 1
     load.admitted("r1", 10)
-    assert load.has_room("r2", 10)  # nothing else waits; the step holds 10 + 10 tokens
-    load.admitted("r2", 10 + 40)  # r2 took a 40-token tail
+    assert load.has_room("r2")  # nothing else waits; the step holds r1's 10 tokens
+    load.admitted("r2", 10 + 50)  # r2 took a 50-token tail
     load.arrived("r3")
-    assert not load.has_room("r3", 10)  # 60 + 10 > 64: one tail a step, at this threshold
+    assert not load.has_room("r3")  # 70 > 64: one tail a step, at this threshold
 
 
 def test_requests_decoding_fill_the_step_until_they_finish():
     load = EngineLoad(max_step_tokens=64, max_waiting=0)
     load.step_built([f"d{i}" for i in range(60)])  # 60 requests decode in the next step
     load.arrived("new")
-    assert load.step_tokens() == 60 and not load.has_room("new", 10)
+    load.admitted("other", 5)
+    assert load.step_tokens() == 65 and not load.has_room("new")
     for i in range(10):
         load.finished(f"d{i}")
-    assert load.has_room("new", 10)
+    assert load.has_room("new")
     load.step_built([])  # a step without them: the engine is idle again
     assert load.step_tokens() == 0
 
@@ -89,7 +89,7 @@ def test_asking_changes_nothing():
     load.arrived("a")
     load.arrived("b")
     before = (load.step_tokens(), load.waiting_besides("a"))
-    assert [load.has_room("a", 5) for _ in range(3)] == [False] * 3
+    assert [load.has_room("a") for _ in range(3)] == [False] * 3
     assert (load.step_tokens(), load.waiting_besides("a")) == before
 
 
@@ -98,9 +98,8 @@ EVENTS = st.lists(st.tuples(st.sampled_from(["arrive", "admit", "step", "finish"
 
 
 @settings(max_examples=300, deadline=None)
-@given(events=EVENTS, ask=st.integers(0, 7), own=st.integers(0, 200), max_step=st.integers(0, 256),
-       max_waiting=st.integers(0, 3))
-def test_the_signal_matches_a_plain_model_of_the_scheduler(events, ask, own, max_step, max_waiting):
+@given(events=EVENTS, ask=st.integers(0, 7), max_step=st.integers(0, 256), max_waiting=st.integers(0, 3))
+def test_the_signal_matches_a_plain_model_of_the_scheduler(events, ask, max_step, max_waiting):
     """Whatever vLLM does in whatever order, the load is: requests waiting (arrived, neither admitted
     nor finished), one token per request of the last step still running, and the tokens of the
     requests admitted since; room is granted exactly when both stay within their thresholds."""
@@ -124,7 +123,7 @@ def test_the_signal_matches_a_plain_model_of_the_scheduler(events, ask, own, max
     step = len(decoding) + sum(admitted.values())
     others = len(waiting - {f"r{ask}"})
     assert load.step_tokens() == step and load.waiting_besides(f"r{ask}") == others
-    assert load.has_room(f"r{ask}", own) == (others <= max_waiting and step + own <= max_step)
+    assert load.has_room(f"r{ask}") == (others <= max_waiting and step <= max_step)
 
 
 # ---------------------------------------------------------------- the claim
@@ -173,16 +172,9 @@ def _request(disk: DiskStore, recompute_tokens=None):
 def test_the_planner_leaves_the_tail_only_when_the_engine_has_room(disk):
     prompt, params, salt = _request(disk)
     adaptive = Blend(8, adaptive=True)
-    asked = []
-
-    def room(own_tokens: int) -> bool:
-        asked.append(own_tokens)
-        return own_tokens < 5
-
-    idle = plan_request(disk, SALTS, prompt, params, salt, 0, adaptive, room)
-    assert asked == [3]  # the question: what the request prefills besides its tail
+    idle = plan_request(disk, SALTS, prompt, params, salt, 0, adaptive, lambda: True)
     assert (idle.claim_len, idle.recomputed, idle.budget, idle.room) == (10, 8, 8, True)
-    busy = plan_request(disk, SALTS, prompt, params, salt, 0, adaptive, lambda own: False)
+    busy = plan_request(disk, SALTS, prompt, params, salt, 0, adaptive, lambda: False)
     assert (busy.claim_len, busy.num_external, busy.recomputed, busy.budget, busy.room) == (18, 18, 0, 0, False)
     assert client_report(None, busy.num_external, busy.recomputed, busy.budget, busy.room) == {
         "injected_tokens": 18, "recomputed_tokens": 0, "recompute_budget": 0, "engine_busy": True, "fallback": None}
@@ -191,11 +183,11 @@ def test_the_planner_leaves_the_tail_only_when_the_engine_has_room(disk):
 
 def test_a_fixed_budget_ignores_the_load(disk):
     prompt, params, salt = _request(disk)
-    plan = plan_request(disk, SALTS, prompt, params, salt, 0, Blend(8), lambda own: pytest.fail("asked"))
+    plan = plan_request(disk, SALTS, prompt, params, salt, 0, Blend(8), lambda: pytest.fail("asked"))
     assert (plan.claim_len, plan.budget, plan.room) == (10, 8, None)
     # a request's own budget is fixed too, over an adaptive default
     prompt, params, salt = _request(disk, recompute_tokens=3)
-    plan = plan_request(disk, SALTS, prompt, params, salt, 0, Blend(8, adaptive=True), lambda own: False)
+    plan = plan_request(disk, SALTS, prompt, params, salt, 0, Blend(8, adaptive=True), lambda: False)
     assert (plan.claim_len, plan.budget, plan.room) == (15, 3, None)
     assert client_report(None, 15, 3, plan.budget, plan.room)["engine_busy"] is None
 
@@ -203,6 +195,6 @@ def test_a_fixed_budget_ignores_the_load(disk):
 def test_a_refused_request_is_not_asked_about_load(disk):
     prompt, params, _ = _request(disk)
     plan = plan_request(disk, SALTS, prompt, params, "wrong", 0, Blend(8, adaptive=True),
-                        lambda own: pytest.fail("asked"))
+                        lambda: pytest.fail("asked"))
     assert plan.fallback is not None and plan.num_external == 0
     assert client_report(plan.fallback, 0, 0, plan.budget, plan.room)["recompute_budget"] == 0

@@ -54,10 +54,10 @@ class Tuning:
     #: size; 0 reads every step in place
     pinned_copy_below_mib: float = 96.0
     #: with recompute_tokens = "adaptive": a request's tail is left to vLLM only while the step
-    #: being scheduled holds at most this many tokens besides it: one for each request decoding,
-    #: those of each request admitted before it in the step (a tail included), its own question.
-    #: A lone request's tail costs little; under load every token of a step costs the GPU its full
-    #: price and delays every request decoding beside it (docs/connector.md)
+    #: being scheduled holds at most this many tokens of other requests: one for each request
+    #: decoding, those of each request admitted before it in the step (a tail included). A lone
+    #: request's tail costs little; under load every token of a step costs the GPU its full price
+    #: and delays every request decoding beside it (docs/connector.md)
     tail_max_step_tokens: int = 64
     #: with recompute_tokens = "adaptive": ... and at most this many other requests are waiting
     #: to be admitted (a queue means the engine has no room to spare)

@@ -11,9 +11,8 @@ Load it with::
     )
 
 Scheduler side (EngineCore process): :mod:`inferscale.inject.planner` decides
-how many memory tokens each request skips, an adaptive tail only while the
-engine has room (:mod:`inferscale.inject.load_signal`, fed by the scheduler's
-hooks); only a picklable
+how many memory tokens each request skips (an adaptive tail only while the
+engine has room: :mod:`inferscale.inject.load_signal`); only a picklable
 :class:`InferScaleMetadata` crosses to the workers. Worker side: the KV store's
 tiers live here (:func:`~inferscale.storage.tiers.build_tiers`) and
 :class:`~inferscale.inject.writer.KVWriter` writes each step's loads into vLLM's

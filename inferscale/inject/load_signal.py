@@ -16,7 +16,9 @@ being scheduled holds:
 * the tokens of the requests admitted so far in this step (their prompt less what is injected).
 
 A request has room (:meth:`EngineLoad.has_room`) while at most ``max_waiting`` other requests wait
-and the step, its own question included, holds at most ``max_step_tokens`` tokens. vLLM's own
+and the step holds at most ``max_step_tokens`` tokens of other requests' work. Its own question
+does not count: however long, it costs the others nothing more with a tail than without, and a
+lone request always has room. vLLM's own
 token budget (``max_num_batched_tokens``) is no such signal: it is sized to keep chunked prefill
 fair (8,192 tokens for ``vllm serve`` on an H100), far past the few hundred tokens where a step
 stops being free; at 100 users a step holds about 200 tokens, and every recomputed token there
@@ -69,10 +71,9 @@ class EngineLoad:
         """Requests waiting to be admitted, ``req_id`` left out."""
         return len(self._waiting) - (req_id in self._waiting)
 
-    def has_room(self, req_id: str, own_tokens: int) -> bool:
-        """Whether ``req_id``, which prefills ``own_tokens`` tokens besides its tail, may have its tail."""
-        return (self.waiting_besides(req_id) <= self.max_waiting
-                and self.step_tokens() + own_tokens <= self.max_step_tokens)
+    def has_room(self, req_id: str) -> bool:
+        """Whether ``req_id`` may have its tail prefilled in the step being scheduled."""
+        return self.waiting_besides(req_id) <= self.max_waiting and self.step_tokens() <= self.max_step_tokens
 
     @classmethod
     def from_tuning(cls, tuning) -> EngineLoad:

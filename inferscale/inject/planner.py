@@ -73,12 +73,12 @@ def plan_request(
     cache_salt: str | None,
     num_computed_tokens: int,
     blend: Blend = Blend(),
-    room: Callable[[int], bool] = lambda own_tokens: True,
+    room: Callable[[], bool] = lambda: True,
 ) -> Plan:
     """Match a request against its memory segment; ``salts`` computes the salt it
     must carry; ``blend`` holds the connector's defaults, which the request's own
-    values override; ``room(own_tokens)`` says whether the engine has room for an
-    adaptive tail beside the ``own_tokens`` the request prefills anyway."""
+    values override; ``room()`` says whether the engine has room for an adaptive
+    tail (asked only for a request whose memory matched, with an adaptive budget)."""
     try:
         request = parse_params(params)
     except InvalidParams as exc:
@@ -106,7 +106,7 @@ def plan_request(
     plan = _match(request, segment, prompt, cache_salt, salt, epochs, blend)
     if plan.fallback is not None:
         return plan
-    return with_tail(plan, parts, num_computed_tokens, room(len(prompt) - len(segment)) if blend.adaptive else None)
+    return with_tail(plan, parts, num_computed_tokens, room() if blend.adaptive else None)
 
 
 def _match(request: SegmentRequest, segment: list[int], prompt: list[int], cache_salt: str | None, salt: str,
