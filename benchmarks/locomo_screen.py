@@ -87,6 +87,16 @@ class Memory:
                                   only={facts[j].fact_id for j in needed})
         self.kvs[(cid, key)] = {j: kvs[facts[j].fact_id] for j in needed}
 
+    def unwrap(self, cid: str, key: tuple, wrapped: tuple) -> None:
+        """``key``'s facts taken from ``wrapped``'s, whose wrappers are trailers only: a trailer comes
+        after the fact, so the fact's own K/V are the same (the model runs once for both)."""
+        from inferscale.encode.wrappers import FactWrappers
+        from inferscale.kv import FactKV
+
+        t = FactWrappers.load(wrapped[2]).num_trailer
+        self.kvs[(cid, key)] = {j: FactKV(kv.token_ids[:-t], kv.keys[:, :-t].clone(), kv.values[:, :-t].clone())
+                                for j, kv in self.kvs[(cid, wrapped)].items()}
+
     def transformed(self, cid: str, method: harness.Method) -> dict:
         """The conversation's facts as ``method`` stores them (a calibration or a content scale after
         the model's pass)."""
@@ -99,6 +109,18 @@ class Memory:
         if method.content_scale != 1.0:
             return {j: harness.content_scaled(kv, self.encoder.key_bias, method.content_scale) for j, kv in kvs.items()}
         return kvs
+
+
+def derivable(keys: list[tuple]) -> dict[tuple, tuple]:
+    """Plain encodings that another encoding's trailer-only wrappers carry: plain key -> wrapped key."""
+    from inferscale.encode.wrappers import FactWrappers
+
+    out = {}
+    for window, style, wrappers in keys:
+        if wrappers and (window, style, "") in keys and (window, style, "") not in out \
+                and FactWrappers.load(wrappers).num_header == 0:
+            out[(window, style, "")] = (window, style, wrappers)
+    return out
 
 
 def text_ids(method: harness.Method, item, k: int, prompts) -> list[int]:
@@ -262,11 +284,16 @@ def main(argv=None) -> None:
     for k, group in items_by_k.items():
         for it in group:
             needed[it.conv].update(it.retrieved[:k])
-    for key in dict.fromkeys(encoding_key(m) for m in methods if m.mode == "kv"):
+    keys = list(dict.fromkeys(encoding_key(m) for m in methods if m.mode == "kv"))
+    derived = derivable(keys)
+    for key in [k for k in keys if k not in derived]:
         for cid, facts in needed.items():
             memory.encode(cid, convs[cid], sorted(facts), key)
         print(f"encoded {sum(map(len, needed.values()))} facts for {key} ({time.perf_counter() - start:.0f} s)",
               flush=True)
+    for key, wrapped in derived.items():
+        for cid in needed:
+            memory.unwrap(cid, key, wrapped)
     encode_s = time.perf_counter() - start
     rows = screen(model, rope, tokenizer, methods, baseline, items_by_k, prompts, memory)
     names = [m.name for m in methods]
