@@ -69,6 +69,9 @@ class Config:
     #: a KV calibration file (``benchmarks/kv_calibration.py``) every fact's K/V are corrected with
     #: at encoding, fitted for the model and window ("": none; :mod:`inferscale.encode.calibration`)
     calibration: str = ""
+    #: a fact wrappers file (``benchmarks/train_wrappers.py``): learned embeddings around every fact,
+    #: encoded and injected with it, trained for the model ("": none; :mod:`inferscale.encode.wrappers`)
+    wrappers: str = ""
     #: at most this many facts are kept per conversation turn (Mem0 extraction or given facts)
     max_facts_per_turn: int = 5
     #: the server secret that keys cache salts (created, mode 0600, on first use); "" = <data_dir>/secret
@@ -81,7 +84,7 @@ class Config:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ConfigError(f"{name} must be a positive integer, got {value!r}")
-        for name in ("instruction", "closing", "secret_file", "calibration"):
+        for name in ("instruction", "closing", "secret_file", "calibration", "wrappers"):
             if not isinstance(getattr(self, name), str):
                 raise ConfigError(f"{name} must be a string")
         if not isinstance(self.tuning, Tuning):
