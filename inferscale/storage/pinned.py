@@ -27,6 +27,7 @@ from typing import Any, ClassVar
 
 import torch
 
+from inferscale.kv_fp8 import DEQUANT_DTYPE
 from inferscale.storage.layout import KVLayout
 from inferscale.storage.resident import ResidentStore, Source
 
@@ -49,7 +50,7 @@ class PinnedHostStore(ResidentStore):
         lengths = {fact_id: _num_tokens(src) for fact_id, src in sources.items()}
         step = layout.token_numel()
         total = sum(lengths.values()) * step
-        packed = self._buffer(total, layout.dtype)
+        packed = self._buffer(total, layout.stored_dtype)
         blocks, start = {}, 0
         for fact_id, src in sources.items():
             stop = start + lengths[fact_id] * step
@@ -58,6 +59,18 @@ class PinnedHostStore(ResidentStore):
             blocks[fact_id] = block
             start = stop
         return blocks
+
+    def _place_dequant(self, dequant: Mapping[str, torch.Tensor], blocks: Mapping[str, torch.Tensor]
+                       ) -> dict[str, torch.Tensor]:
+        """fp8 facts' dequant packed into one more host buffer (page-locked where the blocks are:
+        an in-place read of the blocks reads their dequant in place too)."""
+        packed = self._buffer(sum(d.numel() for d in dequant.values()), DEQUANT_DTYPE)
+        views, start = {}, 0
+        for fact_id, d in dequant.items():
+            views[fact_id] = packed[start:start + d.numel()].view(d.shape)
+            views[fact_id].copy_(d)
+            start += d.numel()
+        return views
 
     def _buffer(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
         """A new host buffer of ``numel`` elements for one user's packed facts (page-locked
