@@ -29,7 +29,8 @@ class HeldBlocks:
     blocks themselves (whoever holds this keeps them alive), their data pointers and token
     counts (int64 NumPy arrays, one entry per block), and the layout they all share. Every
     block is contiguous. In fp8 (``layout.fp8``) each block has its ``dequant`` too, at
-    ``dequant_addresses`` (zeros otherwise)."""
+    ``dequant_addresses`` (zeros otherwise), all on one device (the pinned store keeps them in
+    GPU memory beside host blocks)."""
 
     blocks: tuple[torch.Tensor, ...]
     addresses: np.ndarray
@@ -61,7 +62,7 @@ class HeldBlocks:
         if layout.block_shape(0)[:2] + layout.block_shape(0)[3:] != first.shape[:2] + first.shape[3:] \
                 or layout.stored_dtype != first.dtype:
             raise ValueError(f"blocks of {first.dtype} {tuple(first.shape)} are not {layout.describe()}")
-        _check_dequant(layout, dequant, len(blocks), first.device)
+        _check_dequant(layout, dequant, len(blocks))
         return cls(tuple(blocks), _addresses(blocks), np.fromiter((b.shape[2] for b in blocks), np.int64, len(blocks)),
                    layout, tuple(dequant), _addresses(dequant) if dequant else None)
 
@@ -89,16 +90,16 @@ def _addresses(tensors: Sequence[torch.Tensor]) -> np.ndarray:
     return np.fromiter((t.data_ptr() for t in tensors), np.int64, len(tensors))
 
 
-def _check_dequant(layout: KVLayout, dequant: Sequence[torch.Tensor], count: int, device: torch.device) -> None:
-    """An fp8 layout's blocks each have a contiguous dequant of its shape, beside them; others none."""
+def _check_dequant(layout: KVLayout, dequant: Sequence[torch.Tensor], count: int) -> None:
+    """An fp8 layout's blocks each have a contiguous dequant of its shape, all on one device; others none."""
     if not layout.fp8:
         if dequant:
             raise ValueError(f"blocks of {layout.describe()} have no dequant")
         return
     shape = layout.dequant_shape()
     if len(dequant) != count or any(tuple(d.shape) != shape or d.dtype != DEQUANT_DTYPE or not d.is_contiguous()
-                                    or d.device != device for d in dequant):
-        raise ValueError(f"fp8 blocks need each a contiguous {DEQUANT_DTYPE} dequant {list(shape)} on {device}")
+                                    or d.device != dequant[0].device for d in dequant):
+        raise ValueError(f"fp8 blocks need each a contiguous {DEQUANT_DTYPE} dequant {list(shape)}, on one device")
 
 
 def stack_block(kv: FactKV | Fp8KV, device: torch.device) -> torch.Tensor:
