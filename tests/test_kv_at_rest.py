@@ -209,3 +209,26 @@ def test_an_index_whose_version_contradicts_its_layout_is_corrupt(disk, form, ve
     path.write_bytes(canonical({**body, "sha256": checksum(body)}))
     with pytest.raises(CorruptDataError, match="format_version"):
         DiskStore(DiskStore.Options(root=str(disk.root))).list("alice")
+
+
+def test_the_memory_side_writes_in_the_configured_form(tiny_model_dirs, tmp_path):
+    """With kv_dtype_at_rest = "fp8_e4m3" the memory side stores new facts and the instruction prefix
+    in fp8; the same facts added with the default are what fp8 rounds."""
+    from inferscale.api import Context, MemoryAPI
+    from inferscale.compose.segment import PREFIX_FACT, SYSTEM_USER
+
+    model = str(tiny_model_dirs["qwen2"])
+    facts = ["Ann has a cat named Miso.", "Ann runs on Sundays."]
+    stored = {}
+    for form in (MODEL, FP8_E4M3):
+        memory = MemoryAPI(Context(Config.from_dict({"model": model, "data_dir": str(tmp_path / form),
+                                                     "kv_dtype_at_rest": form})))
+        memory.add_facts("ann", facts, progress=False)
+        disk = memory.context.disk
+        assert isinstance(disk.load_user(SYSTEM_USER)[PREFIX_FACT], Fp8KV) == (form == FP8_E4M3)
+        stored[form] = {f.text: disk.load_user("ann")[f.fact_id] for f in memory.list_facts("ann")}
+        memory.close()
+    for text in facts:
+        assert isinstance(stored[FP8_E4M3][text], Fp8KV)
+        assert torch.equal(quantize(stored[MODEL][text]).keys.view(torch.uint8),
+                           stored[FP8_E4M3][text].keys.view(torch.uint8))
