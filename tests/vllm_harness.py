@@ -54,11 +54,12 @@ MEMORY = {"gpu_memory_utilization": 0.1} if torch.cuda.is_available() else {}
 TOP_LOGPROBS = 5
 
 
-def engine_config(model_dir: Path, data_dir: Path, dtype: str, recompute_tokens: int | str = 0) -> Config:
+def engine_config(model_dir: Path, data_dir: Path, dtype: str, recompute_tokens: int | str = 0,
+                  kv_dtype_at_rest: str = "model") -> Config:
     """The connector's config; by default every memory token is injected (no tail recompute),
     so a test compares injected K/V with plain prefill token for token."""
     return Config(model=ModelSpec(path=str(model_dir), dtype=dtype), data_dir=str(data_dir),
-                  kv_store=BackendSpec(KV_STORE), recompute_tokens=recompute_tokens,
+                  kv_store=BackendSpec(KV_STORE), recompute_tokens=recompute_tokens, kv_dtype_at_rest=kv_dtype_at_rest,
                   tuning=Tuning(fused_write=FUSED_WRITE, pinned_reads=PINNED_READS,
                                 pinned_read_programs=PINNED_READ_PROGRAMS, pinned_read_graphs=PINNED_READ_GRAPHS,
                                 pinned_copy_below_mib=PINNED_COPY_BELOW_MIB))
@@ -80,12 +81,12 @@ def env(**values: str):
 
 def make_engine(model_dir: Path, data_dir: Path, dtype: str, *, multiprocess: bool = False,
                 prefix_caching: bool = True, connector: tuple[str, str] | None = None,
-                recompute_tokens: int | str = 0, **kwargs: Any):
+                recompute_tokens: int | str = 0, kv_dtype_at_rest: str = "model", **kwargs: Any):
     from vllm import LLM
     from vllm.config import KVTransferConfig
 
     release_shared()
-    ktc = kv_transfer_config(engine_config(model_dir, data_dir, dtype, recompute_tokens))
+    ktc = kv_transfer_config(engine_config(model_dir, data_dir, dtype, recompute_tokens, kv_dtype_at_rest))
     if connector:
         ktc["kv_connector"], ktc["kv_connector_module_path"] = connector
     with env(VLLM_ENABLE_V1_MULTIPROCESSING="1" if multiprocess else "0"):
