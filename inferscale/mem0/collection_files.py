@@ -25,7 +25,7 @@ from safetensors.torch import save as st_save
 
 from inferscale.errors import CorruptDataError
 from inferscale.facts import user_file_stem
-from inferscale.storage import files
+from inferscale import files
 
 FORMAT = "inferscale-mem0/1"
 SUFFIX = ".safetensors"

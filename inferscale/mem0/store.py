@@ -4,7 +4,7 @@ Mem0 has no public registry for third-party stores, so attach one to a built
 ``mem0.Memory``::
 
     from inferscale.retrieval.exact import ExactRetriever
-    from inferscale.retrieval.mem0_store import attach
+    from inferscale.mem0.store import attach
 
     memory = mem0.Memory.from_config({...})         # its own store only holds mem0's defaults
     store = attach(memory, ExactRetriever())        # memory.vector_store = the adapter
@@ -37,7 +37,7 @@ from typing import Any
 import torch
 
 from inferscale.retrieval.base import Hit, Retriever
-from inferscale.retrieval.mem0_files import CollectionFiles, UserMemories
+from inferscale.mem0.collection_files import CollectionFiles, UserMemories
 
 SHARED = "_shared"
 _LOGICAL = {"AND", "OR", "NOT", "$and", "$or", "$not"}

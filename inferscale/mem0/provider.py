@@ -3,7 +3,7 @@
 Mem0 calls it with its config's fields as keywords; it indexes each user's
 memories in a retriever built like the server's (``exact``, ``faiss``, ...),
 one index per user, and keeps them under the data dir
-(:mod:`inferscale.retrieval.mem0_files`). Importing this module imports Mem0.
+(:mod:`inferscale.mem0.collection_files`). Importing this module imports Mem0.
 """
 
 from __future__ import annotations
@@ -13,9 +13,9 @@ from typing import Any
 from mem0.vector_stores.base import VectorStoreBase
 
 from inferscale.config import BackendSpec, build
-from inferscale.retrieval.mem0_config import InferScaleConfig, collection_root
-from inferscale.retrieval.mem0_files import CollectionFiles
-from inferscale.retrieval.mem0_store import RetrieverVectorStore
+from inferscale.mem0.provider_config import InferScaleConfig, collection_root
+from inferscale.mem0.collection_files import CollectionFiles
+from inferscale.mem0.store import RetrieverVectorStore
 
 
 class InferScaleVectorStore(RetrieverVectorStore, VectorStoreBase):
