@@ -139,8 +139,9 @@ def test_collection_files_round_trip(tmp_path):
     with pytest.raises(ValueError, match="2 ids, 1 payloads"):
         files.save(UserMemories("bob", ["x", "y"], vectors, [{}]))
     files.path("a/b%c").write_bytes(b"not a safetensors file")
-    with pytest.raises(CorruptDataError, match="not a readable inferscale-mem0/1 file"):
-        list(files.load())
+    (unreadable,) = files.load()
+    assert unreadable.user_id == "a/b%c"
+    assert unreadable.reason.startswith("users/a%2Fb%25c.safetensors: not a readable inferscale-mem0/1 file")
 
 
 def test_forgetting_a_user_removes_their_file_in_every_collection(tmp_path):

@@ -6,8 +6,10 @@ through the facade (:mod:`inferscale.api`), by the names this module exports.
   the LLM is sent and answers (:mod:`~inferscale.mem0.llm_format`), Mem0 itself and its history
   database (:mod:`~inferscale.mem0.library`).
 * InferScale as Mem0's vector store, provider ``"inferscale"``: ``register()`` below, the store
-  over a retriever (:mod:`~inferscale.mem0.store`), the class Mem0 builds
-  (:mod:`~inferscale.mem0.provider`),
+  over a retriever (:mod:`~inferscale.mem0.store`, its reads :mod:`~inferscale.mem0.reading`),
+  Mem0's filters read on payloads as Qdrant reads them (:mod:`~inferscale.mem0.filters`,
+  :mod:`~inferscale.mem0.payload_values`), the users a filter visits
+  (:mod:`~inferscale.mem0.scopes`), the class Mem0 builds (:mod:`~inferscale.mem0.provider`),
   its options (:mod:`~inferscale.mem0.provider_config`), its files
   (:mod:`~inferscale.mem0.collection_files`).
 
