@@ -4,7 +4,7 @@
 # injection, gold NLL) and LoCoMo F1 on every question, for prompt injection (relevance and stored
 # order), the facts window of 10 at B = 0 and B = 256, and with each wrapper variant.
 #   RUN=/tmp/run bash benchmarks/gpu/accuracy_block.sh      # from the repository root, detached
-# Needs /tmp/parts: vLLM 0.26.0's site pieces, q15.NN (+ q15.done), q05.NN (+ q05.done); .gpu/ holds zstd,
+# Needs /tmp/parts: vLLM 0.26.0's site pieces, q15.NN (+ q15.done), with WITH_Q05=1 q05.NN (+ q05.done); .gpu/ holds zstd,
 # the gguf wheel, locomo/ and facts05.txt (the 0.5B's own facts, benchmarks/fact_corpus.py on a CPU).
 #   corpus    fact_corpus.py: facts the 1.5B writes (/tmp/corpus15)
 #   wrappers  train_wrappers.py: trailer 4 (t4) and header 2 + trailer 4 (h2t4) for the 1.5B, t4 for the 0.5B
@@ -19,14 +19,14 @@ NOW=/tmp/site:$PWD
 python3 -m pip install -q --no-index --no-deps --target /tmp/site .gpu/gguf-*.whl 2>/dev/null
 mkdir -p ../shared/data && rm -rf ../shared/data/locomo && cp -r .gpu/locomo ../shared/data/locomo
 source benchmarks/gpu_models.sh
-convert_model q05 &
+[[ -n ${WITH_Q05:-} ]] && convert_model q05 &
 convert_model q15 || { stamp "the 1.5B did not convert"; tail -5 /tmp/convert-q15.log; exit 1; }
 wait
 grep -v " INFO \| DEBUG " /tmp/convert-q15.log | tail -2
 
 if has corpus; then
   stamp "facts the 1.5B writes (fact_corpus.py)"
-  PYTHONPATH=$NOW timeout 600 python3 benchmarks/fact_corpus.py --facts 3000 --people 384 --model $Q15 --no-embed \
+  PYTHONPATH=$NOW timeout 600 python3 benchmarks/fact_corpus.py --facts 2400 --people 256 --model $Q15 --no-embed \
     --gpu-memory-utilization 0.3 --out /tmp/corpus15 2>&1 | grep --line-buffered -v " INFO \| DEBUG " | tail -3
   cp /tmp/corpus15/facts.txt "$RUN/facts_qwen15.txt"
 fi
@@ -40,7 +40,7 @@ if has wrappers; then
     --trailer 4 --out $T15 > "$RUN/train_t4_qwen15.log" 2>&1 &
   PYTHONPATH=$NOW python3 benchmarks/train_wrappers.py --model $Q15 --facts /tmp/corpus15/facts.txt "${train[@]}" \
     --header 2 --trailer 4 --out $H15 > "$RUN/train_h2t4_qwen15.log" 2>&1 &
-  PYTHONPATH=$NOW python3 benchmarks/train_wrappers.py --model $Q05 --facts .gpu/facts05.txt --users 32 --held-out 4 \
+  [[ -n ${WITH_Q05:-} ]] && PYTHONPATH=$NOW python3 benchmarks/train_wrappers.py --model $Q05 --facts .gpu/facts05.txt --users 32 --held-out 4 \
     --facts-per-user 16 --samples-per-user 16 --k 5,10,20 --encode-batch 32 --steps $TRAIN_STEPS --max-minutes ${TRAIN_MINUTES:-7} \
     --trailer 4 --out $T05 > "$RUN/train_t4_qwen05.log" 2>&1 &
   wait
