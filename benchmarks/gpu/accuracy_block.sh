@@ -24,7 +24,8 @@ convert_model q15 || { stamp "the 1.5B did not convert"; tail -5 /tmp/convert-q1
 wait
 grep -v " INFO \| DEBUG " /tmp/convert-q15.log | tail -2
 
-if has corpus; then
+CORPUS=${CORPUS:-/tmp/corpus15/facts.txt}  # another corpus (e.g. .gpu/facts05.txt): no corpus step
+if has corpus && [[ $CORPUS == /tmp/corpus15/facts.txt ]]; then
   stamp "facts the 1.5B writes (fact_corpus.py)"
   PYTHONPATH=$NOW timeout 600 python3 benchmarks/fact_corpus.py --facts 2400 --people 256 --model $Q15 --no-embed \
     --gpu-memory-utilization 0.3 --out /tmp/corpus15 2>&1 | grep --line-buffered -v " INFO \| DEBUG " | tail -3
@@ -34,11 +35,11 @@ fi
 T15=$RUN/wrappers_t4_qwen15.safetensors H15=$RUN/wrappers_h2t4_qwen15.safetensors T05=$RUN/wrappers_t4_qwen05.safetensors
 if has wrappers; then
   stamp "fact wrappers: 1.5B t4 and h2t4, 0.5B t4, side by side"
-  train=(--users 120 --held-out 16 --facts-per-user 16 --samples-per-user 8 --k 5,10,20 --encode-batch 32 --max-minutes ${TRAIN_MINUTES:-7}
+  train=(--users ${USERS:-120} --held-out ${HELD_OUT:-16} --facts-per-user 16 --samples-per-user 8 --k 5,10,20 --encode-batch 32 --max-minutes ${TRAIN_MINUTES:-7}
          --steps $TRAIN_STEPS)
-  PYTHONPATH=$NOW python3 benchmarks/train_wrappers.py --model $Q15 --facts /tmp/corpus15/facts.txt "${train[@]}" \
+  PYTHONPATH=$NOW python3 benchmarks/train_wrappers.py --model $Q15 --facts $CORPUS "${train[@]}" \
     --trailer 4 --out $T15 > "$RUN/train_t4_qwen15.log" 2>&1 &
-  PYTHONPATH=$NOW python3 benchmarks/train_wrappers.py --model $Q15 --facts /tmp/corpus15/facts.txt "${train[@]}" \
+  PYTHONPATH=$NOW python3 benchmarks/train_wrappers.py --model $Q15 --facts $CORPUS "${train[@]}" \
     --header 2 --trailer 4 --out $H15 > "$RUN/train_h2t4_qwen15.log" 2>&1 &
   [[ -n ${WITH_Q05:-} ]] && PYTHONPATH=$NOW python3 benchmarks/train_wrappers.py --model $Q05 --facts .gpu/facts05.txt --users 32 --held-out 4 \
     --facts-per-user 16 --samples-per-user 16 --k 5,10,20 --encode-batch 32 --steps $TRAIN_STEPS --max-minutes ${TRAIN_MINUTES:-7} \
