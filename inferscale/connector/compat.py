@@ -178,6 +178,24 @@ def load_failure_policy(device_type: str | None = None) -> str:
     return "recompute"
 
 
+#: Background loads (``get_num_new_matched_tokens`` answering ``(n, True)``, inject/background.py) run
+#: alike on 0.26 and 0.32, read from both schedulers: the request's blocks are allocated (not cached
+#: until the load is reported), it waits in ``WAITING_FOR_REMOTE_KVS``, ``update_state_after_alloc``
+#: gets all its blocks and the request is not among the step's scheduled ones; it is promoted once
+#: its id comes back in ``finished_recving`` (``get_finished``); blocks reported by
+#: ``get_block_ids_with_load_errors`` no later than that pass cut its computed tokens at the first
+#: failed block (``_update_requests_with_invalid_blocks``: the local prefix-cache hit is kept, the rest
+#: prefilled, or the request ended under "fail"); a request aborted while it loads keeps its blocks
+#: until its load is reported (``finish_requests``' ``delay_free_blocks``), then they are freed.
+#: Differences: 0.26 calls ``start_load_kv`` before the forward pass of every step, 0.32 after it
+#: when the step has no synchronous load (``has_sync_kv_loads``): the connector issues background
+#: loads in ``get_finished``, after the forward pass in both. 0.32 asserts that ``n > 0`` with True
+#: (the connector answers True only then) and adds a request-level ``failed_recving``
+#: (``get_transfer_results``), which 0.26 lacks and the connector does not use: failed blocks work in
+#: both. Both call ``start_load_kv`` and ``get_finished`` on a step that runs no model (``no_forward``),
+#: so a load is reported while nothing else runs.
+
+
 def shutdown(llm) -> None:
     """Stop a ``vllm.LLM``'s engine (its worker processes and memory)."""
     engine = getattr(llm, "llm_engine", None)
@@ -247,6 +265,12 @@ def resumed_requests(scheduler_output) -> Iterator[tuple[str, list[int]]]:
     for i, req_id in enumerate(cached.req_ids):
         if req_id in resumed and cached.new_block_ids[i] is not None:
             yield req_id, list(cached.new_block_ids[i][0])
+
+
+def allocated_block_ids(blocks) -> list[int]:
+    """The block ids (first KV cache group) of the ``KVCacheBlocks`` vLLM hands
+    ``update_state_after_alloc``: all the request's blocks, in block-table order."""
+    return list(blocks.get_block_ids()[0])
 
 
 def new_requests(scheduler_output) -> Iterator[tuple[str, list[int]]]:
