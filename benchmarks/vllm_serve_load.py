@@ -418,6 +418,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--kv-store", default="hbm", choices=["hbm", "pinned"])
     parser.add_argument("--pinned-reads", choices=["copy", "overlap"],
                         help="Config.tuning.pinned_reads (default: Tuning's)")
+    parser.add_argument("--async-loads", choices=["auto", "always", "never"],
+                        help="Config.tuning.async_loads: memory loaded beside the batch or before the forward "
+                             "pass (default: Tuning's)")
     parser.add_argument("--cuda-graphs", action="store_true")
     parser.add_argument("--layerwise-write", action="store_true",
                         help="Config.tuning.fused_write = false (default: the fused write)")
@@ -450,7 +453,8 @@ def main(argv: list[str] | None = None) -> int:
     store = BackendSpec(args.kv_store, {"max_bytes": int(memory_bytes * 1.25) + (1 << 30)})
     config = Config(model=str(model), data_dir=str(work), kv_store=store, recompute_tokens=0,
                     tuning=Tuning(fused_write=not args.layerwise_write,
-                                  **({"pinned_reads": args.pinned_reads} if args.pinned_reads else {})))
+                                  **({"pinned_reads": args.pinned_reads} if args.pinned_reads else {}),
+                                  **({"async_loads": args.async_loads} if args.async_loads else {})))
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     log = out.parent / f"{out.name}_server.log"
@@ -474,6 +478,7 @@ def main(argv: list[str] | None = None) -> int:
               "memory_tokens": args.prefix_tokens + args.k * args.fact_tokens, "question_tokens": args.question_tokens,
               "max_tokens": args.max_tokens, "seconds": args.seconds, "kv_store": args.kv_store,
               "fused_write": not args.layerwise_write, "pinned_reads": config.tuning.pinned_reads,
+              "async_loads": config.tuning.async_loads,
               "memory_gib": memory_bytes / 2**30, "warm_up": check, "rows": rows}
     if default:
         result["default"] = {"method": default[0], "system": default[1]}

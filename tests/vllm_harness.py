@@ -46,7 +46,7 @@ PINNED_COPY_BELOW_MIB = float(os.environ.get("INFERSCALE_TEST_PINNED_COPY_BELOW_
 #: on the GPU the hbm store's fused writes are replayed from CUDA graphs (Config.tuning.write_graphs)
 KV_STORE = os.environ.get("INFERSCALE_TEST_KV_STORE", "pinned")
 #: INFERSCALE_TEST_ASYNC_LOADS=always/never: requests load their memory in the background / before the
-#: forward pass (unset: Tuning's default, "auto")
+#: forward pass, or "auto" (unset: Tuning's default)
 ASYNC_LOADS = os.environ.get("INFERSCALE_TEST_ASYNC_LOADS", Tuning.async_loads)
 #: INFERSCALE_TEST_BLOCK_SIZE=64 (GPU machine): tokens per KV cache block (unset: vLLM's choice)
 BLOCK_SIZE = {"block_size": int(os.environ["INFERSCALE_TEST_BLOCK_SIZE"])} if os.environ.get("INFERSCALE_TEST_BLOCK_SIZE") else {}

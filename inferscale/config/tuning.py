@@ -57,9 +57,10 @@ class Tuning:
     #: when a request's memory is loaded (inject/load_mode.py): "always" in the background (the
     #: request waits in vLLM's WAITING_FOR_REMOTE_KVS while the batch runs; the K/V is copied on a
     #: stream of its own and the request joins the batch once it has arrived), "never" before the
-    #: forward pass of the step that prefills the request (every step waits for its requests'
-    #: reads), or "auto": in the background on a GPU where the memory tier (kv_store) is not "hbm"
-    async_loads: str = "auto"
+    #: forward pass of the step that prefills the request (that step waits for its requests'
+    #: reads), or "auto": in the background on a GPU where the memory tier (kv_store) is not "hbm".
+    #: "never" until measured on a GPU against "auto" (benchmarks/vllm_serve_load.py --async-loads)
+    async_loads: str = "never"
 
     def __post_init__(self):
         for name in ("fused_write", "write_graphs", "pinned_read_graphs"):
