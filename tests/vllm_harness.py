@@ -47,7 +47,7 @@ PINNED_COPY_BELOW_MIB = float(os.environ.get("INFERSCALE_TEST_PINNED_COPY_BELOW_
 KV_STORE = os.environ.get("INFERSCALE_TEST_KV_STORE", "pinned")
 #: INFERSCALE_TEST_ASYNC_LOADS=always/never: requests load their memory in the background / before the
 #: forward pass, or "auto" (unset: Tuning's default)
-ASYNC_LOADS = os.environ.get("INFERSCALE_TEST_ASYNC_LOADS", Tuning.async_loads)
+ASYNC_LOADS = os.environ.get("INFERSCALE_TEST_ASYNC_LOADS") or Tuning.async_loads
 #: INFERSCALE_TEST_BLOCK_SIZE=64 (GPU machine): tokens per KV cache block (unset: vLLM's choice)
 BLOCK_SIZE = {"block_size": int(os.environ["INFERSCALE_TEST_BLOCK_SIZE"])} if os.environ.get("INFERSCALE_TEST_BLOCK_SIZE") else {}
 #: on a GPU an engine holds its model and a 128 MiB cache; vLLM still refuses to start unless the free
