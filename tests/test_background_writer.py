@@ -5,6 +5,7 @@ its own stream, after the forward stream's earlier work."""
 
 from __future__ import annotations
 
+import threading
 from pathlib import Path
 
 import pytest
@@ -26,6 +27,7 @@ from inferscale.inject.writer import KVWriter
 from inferscale.storage.disk import DiskStore
 from inferscale.storage.hbm import HBMStore
 from inferscale.storage.pinned import PinnedHostStore
+from inferscale.storage.tiered import ensure_user
 from inferscale.storage.tiers import Tiers
 from test_storage import make_fact, make_facts
 from test_writer import LAYERS, SIZE, RecordingCache, spec_for
@@ -113,19 +115,68 @@ def writers_for(tiers: Tiers, device: str = "cpu", **tuning) -> tuple[Background
     return made[0], made[1]
 
 
+def start(writer: BackgroundWriter, loads: list[LoadSpec], cache) -> None:
+    """Issue ``loads`` as a step would, and again at the next step once their users are read."""
+    writer.start(loads, cache)
+    writer.fills.close()  # (waits for the reads the loads wait for)
+    writer.start([], cache)
+
+
 def test_a_background_load_is_reported_once_and_its_failure_with_it(tiers):
     writer, _ = writers_for(tiers)
     assert writer.config.tuning.pinned_reads == "copy" and not writer.loader.host_in_place  # the bus is DMA's
     good = spec_for(tiers.disk, "ann", "good")
     stale = spec_for(tiers.disk, "ann", "stale", epochs=("old", "old"))  # not the memory it was scheduled with
     cache = RecordingCache()
-    writer.start([stale, good], cache)
+    start(writer, [stale, good], cache)
     assert writer.loading == {"stale", "good"}
     assert writer.take_load_errors() == set()  # a failure is told with its load's report, not before
     assert [layer for layer, *_ in cache.writes] == list(range(LAYERS))  # only the good one was written
     assert writer.finished() == {"stale", "good"}
     assert writer.take_load_errors() == set(stale.blocks)
     assert (writer.finished(), writer.take_load_errors(), writer.loading) == (set(), set(), set())
+
+
+class SlowDisk(DiskStore):
+    """The store of record, whose reads of a user's K/V wait until the test lets them go (a slow disk)."""
+
+    def __init__(self, root: str):
+        super().__init__(DiskStore.Options(root=root))
+        self.go, self.reading = threading.Event(), threading.Event()
+
+    def read_user(self, user_id):
+        self.reading.set()
+        assert self.go.wait(60), "the test never let the read go"
+        return super().read_user(user_id)
+
+
+def test_a_load_waits_unissued_for_its_users_read_while_the_others_are_written(tmp_path):
+    """A user the memory tier lacks is read on the fill thread: its load waits, unissued and not
+    reported, while a load of a user the tier holds is written; it is written at the first step
+    after the read."""
+    disk = SlowDisk(str(tmp_path / "kv"))
+    disk.put(SYSTEM_USER, {PREFIX_FACT: make_fact(5, layers=LAYERS, size=SIZE, seed=999)})
+    disk.put("ann", make_facts(3, layers=LAYERS, size=SIZE))
+    disk.put("bob", make_facts(2, layers=LAYERS, size=SIZE))
+    memory = PinnedHostStore(PinnedHostStore.Options(device="cpu"))
+    disk.go.set()
+    for user in (SYSTEM_USER, "ann"):  # ann's memory is held; bob's is not
+        ensure_user(memory, disk, user)
+    disk.go.clear()
+    writer, _ = writers_for(Tiers(memory, disk))
+    cache = RecordingCache()
+    writer.start([spec_for(disk, "bob", "cold"), spec_for(disk, "ann", "warm")], cache)
+    assert disk.reading.wait(60)
+    assert len(cache.writes) == LAYERS  # ann's load, written; bob's waits for its read
+    for _ in range(3):  # steps go by: nothing of bob's is written or reported
+        writer.start([], cache)
+        assert writer.finished() <= {"warm"} and writer.loading <= {"cold", "warm"}
+    assert "cold" in writer.loading and len(cache.writes) == LAYERS
+    disk.go.set()
+    writer.fills.close()
+    writer.start([], cache)
+    assert len(cache.writes) == 2 * LAYERS and writer.finished() == {"cold"}
+    assert writer.loading == set() and writer.take_load_errors() == set()
 
 
 def test_a_refused_background_load_is_reported_with_every_block_failed(tiers):
@@ -140,7 +191,7 @@ def test_a_background_load_writes_what_a_synchronous_one_writes(tiers):
     background, synchronous = writers_for(tiers)
     spec = spec_for(tiers.disk, "ann")
     caches = RecordingCache(), RecordingCache()
-    background.start([spec], caches[0])
+    start(background, [spec], caches[0])
     synchronous.write_step([spec], caches[1])
     assert background.finished() == {"r"}
     for (layer, key, value, slots), (layer2, key2, value2, slots2) in zip(*(c.writes for c in caches), strict=True):
@@ -162,7 +213,7 @@ def check_background_fused(tmp_path: str) -> None:
              LoadSpec("s", first.request, 3, length, length, load_blocks(range(100, 200), 4, 3, length), 4,
                       first.epochs)]
     cache = FlashAttentionCache(200, 2, 4, SIZE)
-    writer.start(specs, cache)
+    start(writer, specs, cache)
     assert writer.finished() == {"r", "s"} and writer.take_load_errors() == set()
     check_written(writer, specs, cache.layers)
 
@@ -230,7 +281,7 @@ def test_a_background_load_writes_after_the_forward_streams_earlier_work(tmp_pat
         torch.cuda._sleep(1 << 30)  # ~0.5 s of the forward stream
         for layer, _, _ in cache.layers:
             layer.fill_(7.0)
-        writer.start(specs, cache)
+        start(writer, specs, cache)
         torch.cuda.synchronize()
         assert writer.finished() == {"r", "s"} and writer.take_load_errors() == set()
         check_written(writer, specs, cache.layers)
@@ -246,7 +297,7 @@ def test_background_loads_run_on_their_own_stream_and_the_forward_stream_never_w
     tiers = make_tiers(tmp_path, PinnedHostStore())
     writer, _ = writers_for(tiers, "cuda")
     cache, specs = CudaCache(), gpu_specs(tiers)
-    writer.start(specs, cache)  # (first use: the memory tier filled, graphs captured)
+    start(writer, specs, cache)  # (first use: the memory tier filled, graphs captured)
     torch.cuda.synchronize()
     writer.finished()
     load_stream = writer.layer_loads.stream

@@ -265,9 +265,9 @@ class InferScaleConnector(compat.KVConnectorBase_V1):
         if background is None:
             return None, None
         arrived, queued, self._background_queue = background.finished(), self._background_queue, []
-        if queued and self.caches is None:  # nothing is written into a layout not understood
+        if self.caches is None:  # nothing is written into a layout not understood
             background.refuse(queued)
-        elif queued:
+        else:  # (and those of earlier steps whose users have been read from disk since)
             background.start(queued, self.caches)
         return None, arrived or None
 

@@ -15,6 +15,10 @@ elsewhere:
 * where the fused write cannot run (the CPU, a cache it cannot address): as a synchronous load is
   written, on the forward stream (on the CPU it is done when the call returns).
 
+A load whose user the memory tier does not hold waits, unissued, while the user is read from the
+store of record on a thread of its own (:mod:`~inferscale.inject.user_fills`); the engine's thread
+goes on with the batch.
+
 A load is reported (:meth:`BackgroundWriter.finished`) once its event has completed, when the K/V
 is in the cache, never before: vLLM schedules the request on that word, and does not free or
 reuse its blocks until then, even when the request was aborted meanwhile (the connector contract:
@@ -26,6 +30,7 @@ reads are kept until its event has completed.
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import dataclasses
 import time
@@ -37,6 +42,7 @@ import torch
 from inferscale.config import Config
 from inferscale.inject.loader import LoadSpec
 from inferscale.inject.sources import Sources
+from inferscale.inject.user_fills import UserFills
 from inferscale.inject.writer import KVWriter, PagedCache
 
 
@@ -123,6 +129,8 @@ class BackgroundWriter(KVWriter):
 
     def __init__(self, config: Config, *args, **kwargs):
         super().__init__(copying(config), *args, **kwargs)
+        self.fills = UserFills(self.tiers)
+        self._waiting: list[tuple[LoadSpec, list[concurrent.futures.Future]]] = []  # for their users' reads
         self._in_flight: list[InFlight] = []
         self._arrived_errors: set[int] = set()
 
@@ -131,9 +139,19 @@ class BackgroundWriter(KVWriter):
         self.layer_loads = LoadStream(device)
 
     def start(self, loads: Sequence[LoadSpec], cache: PagedCache) -> None:
-        """Issue ``loads`` (see the module); they are reported by a later :meth:`finished`."""
+        """Issue ``loads``, and the loads of earlier steps whose users have been read since; a load
+        whose user the memory tier lacks waits for its read (see the module). Each is reported by
+        a later :meth:`finished`. Called every step, with or without loads of its own."""
         if self.loader is None:
             raise RuntimeError("KV caches were never registered with the connector")
+        self._waiting += [(spec, self.fills.reads(spec)) for spec in loads]
+        done = [all(read.done() for read in reads) for _, reads in self._waiting]
+        ready = [spec for (spec, _), ok in zip(self._waiting, done) if ok]
+        self._waiting = [waiting for waiting, ok in zip(self._waiting, done) if not ok]
+        if ready:
+            self._issue(ready, cache)
+
+    def _issue(self, loads: Sequence[LoadSpec], cache: PagedCache) -> None:
         began = time.perf_counter()
         fused = self._fused_views(cache) is not None
         with self.layer_loads.issuing(beside=fused):
@@ -148,7 +166,8 @@ class BackgroundWriter(KVWriter):
     def refuse(self, loads: Sequence[LoadSpec]) -> None:
         """Write none of ``loads`` (the caches' layout is not understood): reported at the next
         :meth:`finished`, every block failed."""
-        self._in_flight.append(InFlight(_ids(loads), {block for spec in loads for block in spec.blocks}, None, []))
+        if loads:
+            self._in_flight.append(InFlight(_ids(loads), {block for spec in loads for block in spec.blocks}, None, []))
 
     def finished(self) -> set[str]:
         """The requests whose loads have arrived (or failed) since the last call; the blocks of
@@ -167,11 +186,13 @@ class BackgroundWriter(KVWriter):
 
     @property
     def loading(self) -> set[str]:
-        """The requests whose loads are issued and not reported yet."""
-        return {req_id for load in self._in_flight for req_id in load.req_ids}
+        """The requests whose loads are waiting for their users' reads, or issued and not reported yet."""
+        issued = {req_id for load in self._in_flight for req_id in load.req_ids}
+        return issued | {spec.req_id for spec, _ in self._waiting}
 
     def wait(self) -> None:
-        """Block until every load issued has run (the engine is shutting down)."""
+        """Block until every load issued has run and every read has ended (the engine is shutting down)."""
+        self.fills.close()
         for load in self._in_flight:
             if load.done is not None:
                 load.done.synchronize()

@@ -19,9 +19,9 @@ class RecordingWriter(KVWriter):
 
 
 class RecordingBackgroundWriter(BackgroundWriter):
-    def start(self, loads, cache):
+    def _issue(self, loads, cache):
         WRITES.append(("background", [spec.req_id for spec in loads]))
-        super().start(loads, cache)
+        super()._issue(loads, cache)
 
 
 class RecordingConnector(InferScaleConnector):
