@@ -179,6 +179,22 @@ def test_a_load_waits_unissued_for_its_users_read_while_the_others_are_written(t
     assert writer.loading == set() and writer.take_load_errors() == set()
 
 
+def test_a_load_whose_request_finished_while_its_user_is_read_is_reported_unwritten(tmp_path):
+    disk = SlowDisk(str(tmp_path / "kv"))
+    disk.put(SYSTEM_USER, {PREFIX_FACT: make_fact(5, layers=LAYERS, size=SIZE, seed=999)})
+    disk.put("bob", make_facts(2, layers=LAYERS, size=SIZE))
+    writer, _ = writers_for(Tiers(PinnedHostStore(PinnedHostStore.Options(device="cpu")), disk))
+    cache = RecordingCache()
+    writer.start([spec_for(disk, "bob", "aborted")], cache)
+    assert disk.reading.wait(60) and writer.loading == {"aborted"}
+    writer.drop({"aborted", "some-other-request"})
+    assert writer.finished() == {"aborted"} and writer.take_load_errors() == set() and writer.loading == set()
+    disk.go.set()
+    writer.fills.close()
+    writer.start([], cache)
+    assert cache.writes == [] and writer.finished() == set()
+
+
 def test_a_refused_background_load_is_reported_with_every_block_failed(tiers):
     writer, _ = writers_for(tiers)
     spec = spec_for(tiers.disk, "ann", "refused")

@@ -258,18 +258,13 @@ class InferScaleConnector(compat.KVConnectorBase_V1):
             writer.wait_all()
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
-        """Reports the background loads that have arrived (or failed) since the last step, those of
-        aborted requests among them (vLLM frees their blocks then), and issues this step's, after
-        the forward pass was launched: a load is reported a step after it was issued at the earliest."""
+        """The background loads that arrived (or failed) since the last step, aborted requests' too
+        (vLLM frees their blocks then); this step's are issued now, after the forward pass."""
         background = getattr(self, "background", None)
         if background is None:
             return None, None
-        arrived, queued, self._background_queue = background.finished(), self._background_queue, []
-        if self.caches is None:  # nothing is written into a layout not understood
-            background.refuse(queued)
-        else:  # (and those of earlier steps whose users have been read from disk since)
-            background.start(queued, self.caches)
-        return None, arrived or None
+        queued, self._background_queue = self._background_queue, []
+        return None, background.step(queued, self.caches, finished_req_ids) or None
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         writers = [w for w in (getattr(self, "writer", None), getattr(self, "background", None)) if w is not None]

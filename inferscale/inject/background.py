@@ -138,6 +138,20 @@ class BackgroundWriter(KVWriter):
         super().register(num_layers, device, dtype)
         self.layer_loads = LoadStream(device)
 
+    def step(self, loads: Sequence[LoadSpec], cache: PagedCache | None, finished_req_ids: set[str]) -> set[str]:
+        """One engine step's work, after its forward pass was launched: the requests whose loads
+        arrived since the last step (:meth:`finished`; those of requests that finished while they
+        waited for their users' reads among them, :meth:`drop`), then ``loads`` issued, with those
+        of earlier steps now ready (:meth:`start`), or refused where ``cache`` is None (its layout
+        was not understood). A load is thus reported a step after it was issued at the earliest."""
+        self.drop(finished_req_ids)
+        arrived = self.finished()
+        if cache is None:
+            self.refuse(loads)
+        else:
+            self.start(loads, cache)
+        return arrived
+
     def start(self, loads: Sequence[LoadSpec], cache: PagedCache) -> None:
         """Issue ``loads``, and the loads of earlier steps whose users have been read since; a load
         whose user the memory tier lacks waits for its read (see the module). Each is reported by
@@ -162,6 +176,15 @@ class BackgroundWriter(KVWriter):
         done, keep = self.layer_loads.issued()
         self._in_flight.append(InFlight(_ids(loads), KVWriter.take_load_errors(self), done, keep))
         self._host_time("load", time.perf_counter() - began)
+
+    def drop(self, finished_req_ids: set[str]) -> None:
+        """Loads still waiting, unissued, for their users' reads whose requests have finished (were
+        aborted): reported at the next :meth:`finished` with nothing written (no copy is in flight
+        into their blocks, which vLLM then frees)."""
+        dropped = [spec for spec, _ in self._waiting if spec.req_id in finished_req_ids]
+        if dropped:
+            self._waiting = [waiting for waiting in self._waiting if waiting[0].req_id not in finished_req_ids]
+            self._in_flight.append(InFlight(_ids(dropped), set(), None, []))
 
     def refuse(self, loads: Sequence[LoadSpec]) -> None:
         """Write none of ``loads`` (the caches' layout is not understood): reported at the next
