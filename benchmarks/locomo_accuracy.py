@@ -37,10 +37,15 @@ import time
 import uuid
 from collections import Counter, defaultdict
 from dataclasses import asdict, dataclass
+from dataclasses import fields as dataclass_fields
 from pathlib import Path
 
-from inferscale.config import DEFAULT_CLOSING
-from inferscale.datasets.locomo import CATEGORIES, Conversation, load_all, stratified_sample
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import locomo_gaps  # noqa: E402
+
+from inferscale.config import DEFAULT_CLOSING  # noqa: E402
+from inferscale.datasets.locomo import CATEGORIES, Conversation, load_all, stratified_sample  # noqa: E402
 
 INSTRUCTION = (
     "You answer questions about a conversation between two people, using the facts below that were "
@@ -108,6 +113,8 @@ class Method:
     # a benchmarks/kv_calibration.py JSON (inferscale.encode.calibration): scales (and shifts) on
     # the stored keys' content and values, fitted offline against prompt injection (replaces content_scale)
     calibration: str = ""
+    # a fact wrappers file (inferscale.encode.wrappers): learned embeddings around every fact at encoding
+    wrappers: str = ""
 
     @property
     def encoding(self) -> tuple[int, str, int, float]:
@@ -122,8 +129,11 @@ class Method:
 
     @property
     def transform(self) -> float | str:
-        """What the stored K/V go through after encoding: a key content scale, or a calibration file."""
-        return self.calibration or self.content_scale
+        """What the stored K/V go through: a key content scale, a calibration file, or (at the model's
+        pass) fact wrappers (``"wrappers:<file>"``)."""
+        if self.wrappers and (self.calibration or self.content_scale != 1.0):
+            raise ValueError(f"{self.name}: wrappers are trained for the plain K/V (no calibration or content scale)")
+        return self.calibration or (f"{WRAPPED}{self.wrappers}" if self.wrappers else self.content_scale)
 
     @property
     def windows(self) -> list[int]:
@@ -135,6 +145,15 @@ class Method:
             return self.encoding
         best = min(self.windows, key=lambda w: (abs(w - slot), -w))
         return -best, self.style, 0, self.transform
+
+
+#: the transform of an encoding with fact wrappers: this prefix, then the wrappers file
+WRAPPED = "wrappers:"
+
+
+def wrappers_of(transform: float | str) -> str:
+    """The wrappers file of an encoding's transform ("" if none)."""
+    return transform[len(WRAPPED):] if isinstance(transform, str) and transform.startswith(WRAPPED) else ""
 
 
 def context_encoding(spec: str, style: str, scale: float) -> tuple[int, str, int, float]:
@@ -349,14 +368,30 @@ def neighbour_check() -> list[Method]:
 
 
 def select_methods(spec: str) -> list[Method]:
+    """A named set, or method names joined by ';' (any ``kv[field=value,...]`` / ``prompt[...]`` parses)."""
     sets = method_sets()
     if spec in sets:
         return sets[spec]
     every = {m.name: m for ms in sets.values() for m in ms}
-    unknown = [n for n in spec.split(";") if n not in every]
-    if unknown:
-        raise SystemExit(f"unknown method(s) {unknown}; sets: {sorted(sets)}; methods: {sorted(every)}")
-    return [every[n] for n in spec.split(";")]
+    return [every[n] if n in every else parse_method(n, sorted(sets)) for n in spec.split(";")]
+
+
+_NAME = re.compile(r"^(kv|prompt)(?:\[(.*)\])?$")
+
+
+def parse_method(name: str, sets: list[str] = ()) -> Method:
+    """The method a name describes: ``kv[window=-10,recompute_tokens=256]`` (fields of :class:`Method`)."""
+    match = _NAME.match(name)
+    fields = {f.name: f.type for f in dataclass_fields(Method)}
+    if not match:
+        raise SystemExit(f"unknown method {name!r}: kv[field=value,...] or prompt[...]; sets: {list(sets)}")
+    values = {}
+    for part in filter(None, (match.group(2) or "").split(",")):
+        key, _, value = part.partition("=")
+        if key not in fields or key in ("name", "mode"):
+            raise SystemExit(f"method {name!r}: unknown field {key!r}; fields: {sorted(set(fields) - {'name', 'mode'})}")
+        values[key] = {"int": int, "float": float}.get(fields[key], str)(value)
+    return Method(name, mode=match.group(1), **values)
 
 
 # ---------------------------------------------------------------- data and retrieval
@@ -440,7 +475,8 @@ def user_of(conv: str, encoding: tuple[int, str, int, float]) -> str:
     context at all (window 0) share one user, their fact ids tagged by window (:func:`source_tag`),
     so one request can read several encodings."""
     window, style, neighbours, scale = encoding
-    scaled = f".cal-{Path(scale).stem}" if isinstance(scale, str) else f".c{scale:g}" if scale != 1.0 else ""
+    kind = "wrap" if wrappers_of(scale) else "cal"
+    scaled = f".{kind}-{Path(scale).stem}" if isinstance(scale, str) else f".c{scale:g}" if scale != 1.0 else ""
     return f"{conv}.w{window}.{style}{scaled}" if window > 0 and not neighbours else f"{conv}.facts.{style}{scaled}"
 
 
@@ -542,6 +578,7 @@ def encode_all(args, convs, needed, encodings, model_dir: str, data_dir: Path, p
     from inferscale.compose.segment import PREFIX_FACT, SYSTEM_USER
     from inferscale.encode.calibration import KVCalibration
     from inferscale.encode.encoder import FactEncoder
+    from inferscale.encode.wrappers import FactWrappers
     from inferscale.facts import Fact, make_fact_id
     from inferscale.kv import FactKV
     from inferscale.storage.disk import DiskStore
@@ -551,20 +588,22 @@ def encode_all(args, convs, needed, encodings, model_dir: str, data_dir: Path, p
     ids: dict = {}
     with FactEncoder.from_spec(model_dir, dtype="float32", batch_size=args.encode_batch) as encoder:
         encoder.model.to(device)
-        calibrations = {path: KVCalibration.load(path) for path in {e[3] for e in encodings if isinstance(e[3], str)}}
+        calibrations = {path: KVCalibration.load(path) for path in {e[3] for e in encodings if isinstance(e[3], str)
+                                                                     and not wrappers_of(e[3])}}
 
         def cast(kv: FactKV) -> FactKV:
             return FactKV(kv.token_ids, kv.keys.to(kv_dtype), kv.values.to(kv_dtype))
 
         disk.put(SYSTEM_USER, {PREFIX_FACT: cast(encoder.encode_ids(prefix_ids))})
-        # the model runs once per (window, style, neighbours); each transform (content scale,
-        # calibration) is derived from it
+        # the model runs once per (window, style, neighbours, wrappers); each transform (content
+        # scale, calibration) is derived from it
         scales: dict = defaultdict(list)
         for encoding in encodings:
-            scales[encoding[:3]].append(encoding[3])
-        for (window, style, neighbours), group in scales.items():
+            scales[(*encoding[:3], wrappers_of(encoding[3]))].append(encoding[3])
+        for (window, style, neighbours, wrappers), group in scales.items():
             encoder.window = window_policy(window, neighbours)
             encoder.fact_style = style
+            encoder.wrappers = FactWrappers.load(wrappers).check(encoder.model) if wrappers else None
             start = time.perf_counter()
             for cid, indices in needed.items():
                 conv = convs[cid]
@@ -582,7 +621,7 @@ def encode_all(args, convs, needed, encodings, model_dir: str, data_dir: Path, p
                                      related=related)
                 for scale, scaled_facts in fact_lists.items():
                     put = {scaled_facts[j].fact_id: kvs[facts[j].fact_id] for j in indices}
-                    if isinstance(scale, str):
+                    if isinstance(scale, str) and not wrappers:
                         put = {fid: calibrations[scale].apply(kv, encoder.key_bias) for fid, kv in put.items()}
                     elif scale != 1.0:
                         put = {fid: content_scaled(kv, encoder.key_bias, scale) for fid, kv in put.items()}
@@ -628,13 +667,21 @@ class Prompts:
         self.formats = {c: PromptFormat.from_tokenizer(tokenizer, INSTRUCTION, text) for c, text in CLOSINGS.items()}
         self.prefix = self.formats["none"].prefix_ids(tokenizer)
         self._facts: dict = {}
+        self._wrappers: dict = {}
         self._fact_token_ids = fact_token_ids
 
-    def fact(self, conv: str, index: int, style: str) -> list[int]:
+    def fact(self, conv: str, index: int, style: str, wrappers: str = "") -> list[int]:
+        """A fact's ids in the segment (with ``wrappers``: as stored, its wrapper positions filled)."""
         key = (conv, index, style)
         if key not in self._facts:
             self._facts[key] = self._fact_token_ids(self.tokenizer, self.convs[conv].all_facts()[index][0], style)
-        return self._facts[key]
+        if not wrappers:
+            return self._facts[key]
+        if wrappers not in self._wrappers:
+            from inferscale.encode.wrappers import FactWrappers
+
+            self._wrappers[wrappers] = FactWrappers.load(wrappers)
+        return list(self._wrappers[wrappers].wrapped(self._facts[key]))
 
     def query(self, closing: str, question: str) -> list[int]:
         return self.formats[closing].query_ids(self.tokenizer, question)
@@ -659,7 +706,7 @@ def request(method: Method, item: Item, k: int, prompts: Prompts, fact_ids: dict
     order = segment_order(item.retrieved[:k], method.order)
     segment = list(prompts.prefix)
     for j in order:
-        segment += prompts.fact(item.conv, j, method.style)
+        segment += prompts.fact(item.conv, j, method.style, method.wrappers if method.mode == "kv" else "")
     ids = segment + prompts.query(method.closing, item.question)
     if method.mode == "prompt":
         return {"prompt_token_ids": ids, "cache_salt": f"text:{nonce}"}, None
@@ -852,15 +899,31 @@ def gap_table(summary: dict, default: str | None, baseline: str | None, ks) -> s
     return "\n".join(lines) + "\n"
 
 
+def paired_gaps(rows: list[dict], items: list[Item], baseline: str | None) -> dict:
+    """Every method's F1 gap to the baseline (``--baseline``, else prompt injection with the closing
+    line), per k and pooled over k, with paired question-bootstrap intervals (:mod:`locomo_gaps`)."""
+    baseline = baseline or "prompt[closing=answer]"
+    if not any(r["method"] == baseline for r in rows):
+        return {}
+    category = {(it.conv, it.index): it.category for it in items}
+    f1: dict = defaultdict(dict)
+    for r in rows:
+        f1[(r["method"], r["k"])][(r["conv"], r["q"])] = r["f1"]
+    return {"baseline": baseline, "per_k": locomo_gaps.gaps(category, f1, baseline),
+            "pooled": locomo_gaps.pooled(category, f1, baseline)}
+
+
 def write_results(out: Path, meta: dict, timing: dict, rows: list[dict], items: list[Item], methods, ks) -> str:
     """The JSON summary, the markdown table and the answers; rewritten after every method."""
     summary = summarize(rows, items)
     out.parent.mkdir(parents=True, exist_ok=True)
     table = markdown(summary, meta["recall"], methods, ks, len(items), f"{meta['model']} ({meta['dtype']}, "
                      f"{meta['device']})")
-    gaps = gap_table(summary, meta["default"], meta["baseline"], ks)
-    table += gaps
-    out.write_text(json.dumps({**meta, "run_s": timing, "summary": summary}, indent=1))
+    table += gap_table(summary, meta["default"], meta["baseline"], ks)
+    gaps = paired_gaps(rows, items, meta["baseline"])
+    if gaps:
+        table += "\n" + locomo_gaps.pooled_markdown(gaps["pooled"], gaps["baseline"])
+    out.write_text(json.dumps({**meta, "run_s": timing, "summary": summary, "gaps": gaps}, indent=1))
     out.with_suffix(".md").write_text(table)
     with gzip.open(out.with_name(out.stem + "_answers.json.gz"), "wt") as fh:
         json.dump({"questions": [asdict(it) for it in items], "rows": rows}, fh)

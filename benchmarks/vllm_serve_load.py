@@ -1,6 +1,7 @@
 """Throughput under load through stock `vllm serve` with the connector: query only, KV, prompt injection.
 
-    python benchmarks/vllm_serve_load.py --shape qwen2.5-7b --cuda-graphs --out benchmarks/results/vllm_serve_load_h200
+    python benchmarks/vllm_serve_load.py --shape qwen2.5-7b --cuda-graphs --gpu-memory-utilization 0.5 \
+        --users 1,10,30,100 --seconds 20 --repeats 3 --out benchmarks/results/vllm_serve_load_h100
     python benchmarks/vllm_serve_load.py --shape smoke --users 1,4 --facts 60 --k 10 --seconds 5   # a CPU check
 
 1. writes ``--facts`` facts of random pre-RoPE K/V (``--fact-tokens`` tokens each) for each of
@@ -17,14 +18,22 @@
 
    * ``none``   — the question alone (no memory);
    * ``kv@B``   — ``[prefix | k facts | question]`` with the facts' K/V injected, the last facts that
-     fit in B tokens prefilled with the question (``--budgets``; the product's default on CUDA is 256);
+     fit in B tokens prefilled with the question (``--budgets``: an integer B is the request's own,
+     fixed budget; ``adaptive``, the product's default, sends none and the server's connector chooses
+     one per request, up to 256 tokens on CUDA while the engine has room and 0 when it is busy, with
+     the thresholds ``--tail-max-step-tokens`` / ``--tail-max-waiting``);
    * ``prompt`` — the same token ids prefilled (prompt injection; a fresh cache salt per request, so
      vLLM's prefix cache never serves them).
 
-Reported per system and number of users: requests/s, output tokens/s, the engine's time to the first
-token (vLLM's own histogram on ``/metrics``: exact mean, p50/p99 as bucket bounds), the client's
-latency p50/p99, failed requests. Answers are not streamed unless ``--stream``: one Python client
-parsing a hundred streams of server-sent events (and the API server producing them) limited
+With ``--repeats N`` each number of users runs N rounds, each round every system once in the order
+prompt, kv@..., none, and each row reports the median over its rounds with the spread (min-max); its
+ratios to prompt injection and to the question alone are taken within each round
+(:mod:`load_rows`). Reported per system and number of users: requests/s, the ratios, the recompute
+budget the connector chose for each request (its mean and histogram, from the per-request reports),
+output tokens/s, the engine's time to the first token (vLLM's own histogram on ``/metrics``: exact
+mean, p50/p99 as bucket bounds), the client's latency p50/p99, failed requests. Answers are not
+streamed unless ``--stream`` (then no request's report, so no budget, reaches the client): one Python
+client parsing a hundred streams of server-sent events (and the API server producing them) limited
 requests/s before the engine did, for every system alike. Writes ``<out>.json``, ``<out>.md`` and ``<out>.png``.
 """
 
@@ -44,6 +53,7 @@ import uuid
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import load_rows  # noqa: E402
 import serve_start  # noqa: E402
 from served import REPO  # noqa: E402
 from ttft import SHAPES, kv_shape  # noqa: E402
@@ -113,10 +123,26 @@ class Requests:
         segment = self.prefix + [t for i in ids for t in self.tokens[user][i]]
         if system == "prompt":
             return {"prompt": segment + question, "extra_body": {**extra, "cache_salt": uuid.uuid4().hex}}
-        budget = int(system.split("@")[1])
+        budget = request_budget(system)
         salt = self.salts.segment(user, self.epochs[user], segment, budget)
         return {"prompt": segment + question,
                 "extra_body": {**extra, "cache_salt": salt, "kv_transfer_params": make_params(user, ids, budget)}}
+
+
+def request_budget(system: str) -> int | None:
+    """The budget a ``kv@B`` system's requests carry: B, or none for ``kv@adaptive`` (the connector's own)."""
+    budget = system.split("@")[1]
+    return None if budget == "adaptive" else int(budget)
+
+
+def kv_systems(budgets: str) -> list[str]:
+    """``--budgets`` (comma-separated integers and ``adaptive``) as systems; a ValueError for anything else."""
+    systems = []
+    for budget in filter(None, budgets.split(",")):
+        if budget != "adaptive" and not (budget.isdigit()):
+            raise ValueError(f"a budget is an integer >= 0 or 'adaptive', got {budget!r}")
+        systems.append(f"kv@{budget if budget == 'adaptive' else int(budget)}")
+    return systems
 
 
 async def one(client, requests: Requests, system: str, user: str, stream: bool = False) -> dict:
@@ -178,11 +204,13 @@ def summarize(system: str, users: int, results: list[dict], seconds: float, max_
         return values[min(len(values) - 1, int(round(q * (len(values) - 1))))] * 1e3
 
     ttfts, latencies = [r["ttft"] for r in ok if r.get("ttft") is not None], [r["latency"] for r in ok]
+    reports = [(r.get("report") or {}).get("inferscale") for r in ok]
     return {"system": system, "users": users, "requests": len(ok), "failed": len(failed),
             "errors": sorted({r["error"] for r in failed})[:5], "seconds": span,
             "requests_per_s": len(ok) / span, "output_tokens_per_s": len(ok) * max_tokens / span,
             "client_ttft_p50_ms": pct(ttfts, 0.5), "client_ttft_p99_ms": pct(ttfts, 0.99),
-            "latency_p50_ms": pct(latencies, 0.5), "latency_p99_ms": pct(latencies, 0.99)}
+            "latency_p50_ms": pct(latencies, 0.5), "latency_p99_ms": pct(latencies, 0.99),
+            **load_rows.budget_summary(reports)}
 
 
 def start_server(model: Path, config, args, log: Path) -> tuple[subprocess.Popen, str]:
@@ -263,28 +291,36 @@ async def run(url: str, requests: Requests, args, systems: list[str], levels: li
                             ("warm", system))
         before = connector_counters(scrape(url))
         rows = []
-        for level in levels:
-            for system in systems:
-                snapshot = scrape(url)
-                results, cpu = await timed_row(pool, args.clients, url, requests, system, users[:level],
-                                               args.seconds, args.stream, (level, system))
-                await asyncio.sleep(0.5)  # the engine's last stats reach /metrics
-                row = summarize(system, level, results, args.seconds, args.max_tokens)
-                # the clients' own CPU per request, and per process: near 100 % the clients, not the
-                # server, set the pace
-                row["client_processes"] = min(args.clients, level)
-                row["client_cpu_ms_per_request"] = cpu * 1e3 / max(1, len(results))
-                row["client_cpu_share"] = cpu / max(row["seconds"], 1e-9) / row["client_processes"]
-                row.update(histogram_summary(snapshot, scrape(url)))
-                rows.append(row)
-                print(f"{level:4d} users {system:8s} {row['requests_per_s']:8.2f} req/s  engine TTFT mean "
-                      f"{row.get('ttft_mean_ms', 0):8.1f} ms (p50 ≤ {row.get('ttft_p50_le_ms', 0):.0f}, p99 ≤ "
-                      f"{row.get('ttft_p99_le_ms', 0):.0f})  latency p50 {row['latency_p50_ms'] or 0:8.1f} ms  "
-                      f"client CPU {100 * row['client_cpu_share']:.0f} %  failed {row['failed']}", flush=True)
+        for level, repeat, system in rounds(levels, args.repeats, systems):
+            snapshot = scrape(url)
+            results, cpu = await timed_row(pool, args.clients, url, requests, system, users[:level],
+                                           args.seconds, args.stream, (level, system, repeat))
+            await asyncio.sleep(0.5)  # the engine's last stats reach /metrics
+            row = summarize(system, level, results, args.seconds, args.max_tokens)
+            row["repeat"] = repeat
+            # the clients' own CPU per request, and per process: near 100 % the clients, not the
+            # server, set the pace
+            row["client_processes"] = min(args.clients, level)
+            row["client_cpu_ms_per_request"] = cpu * 1e3 / max(1, len(results))
+            row["client_cpu_share"] = cpu / max(row["seconds"], 1e-9) / row["client_processes"]
+            row.update(histogram_summary(snapshot, scrape(url)))
+            rows.append(row)
+            print(f"{level:4d} users {system:11s} #{repeat} {row['requests_per_s']:8.2f} req/s  B mean "
+                  f"{row.get('budget_mean', float('nan')):5.0f}  engine TTFT mean "
+                  f"{row.get('ttft_mean_ms', 0):8.1f} ms (p50 ≤ {row.get('ttft_p50_le_ms', 0):.0f}, p99 ≤ "
+                  f"{row.get('ttft_p99_le_ms', 0):.0f})  latency p50 {row['latency_p50_ms'] or 0:8.1f} ms  "
+                  f"client CPU {100 * row['client_cpu_share']:.0f} %  failed {row['failed']}", flush=True)
     after = connector_counters(scrape(url))
     check["connector_counts_during_runs"] = {k: after[k] - before.get(k, 0.0) for k in after}
     print(f"connector counters during the timed runs: {check['connector_counts_during_runs']}", flush=True)
     return check, rows
+
+
+def rounds(levels: list[int], repeats: int, systems: list[str]):
+    """(users, repeat, system) in the order they run: every repeat of one number of users before the
+    next, each repeat one round of every system (:func:`load_rows.round_order`)."""
+    order = load_rows.round_order(systems)
+    return [(level, repeat, system) for level in levels for repeat in range(repeats) for system in order]
 
 
 #: vLLM's own per-request histograms (measured in the engine, from the request's arrival there)
@@ -338,30 +374,38 @@ def _clients(rows: list[dict]) -> str:
 
 def table(result: dict) -> str:
     rows = result["rows"]
-    prompt = {r["users"]: r["requests_per_s"] for r in rows if r["system"] == "prompt"}
     counts = result["warm_up"].get("connector_counts_during_runs", {})
+    repeats = result.get("repeats", 1)
+    each = (f"{result['seconds']:.0f} s closed loop per row" if repeats == 1 else
+            f"each row the median of {repeats} interleaved rounds of {result['seconds']:.0f} s (min-max; the ratios "
+            "taken within each round)")
     lines = [f"# Load through `vllm serve`: {result['model']}", "", f"`{result['command']}`", "",
              f"{result['facts_per_user']} facts a user, k = {result['k']} ({result['memory_tokens']} memory tokens), "
              f"{result['question_tokens']}-token questions, {result['max_tokens']} output tokens, "
-             f"{result['seconds']:.0f} s closed loop per row, KV store {result['kv_store']}. Client CPU: the "
+             f"{each}, KV store {result['kv_store']}. Recompute budget: what the connector chose per request "
+             f"(mean, and B: requests), from each request's report; kv@adaptive is the default "
+             f"(adaptive tail, thresholds {json.dumps(result.get('tail_thresholds', {}))}). Client CPU: the "
              f"benchmark client's CPU time over the row's span, per client process ({_clients(rows)}; near 100 % "
              "the client, not the server, sets the pace).", "",
-             "| users | system | requests/s | × prompt injection | output tok/s | engine TTFT mean ms | "
-             "engine TTFT p50 / p99 ≤ ms | queue mean ms | client latency p50 / p99 ms | client CPU | failed |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| users | system | requests/s | × prompt injection | × question alone | recompute budget | "
+             "output tok/s | engine TTFT mean ms | engine TTFT p50 / p99 ≤ ms | queue mean ms | "
+             "client latency p50 / p99 ms | client CPU | failed |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     if counts:
         lines[6:6] = [f"The connector's counters over the timed runs: {json.dumps(counts)}.", ""]
     if result.get("default"):
         lines[6:6] = [f"The default, `{result['default']['method']}`, is served by {result['default']['system']}: "
                       "the same tokens injected and prefilled whatever the facts were encoded behind.", ""]
     for r in rows:
-        ratio = r["requests_per_s"] / prompt[r["users"]] if prompt.get(r["users"]) else float("nan")
         system = f"{r['system']} (default)" if r.get("method") else r["system"]
-        lines.append(f"| {r['users']} | {system} | {r['requests_per_s']:.2f} | {ratio:.2f} | "
+        spread = r.get("requests_per_s_spread") or load_rows.spread([r["requests_per_s"]])
+        lines.append(f"| {r['users']} | {system} | {load_rows.cell(spread)} | {load_rows.cell(r.get('x_prompt'))} | "
+                     f"{load_rows.cell(r.get('x_none'))} | {load_rows.budget_cell(r)} | "
                      f"{r['output_tokens_per_s']:.0f} | {r.get('ttft_mean_ms', 0):.1f} | "
                      f"{r.get('ttft_p50_le_ms', 0):.0f} / {r.get('ttft_p99_le_ms', 0):.0f} | "
-                     f"{r.get('queue_mean_ms', 0):.1f} | {r['latency_p50_ms'] or 0:.1f} / {r['latency_p99_ms'] or 0:.1f} | "
-                     f"{r.get('client_cpu_share', float('nan')):.0%} | {r['failed']} |")
+                     f"{r.get('queue_mean_ms', 0):.1f} | {r.get('latency_p50_ms') or 0:.1f} / "
+                     f"{r.get('latency_p99_ms') or 0:.1f} | {r.get('client_cpu_share', float('nan')):.0%} | "
+                     f"{r['failed']} |")
     return "\n".join(lines) + "\n"
 
 
@@ -401,13 +445,22 @@ def parse_default(spec: str | None, systems: list[str], parser) -> tuple[str, st
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--shape", default="qwen2.5-7b", choices=sorted(SHAPES))
-    parser.add_argument("--users", default="1,10,50,100", help="concurrent users per row (comma-separated)")
+    parser.add_argument("--users", default="1,10,30,100", help="concurrent users per row (comma-separated)")
     parser.add_argument("--facts", type=int, default=200, help="facts stored per user")
     parser.add_argument("--fact-tokens", type=int, default=20)
     parser.add_argument("--prefix-tokens", type=int, default=32)
     parser.add_argument("--question-tokens", type=int, default=16)
     parser.add_argument("--k", type=int, default=50, help="facts per request")
-    parser.add_argument("--budgets", default="0,256", help="recompute budgets B of the KV-injection systems")
+    parser.add_argument("--budgets", default="adaptive,0,256",
+                        help="recompute budgets B of the KV-injection systems: integers (the request's own, fixed) "
+                             "and 'adaptive' (none sent: the connector's default, chosen per request by load)")
+    parser.add_argument("--repeats", type=int, default=1,
+                        help="rounds per number of users, each running every system once (prompt, kv@..., none); "
+                             "each row reports the median over them with the spread")
+    parser.add_argument("--tail-max-step-tokens", type=int, default=None,
+                        help="Config.tuning.tail_max_step_tokens for kv@adaptive (default: Tuning's)")
+    parser.add_argument("--tail-max-waiting", type=int, default=None,
+                        help="Config.tuning.tail_max_waiting for kv@adaptive (default: Tuning's)")
     parser.add_argument("--max-tokens", type=int, default=32, help="output tokens per request")
     parser.add_argument("--seconds", type=float, default=15.0, help="closed loop per row")
     parser.add_argument("--stream", action="store_true", help="stream answers (the client also times the first "
@@ -435,7 +488,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("vllm_args", nargs="*", help="more `vllm serve` arguments (after --)")
     args = parser.parse_args(argv)
     levels = [int(u) for u in args.users.split(",")]
-    systems = ["none", *[f"kv@{int(b)}" for b in args.budgets.split(",") if b != ""], "prompt"]
+    try:
+        systems = ["none", *kv_systems(args.budgets), "prompt"]
+    except ValueError as exc:
+        parser.error(f"--budgets: {exc}")
+    if args.repeats < 1:
+        parser.error("--repeats must be at least 1")
     default = parse_default(args.default, systems, parser)
 
     from inferscale.config import BackendSpec, Config, Tuning
@@ -451,8 +509,11 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{max(levels)} users × {args.facts} facts: {memory_bytes / 2**30:.1f} GiB of K/V written in "
           f"{time.monotonic() - began:.0f} s", flush=True)
     store = BackendSpec(args.kv_store, {"max_bytes": int(memory_bytes * 1.25) + (1 << 30)})
-    config = Config(model=str(model), data_dir=str(work), kv_store=store, recompute_tokens=0,
-                    tuning=Tuning(fused_write=not args.layerwise_write,
+    thresholds = {k: v for k, v in (("tail_max_step_tokens", args.tail_max_step_tokens),
+                                     ("tail_max_waiting", args.tail_max_waiting)) if v is not None}
+    # every kv@B request carries its own budget; kv@adaptive's carry none: the connector's default
+    config = Config(model=str(model), data_dir=str(work), kv_store=store, recompute_tokens="adaptive",
+                    tuning=Tuning(fused_write=not args.layerwise_write, **thresholds,
                                   **({"pinned_reads": args.pinned_reads} if args.pinned_reads else {}),
                                   **({"async_loads": args.async_loads} if args.async_loads else {})))
     out = Path(args.out)
@@ -461,7 +522,7 @@ def main(argv: list[str] | None = None) -> int:
     proc, url = start_server(model, config, args, log)
     try:
         requests = Requests(str(model), config, prefix, tokens, args.k, args.question_tokens, args.max_tokens)
-        check, rows = asyncio.run(run(url, requests, args, systems, levels))
+        check, runs = asyncio.run(run(url, requests, args, systems, levels))
     finally:
         serve_start.stop(proc, dump=False)
     try:
@@ -479,10 +540,13 @@ def main(argv: list[str] | None = None) -> int:
               "max_tokens": args.max_tokens, "seconds": args.seconds, "kv_store": args.kv_store,
               "fused_write": not args.layerwise_write, "pinned_reads": config.tuning.pinned_reads,
               "async_loads": config.tuning.async_loads,
-              "memory_gib": memory_bytes / 2**30, "warm_up": check, "rows": rows}
+              "memory_gib": memory_bytes / 2**30, "repeats": args.repeats,
+              "tail_thresholds": {k: getattr(config.tuning, k) for k in ("tail_max_step_tokens", "tail_max_waiting")},
+              "warm_up": check, "rows": load_rows.aggregate(runs), "runs": runs}
+    rows = result["rows"]
     if default:
         result["default"] = {"method": default[0], "system": default[1]}
-        for row in rows:
+        for row in (*rows, *runs):
             if row["system"] == default[1]:
                 row["method"] = default[0]
     out.with_suffix(".json").write_text(json.dumps(result, indent=2))

@@ -29,7 +29,8 @@ FACTS = [
 ]
 QUERY = "What do I keep in the top drawer?"
 #: what the client is told about a request that got no memory, whatever the reason
-REFUSED = {"injected_tokens": 0, "recomputed_tokens": 0, "fallback": "refused"}
+REFUSED = {"injected_tokens": 0, "recomputed_tokens": 0, "recompute_budget": 0, "engine_busy": None,
+           "fallback": "refused"}
 
 
 @pytest.fixture(scope="module")

@@ -218,3 +218,64 @@ def test_kv_calibration_reproduces_the_text_exactly_and_fits_scales_that_lower_t
     assert fitted_file.form == "channel" and fitted_file.key_shift is not None and fitted_file.shape[0] == layers
     if locomo.is_dir():
         assert channel["locomo_questions"] == 2 and channel["kl_before"]["locomo"] > 1e-5 and channel["kl_after"]["locomo"] > 0
+
+
+def load_rows_module():
+    spec = importlib.util.spec_from_file_location("load_rows", REPO / "benchmarks" / "load_rows.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_load_run_interleaves_its_rounds_and_parses_its_budgets():
+    load = load_module()
+    assert load.kv_systems("adaptive,0,256") == ["kv@adaptive", "kv@0", "kv@256"]
+    assert load.request_budget("kv@adaptive") is None and load.request_budget("kv@64") == 64
+    for bad in ("auto", "-1", "1.5"):
+        with pytest.raises(ValueError):
+            load.kv_systems(bad)
+    systems = ["none", "kv@adaptive", "kv@0", "prompt"]
+    assert load.rounds([1, 10], 2, systems) == [
+        (users, repeat, system) for users in (1, 10) for repeat in (0, 1)
+        for system in ("prompt", "kv@adaptive", "kv@0", "none")]
+
+
+def _run(users, system, repeat, rate, **extra):
+    return {"users": users, "system": system, "repeat": repeat, "requests_per_s": rate, "requests": 10,
+            "failed": 0, "errors": [], "latency_p50_ms": None, **extra}
+
+
+def test_repeated_rows_are_medians_with_their_spread_and_ratios_taken_within_each_round():
+    rows = load_rows_module()
+    runs = [_run(100, "prompt", 0, 40.0), _run(100, "kv@0", 0, 240.0), _run(100, "none", 0, 300.0),
+            _run(100, "prompt", 1, 50.0), _run(100, "kv@0", 1, 250.0), _run(100, "none", 1, 250.0),
+            _run(100, "prompt", 2, 45.0), _run(100, "kv@0", 2, 180.0), _run(100, "none", 2, 270.0)]
+    by = {r["system"]: r for r in rows.aggregate(runs)}
+    kv = by["kv@0"]
+    assert kv["repeats"] == 3 and kv["requests"] == 30 and kv["requests_per_s"] == 240.0
+    assert kv["users"] == 100 and isinstance(kv["users"], int) and "repeat" not in kv
+    assert kv["requests_per_s_spread"] == {"median": 240.0, "min": 180.0, "max": 250.0}
+    assert kv["x_prompt"] == {"median": 5.0, "min": 4.0, "max": 6.0}  # 6.0, 5.0, 4.0: each round's own
+    assert kv["x_none"]["median"] == pytest.approx(0.8) and kv["x_none"]["max"] == 1.0
+    assert by["prompt"]["x_prompt"] == {"median": 1.0, "min": 1.0, "max": 1.0}
+    assert "latency_p50_ms" not in kv  # a number no run measured has no median
+    assert rows.cell(kv["x_prompt"]) == "5.00 (4.00-6.00)" and rows.cell(by["prompt"]["x_prompt"]) == "1.00"
+
+
+def test_the_budgets_chosen_are_pooled_over_the_repeats():
+    rows = load_rows_module()
+    idle = {"fallback": None, "recompute_budget": 256, "recomputed_tokens": 240, "engine_busy": False}
+    busy = {"fallback": None, "recompute_budget": 0, "recomputed_tokens": 0, "engine_busy": True}
+    refused = {"fallback": "refused", "recompute_budget": 0, "recomputed_tokens": 0, "engine_busy": None}
+    first = rows.budget_summary([idle, busy, busy, busy, refused, None])
+    assert first == {"budget_mean": 64.0, "budget_histogram": {"0": 3, "256": 1}, "recomputed_mean": 60.0,
+                     "busy_share": 0.75, "reported": 4}
+    second = rows.budget_summary([idle] * 4)
+    assert rows.budget_summary([refused, None]) == {}
+    row = rows.aggregate([_run(10, "kv@adaptive", 0, 1.0, **first), _run(10, "kv@adaptive", 1, 1.0, **second)])[0]
+    assert row["budget_histogram"] == {"0": 3, "256": 5} and row["budget_mean"] == 160.0
+    assert row["recomputed_mean"] == 150.0 and row["busy_share"] == 0.375
+    assert rows.budget_cell(row) == "160 (0: 3, 256: 5)"
+    fixed = rows.budget_summary([{"fallback": None, "recompute_budget": 0, "recomputed_tokens": 0,
+                                  "engine_busy": None}])
+    assert fixed["busy_share"] is None and rows.aggregate([_run(1, "kv@0", 0, 1.0, **fixed)])[0]["busy_share"] is None

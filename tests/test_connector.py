@@ -140,7 +140,8 @@ def test_injection_matches_plain_prefill(served, error_log):
     tokens, _, out = vh.greedy(served.llm, prompt, params, salt)
     delta, agree = vh.logprob_gap(out, plain)
     error_log[f"injection max|Δlogprob| {served.name} {served.dtype}"] = delta
-    assert vh.report(out) == {"injected_tokens": len(segment), "recomputed_tokens": 0, "fallback": None}
+    assert vh.report(out) == {"injected_tokens": len(segment), "recomputed_tokens": 0, "recompute_budget": 0,
+                              "engine_busy": None, "fallback": None}  # a fixed budget of 0
     assert out.num_cached_tokens == len(segment)
     assert delta <= TOLERANCE[served.dtype]
     if served.dtype == "float32":
@@ -263,7 +264,8 @@ def test_every_failure_falls_back_to_plain_prefill(served):
         with vh.connector_log() as log:
             tokens, _, out = vh.greedy(served.llm, prompt, params, salt, max_tokens=4)
         told = "invalid_params" if case == "invalid_params" else "refused"
-        assert vh.report(out) == {"injected_tokens": 0, "recomputed_tokens": 0, "fallback": told}, case
+        assert vh.report(out) == {"injected_tokens": 0, "recomputed_tokens": 0, "recompute_budget": 0,
+                                  "engine_busy": None, "fallback": told}, case
         assert any(f"({EXPECTED[case]})" in line for line in log), (case, log)
         assert tokens == plain, case
 

@@ -41,7 +41,8 @@ def test_an_unreadable_cache_layout_is_never_written_and_requests_are_prefilled(
         plain_tokens, _, plain = vh.greedy(llm, prompt)
         params, salt = vh.memory_request(tmp_path, "alice", ["f0", "f1"], segment)
         tokens, _, out = vh.greedy(llm, prompt, params, salt)
-        assert vh.report(out) == {"injected_tokens": 0, "recomputed_tokens": 0, "fallback": "load_error"}
+        assert vh.report(out) == {"injected_tokens": 0, "recomputed_tokens": 0, "recompute_budget": 0,
+                                  "engine_busy": None, "fallback": "load_error"}
         assert out.num_cached_tokens == 0  # nothing claimed: vLLM prefilled the whole prompt
         assert tokens == plain_tokens and vh.logprob_gap(out, plain)[0] == 0.0
         assert layout_connectors.WRITES == [], "K/V were written into a layout not understood"

@@ -84,8 +84,14 @@ def test_methods_are_named_by_what_they_change():
     assert len(names) == len(set(names))
     assert {"prompt", "kv", "kv[window=-5,closing=answer,recompute_tokens=256]"} <= set(names)
     assert harness.select_methods("prompt;kv")[1] == harness.Method("kv")
-    with pytest.raises(SystemExit, match="unknown method"):
+    with pytest.raises(SystemExit, match="unknown field 'nope'"):
         harness.select_methods("kv[nope]")
+    with pytest.raises(SystemExit, match="unknown method"):
+        harness.select_methods("kvv")
+    parsed = harness.select_methods("kv[window=-10,closing=answer,key_scale=1.5];prompt[order=stored]")
+    assert parsed[0] == harness.Method("kv[window=-10,closing=answer,key_scale=1.5]", window=-10, closing="answer",
+                                       key_scale=1.5)
+    assert parsed[1].mode == "prompt" and parsed[1].order == "stored"
 
 
 def test_segment_order_follows_the_composer():

@@ -57,7 +57,7 @@ MEMORY = {"gpu_memory_utilization": 0.1} if torch.cuda.is_available() else {}
 TOP_LOGPROBS = 5
 
 
-def engine_config(model_dir: Path, data_dir: Path, dtype: str, recompute_tokens: int = 0,
+def engine_config(model_dir: Path, data_dir: Path, dtype: str, recompute_tokens: int | str = 0,
                   async_loads: str | None = None) -> Config:
     """The connector's config; by default every memory token is injected (no tail recompute),
     so a test compares injected K/V with plain prefill token for token."""
@@ -83,7 +83,8 @@ def env(**values: str):
 
 
 def make_engine(model_dir: Path, data_dir: Path, dtype: str, *, multiprocess: bool = False,
-                prefix_caching: bool = True, connector: tuple[str, str] | None = None, async_loads: str | None = None,
+                prefix_caching: bool = True, connector: tuple[str, str] | None = None,
+                recompute_tokens: int | str = 0, async_loads: str | None = None,
                 load_failure_policy: str | None = None, **kwargs: Any):
     """``async_loads``: Config.tuning's (default: :data:`ASYNC_LOADS`); ``load_failure_policy``:
     vLLM's ``kv_load_failure_policy`` (default: the product's, ``compat.load_failure_policy``)."""
@@ -91,7 +92,7 @@ def make_engine(model_dir: Path, data_dir: Path, dtype: str, *, multiprocess: bo
     from vllm.config import KVTransferConfig
 
     release_shared()
-    ktc = kv_transfer_config(engine_config(model_dir, data_dir, dtype, async_loads=async_loads))
+    ktc = kv_transfer_config(engine_config(model_dir, data_dir, dtype, recompute_tokens, async_loads))
     if load_failure_policy:
         ktc["kv_load_failure_policy"] = load_failure_policy
     if connector:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from functools import cached_property
 from pathlib import Path
 
@@ -61,6 +61,19 @@ class Context:
         from transformers import AutoTokenizer
 
         return AutoTokenizer.from_pretrained(self.model_dir, local_files_only=True)
+
+    @cached_property
+    def wrappers(self):
+        """The fact wrappers ``config.wrappers`` names (None: none), checked when first read."""
+        if not self.config.wrappers:
+            return None
+        from inferscale.encode.wrappers import FactWrappers
+
+        return FactWrappers.load(self.config.wrappers)
+
+    def text_ids(self, stored: Sequence[int]) -> list[int]:
+        """A stored fact's ids as prompt injection reads them (its wrapper positions dropped)."""
+        return list(self.wrappers.unwrapped(stored)) if self.wrappers else list(stored)
 
     @cached_property
     def prompt_format(self) -> PromptFormat:

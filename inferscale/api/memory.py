@@ -64,6 +64,7 @@ class MemoryAPI:
             from inferscale.encode.calibration import KVCalibration
 
             self.calibration = KVCalibration.load(self.config.calibration)
+        context.wrappers  # likewise
 
     # ------------------------------------------------------------ writing
 
@@ -170,7 +171,8 @@ class MemoryAPI:
 
         window = build("window", self.config.window)
         return FactEncoder.from_spec(str(self.context.model_dir), window, dtype=self.config.model.encode_dtype,
-                                     fact_style=self.config.fact_style, calibration=self.calibration)
+                                     fact_style=self.config.fact_style, calibration=self.calibration,
+                                     wrappers=self.context.wrappers)
 
     def close(self) -> None:
         if "encoder" in self.__dict__:

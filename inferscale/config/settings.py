@@ -49,7 +49,7 @@ class Config:
     #: store replicas share ("redis", or "disk" with a root on a shared filesystem: docs/cluster.md)
     store: BackendSpec = BackendSpec("disk")
     #: what each fact is encoded behind (a window policy)
-    window: BackendSpec = BackendSpec("facts", {"window": 5})
+    window: BackendSpec = BackendSpec("facts", {"window": 10})
     composer: BackendSpec = BackendSpec("relevance")
     embedder: BackendSpec = BackendSpec("minilm")
     data_dir: str = "~/.local/share/inferscale"
@@ -59,14 +59,19 @@ class Config:
     fact_style: str = "bullet"
     #: text right after the facts (prefilled with the question, never injected)
     closing: str = DEFAULT_CLOSING
-    #: memory tokens at the segment's tail vLLM recomputes: an integer or "auto" (by device)
-    recompute_tokens: int | str = "auto"
+    #: memory tokens at the segment's tail vLLM recomputes: "adaptive" (up to the device's budget,
+    #: 256 on CUDA and 16 on a CPU, only while the engine has room to prefill them; thresholds in
+    #: ``tuning``), "auto" (the device's budget for every request) or an integer (fixed)
+    recompute_tokens: int | str = "adaptive"
     #: the injected facts' keys are multiplied by this: a temperature 1/key_scale on models without
     #: a key bias; with one (Qwen2) it also scales the bias's positional term (docs/connector.md)
     key_scale: float = 1.0
     #: a KV calibration file (``benchmarks/kv_calibration.py``) every fact's K/V are corrected with
     #: at encoding, fitted for the model and window ("": none; :mod:`inferscale.encode.calibration`)
     calibration: str = ""
+    #: a fact wrappers file (``benchmarks/train_wrappers.py``): learned embeddings around every fact,
+    #: encoded and injected with it, trained for the model ("": none; :mod:`inferscale.encode.wrappers`)
+    wrappers: str = ""
     #: at most this many facts are kept per conversation turn (Mem0 extraction or given facts)
     max_facts_per_turn: int = 5
     #: the server secret that keys cache salts (created, mode 0600, on first use); "" = <data_dir>/secret
@@ -79,7 +84,7 @@ class Config:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ConfigError(f"{name} must be a positive integer, got {value!r}")
-        for name in ("instruction", "closing", "secret_file", "calibration"):
+        for name in ("instruction", "closing", "secret_file", "calibration", "wrappers"):
             if not isinstance(getattr(self, name), str):
                 raise ConfigError(f"{name} must be a string")
         if not isinstance(self.tuning, Tuning):
@@ -93,9 +98,9 @@ class Config:
 
     def blend(self, device_type: str):
         """The recompute budget and key scale for an engine on ``device_type``."""
-        from inferscale.compose.blend import Blend, resolve_recompute_tokens
+        from inferscale.compose.blend import resolve_blend
 
-        return Blend(resolve_recompute_tokens(self.recompute_tokens, device_type), self.key_scale)
+        return resolve_blend(self.recompute_tokens, self.key_scale, device_type)
 
     @property
     def data_path(self) -> Path:

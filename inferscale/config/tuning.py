@@ -1,6 +1,7 @@
-"""How the connector writes a step's memory into vLLM's paged cache: internal tuning, kept apart
-from the user's settings. The defaults suit the GPUs InferScale is tested on; what each choice
-costs is measured in benchmarks/results/README.md.
+"""How the connector writes a step's memory into vLLM's paged cache, and when the engine has room
+for an adaptive recompute tail: internal tuning, kept apart from the user's settings. The defaults
+suit the GPUs InferScale is tested on; what each choice costs is measured in
+benchmarks/results/README.md.
 
 In TOML these go in a ``[tuning]`` table; the same keys at the top level are still accepted,
 with a ``DeprecationWarning`` (:func:`split_flat_tuning`).
@@ -61,12 +62,22 @@ class Tuning:
     #: reads), or "auto": in the background on a GPU where the memory tier (kv_store) is not "hbm".
     #: "never" until measured on a GPU against "auto" (benchmarks/vllm_serve_load.py --async-loads)
     async_loads: str = "never"
+    #: with recompute_tokens = "adaptive": a request's tail is left to vLLM only while the step
+    #: being scheduled holds at most this many tokens of other requests: one for each request
+    #: decoding, those of each request admitted before it in the step (a tail included). A lone
+    #: request's tail costs little; under load every token of a step costs the GPU its full price
+    #: and delays every request decoding beside it (docs/connector.md)
+    tail_max_step_tokens: int = 64
+    #: with recompute_tokens = "adaptive": ... and at most this many other requests are waiting
+    #: to be admitted (a queue means the engine has no room to spare)
+    tail_max_waiting: int = 0
 
     def __post_init__(self):
         for name in ("fused_write", "write_graphs", "pinned_read_graphs"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"tuning {name} must be true or false, got {getattr(self, name)!r}")
-        for name, least in (("pinned_read_programs", 0), ("pinned_read_launches", 1)):
+        for name, least in (("pinned_read_programs", 0), ("pinned_read_launches", 1), ("tail_max_step_tokens", 0),
+                            ("tail_max_waiting", 0)):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < least:
                 raise ConfigError(f"tuning {name} must be an integer ≥ {least}, got {value!r}")

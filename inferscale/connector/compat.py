@@ -58,7 +58,9 @@ class Capabilities:
     start_handshake: bool
     #: ``vllm.v1.attention.backends.utils.get_kv_cache_layout`` (gone with the layout rework)
     kv_cache_layout_function: bool
-    #: optional scheduler hooks the connector does not need
+    #: scheduler hooks: ``on_new_request`` tells the connector of each arrival (0.26 … 0.33 call it
+    #: from ``Scheduler.add_request``); without it the adaptive tail's load signal sees no queue,
+    #: only the requests decoding and those admitted in the step (inject/load_signal.py)
     on_new_request: bool
     bind_gpu_block_pool: bool
     #: ``requires_piecewise_for_cudagraph``: a connector may ask for piecewise CUDA graphs
@@ -271,6 +273,11 @@ def allocated_block_ids(blocks) -> list[int]:
     """The block ids (first KV cache group) of the ``KVCacheBlocks`` vLLM hands
     ``update_state_after_alloc``: all the request's blocks, in block-table order."""
     return list(blocks.get_block_ids()[0])
+
+
+def scheduled_request_ids(scheduler_output) -> Iterator[str]:
+    """The ids of every request the step schedules (new, resumed and running)."""
+    return iter(scheduler_output.num_scheduled_tokens)
 
 
 def new_requests(scheduler_output) -> Iterator[tuple[str, list[int]]]:

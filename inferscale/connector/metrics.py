@@ -16,7 +16,10 @@ and there hands it to the metrics the connector class registered
   ``injected_requests``, the mean per call or per request)
 - ``vllm:inferscale_plan_calls_total`` (the scheduler's matches of a request with memory)
 
-each labelled, like vLLM's own, with ``model_name`` and ``engine``.
+and a histogram, ``vllm:inferscale_recompute_budget_tokens`` (the recompute budget each request
+whose memory was matched got: with ``recompute_tokens = "adaptive"`` the cap while the engine had
+room, 0 when it was busy; :data:`BUDGET_BUCKETS`), each labelled, like vLLM's own, with
+``model_name`` and ``engine``.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from typing import Any
 
 from inferscale.connector import compat
 from inferscale.inject.stats import (
+    BUDGET_PREFIX,
     FALLBACK_PREFIX,
     HIT_PREFIX,
     HOST_PREFIX,
@@ -35,6 +39,9 @@ from inferscale.inject.stats import (
     add_counts,
 )
 from inferscale.inject.report import CLIENT_CODES
+
+#: upper bounds of the recompute budget histogram's buckets (tokens; 0 is a bucket of its own)
+BUDGET_BUCKETS = (0, 16, 32, 64, 128, 256, 512, 1024)
 
 
 @dataclass
@@ -74,6 +81,8 @@ class InferScalePromMetrics(compat.KVConnectorPromMetrics):
         self.host = self._counter("host_seconds", "Host time the connector spent on the request path, by step.",
                                   "step")
         self.plans = self._counter("plan_calls", "Times the scheduler matched a request against its memory.")
+        self.budgets = self._histogram("recompute_budget_tokens", "Recompute budget (memory tokens left to vLLM "
+                                       "at most) of each request whose memory was matched.", BUDGET_BUCKETS)
         for engine in self.per_engine_labelvalues:
             for code in CLIENT_CODES:  # every code shows, at 0 until it happens
                 self.fallbacks(engine, code)
@@ -94,6 +103,13 @@ class InferScalePromMetrics(compat.KVConnectorPromMetrics):
                 self.host(engine_idx, key.removeprefix(HOST_PREFIX)).inc(value)
             elif key == PLAN_CALLS:
                 self.plans(engine_idx).inc(value)
+            elif key.startswith(BUDGET_PREFIX):
+                self._observe_budget(engine_idx, int(key.removeprefix(BUDGET_PREFIX)), int(value))
+
+    def _observe_budget(self, engine: int, tokens: int, requests: int) -> None:
+        histogram = self.budgets(engine)
+        for _ in range(requests):
+            histogram.observe(tokens)
 
     def _counter(self, name: str, documentation: str, extra_label: str | None = None):
         """A counter ``vllm:inferscale_<name>``; returns ``child(engine[, label value])``."""
@@ -105,3 +121,9 @@ class InferScalePromMetrics(compat.KVConnectorPromMetrics):
             return counter.labels(*self.per_engine_labelvalues[engine], *values)
 
         return child
+
+    def _histogram(self, name: str, documentation: str, buckets: tuple[float, ...]):
+        """A histogram ``vllm:inferscale_<name>``; returns ``child(engine)``."""
+        histogram = self._histogram_cls(name=f"vllm:inferscale_{name}", documentation=documentation,
+                                        buckets=list(buckets), labelnames=self._labelnames)
+        return lambda engine: histogram.labels(*self.per_engine_labelvalues[engine])

@@ -11,7 +11,8 @@ Load it with::
     )
 
 Scheduler side (EngineCore process): :mod:`inferscale.inject.planner` decides
-how many memory tokens each request skips; only a picklable
+how many memory tokens each request skips (an adaptive tail only while the
+engine has room: :mod:`inferscale.inject.load_signal`); only a picklable
 :class:`InferScaleMetadata` crosses to the workers. Worker side: the KV store's
 tiers live here (:func:`~inferscale.storage.tiers.build_tiers`) and
 :class:`~inferscale.inject.writer.KVWriter` writes each step's loads into vLLM's
@@ -20,16 +21,14 @@ paged cache through the layout read from the caches vLLM registers
 one-block self-test per layer. If a layer's layout is not understood, the worker
 says so in one log line, writes nothing, and tells the scheduler side
 (:class:`InjectionReadiness`, at engine start), which then claims no tokens: every
-request is prefilled normally.
-
-Loads are written before the forward pass, or in the background (:mod:`~inferscale.inject.load_mode`):
-then vLLM holds the request back until the worker reports its K/V in place (``get_finished``).
+request is prefilled normally. Loads go before the forward pass or beside the batch (inject/load_mode.py).
 """
 
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field, replace
+from functools import partial
 from typing import Any
 
 import torch
@@ -44,6 +43,7 @@ from inferscale.inject.background import BackgroundWriter
 from inferscale.inject.background_requests import BackgroundRequests
 from inferscale.inject.layout import LayoutError, PagedLayers
 from inferscale.inject.load_mode import loads_in_background
+from inferscale.inject.load_signal import EngineLoad
 from inferscale.inject.loader import LoadSpec, kv_head_range, load_blocks
 from inferscale.inject.planner import NO_MEMORY, Plan, plan_request
 from inferscale.inject.report import client_report
@@ -56,10 +56,8 @@ logger = compat.init_logger("vllm.inferscale.connector")
 
 @dataclass
 class InferScaleMetadata(compat.KVConnectorMetadata):
-    #: written before this step's forward pass
-    loads: list[LoadSpec] = field(default_factory=list)
-    #: written in the background, for requests vLLM holds back until they are reported
-    background_loads: list[LoadSpec] = field(default_factory=list)
+    loads: list[LoadSpec] = field(default_factory=list)  # written before this step's forward pass
+    background_loads: list[LoadSpec] = field(default_factory=list)  # requests held back until reported
 
 
 def config_from_extra(extra: dict[str, Any] | None) -> Config:
@@ -120,17 +118,22 @@ class InferScaleConnector(compat.KVConnectorBase_V1):
             self._loaded_blocks: dict[str, set[int]] = {}
             self._failed: set[str] = set()
             self.off_reason = ""  # why the workers cannot inject ("": they can, or have not said)
+            self.load = EngineLoad.from_tuning(self.config.tuning)  # room for an adaptive tail?
         else:
             self._init_worker(vllm_config)
 
     # ---------------- scheduler side ----------------
+
+    def on_new_request(self, request) -> None:
+        self.load.arrived(request.request_id)
 
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int, bool]:
         if request.request_id in self._failed:  # its load failed: from here on it is prefilled normally
             return 0, False
         began = time.perf_counter()
         plan = plan_request(self.disk, self.salts, request.prompt_token_ids or [], request.kv_transfer_params,
-                            request.cache_salt, num_computed_tokens, self.blend)
+                            request.cache_salt, num_computed_tokens, self.blend,
+                            partial(self.load.has_room, request.request_id))
         plan = claim_nothing(plan, self.off_reason) if self.off_reason else plan
         if plan is not NO_MEMORY:
             self._plans[request.request_id] = plan
@@ -138,12 +141,12 @@ class InferScaleConnector(compat.KVConnectorBase_V1):
         return plan.num_external, self.loads_in_background and plan.num_external > 0
 
     def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
-        if num_external_tokens <= 0:
-            return
-        plan = self._plans[request.request_id]
-        if self.loads_in_background:  # the request is not scheduled: its blocks are known only here
+        plan = self._plans.get(request.request_id)
+        parked = self.loads_in_background and num_external_tokens > 0  # loads first: in no step's work yet
+        self.load.admitted(request.request_id, 0 if parked else request.num_tokens - (plan.claim_len if plan else 0))
+        if parked:  # the request is not scheduled: its blocks are known only here
             self._background.allocated(request.request_id, plan, compat.allocated_block_ids(blocks))
-        else:
+        elif num_external_tokens > 0:
             self._pending[request.request_id] = plan
 
     def build_connector_meta(self, scheduler_output) -> InferScaleMetadata:
@@ -154,6 +157,7 @@ class InferScaleConnector(compat.KVConnectorBase_V1):
             if plan is not None:
                 meta.loads.append(self._load_spec(req_id, plan, block_ids))
         meta.background_loads = [self._load_spec(*load) for load in self._background.to_send()]
+        self.load.step_built(compat.scheduled_request_ids(scheduler_output))
         return meta
 
     def _load_spec(self, req_id: str, plan: Plan, block_ids: list[int]) -> LoadSpec:
@@ -176,6 +180,7 @@ class InferScaleConnector(compat.KVConnectorBase_V1):
 
     def request_finished(self, request, block_ids, *extra: Any) -> tuple[bool, dict | None]:
         req_id = request.request_id
+        self.load.finished(req_id)
         plan = self._plans.pop(req_id, None)
         self._pending.pop(req_id, None)
         aborted_loading = self._background.finished(req_id)  # (vLLM frees its blocks when the load is reported)
@@ -188,9 +193,11 @@ class InferScaleConnector(compat.KVConnectorBase_V1):
             self.stats.record_fallback(fallback)
             logger.warning("inferscale: request %s prefilled normally (%s): %s", req_id,
                            fallback.value, plan.detail or "the worker could not load the memory")
-        elif loaded:
-            self.stats.record_injection(plan.num_external)
-        report = client_report(fallback, plan.num_external if loaded else 0, plan.recomputed)
+        else:
+            self.stats.record_budget(plan.budget)
+            if loaded:
+                self.stats.record_injection(plan.num_external)
+        report = client_report(fallback, plan.num_external if loaded else 0, plan.recomputed, plan.budget, plan.room)
         return False, {"inferscale": report}
 
     # ---------------- worker side ----------------
@@ -271,9 +278,8 @@ class InferScaleConnector(compat.KVConnectorBase_V1):
         return set().union(*(writer.take_load_errors() for writer in writers))
 
     def shutdown(self) -> None:
-        background = getattr(self, "background", None)
-        if background is not None:  # nothing is left writing into caches about to be freed
-            background.wait()
+        if getattr(self, "background", None) is not None:  # nothing is left writing into caches being freed
+            self.background.wait()
 
     # ---------------- stats (both sides) ----------------
 

@@ -10,11 +10,9 @@ Shared prefills (the default on a CPU, :mod:`inferscale.encode.sharing`): the pr
 common to every row is prefilled once, every distinct context once (the facts
 of one source turn share their window; a context that begins another is read
 from the longer one's), and the facts run against those K/V from the model's
-cache. Same tokens, same positions:
-the K/V equal a whole-row prefill's up to float rounding (fp32: measured
-≤ 2e-6 relative on the tiny models, tests/test_encoder_sharing.py). Models
-with sliding-window layers, where the cache's layout depends on the padding,
-always take whole rows.
+cache. Same tokens, same positions: the K/V equal a whole-row prefill's up to float rounding
+(fp32: ≤ 2e-6 relative on the tiny models, tests/test_encoder_sharing.py). Models with
+sliding-window layers (the cache's layout depends on the padding) always take whole rows.
 
 Whole rows (``share_prefixes=False``, the default on a GPU): each ``[context | fact]`` is prefilled
 in right-padded batches. One row at a time (``batch_size=1``) the K/V are
@@ -27,17 +25,16 @@ length to keep padding small.
 Model introspection and the K/V hooks are in :mod:`inferscale.encode.capture`, the padded
 prefills in :mod:`inferscale.encode.prefill`.
 
-Which is faster depends on the device (``benchmarks/encode_speed.py``, every LoCoMo
-conversation): on a CPU, where time follows the tokens run, shared prefills took 1.1-1.7x
-less time; on an H200 (Llama-3.1-8B shape, bf16) whole rows took 0.71-0.93x the time of
-shared prefills, since a batch of a few thousand tokens costs the GPU little more than its
-launches and the shared path adds passes and cache copies. ``share_prefixes=None`` picks
+Which is faster depends on the device (``benchmarks/encode_speed.py``): on a CPU shared
+prefills took 1.1-1.7x less time; on an H200 whole rows took 0.71-0.93x the time of shared
+prefills (a batch costs the GPU little more than its launches). ``share_prefixes=None`` picks
 by the model's device.
 """
 
 from __future__ import annotations
 
 import gc
+from contextlib import nullcontext
 from collections.abc import Collection, Mapping, Sequence
 from typing import Any
 
@@ -55,6 +52,7 @@ from inferscale.encode.policies import NoWindow
 from inferscale.encode.prefill import Prefilled as _Prefilled
 from inferscale.encode.sharing import Row as _Row
 from inferscale.encode.window import Turn, WindowPolicy
+from inferscale.encode.wrappers import FactWrappers
 from inferscale.errors import ModelMismatchError
 from inferscale.facts import Fact, render_fact
 from inferscale.kv import FactKV
@@ -69,13 +67,14 @@ class FactEncoder:
     the most rows one forward pass runs; ``share_prefixes`` prefills shared
     prefixes once (None: on a CPU only; see the module's docstring); ``calibration``
     corrects every fact's K/V (:mod:`inferscale.encode.calibration`; not those of
-    :meth:`encode_ids`, which are read as the text they are). Use as a context manager, or
+    :meth:`encode_ids`, which are read as the text they are); ``wrappers`` wrap every fact in
+    learned embeddings (:mod:`inferscale.encode.wrappers`). Use as a context manager, or
     call :meth:`close`, to release the model.
     """
 
     def __init__(self, model: nn.Module, tokenizer, window: WindowPolicy | None = None, batch_size: int = 8,
                  fact_style: str = "bullet", share_prefixes: bool | None = None,
-                 calibration: KVCalibration | None = None):
+                 calibration: KVCalibration | None = None, wrappers: FactWrappers | None = None):
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
         render_fact("", fact_style)  # rejects an unknown style now
@@ -90,16 +89,17 @@ class FactEncoder:
         #: the bias in the keys it stores, ``[layers, kv_heads, head_size]`` (what a calibration keeps)
         self.key_bias = key_biases(self._attn, self.num_kv_heads, self.head_size)
         self.calibration = calibration.check(self.num_layers, self.num_kv_heads, self.head_size) if calibration else None
+        self.wrappers = wrappers.check(model) if wrappers else None
 
     @classmethod
     def from_spec(cls, spec, window: WindowPolicy | None = None, dtype: Any = None, batch_size: int = 8,
                   fact_style: str = "bullet", share_prefixes: bool | None = None,
-                  calibration: KVCalibration | None = None):
+                  calibration: KVCalibration | None = None, wrappers: FactWrappers | None = None):
         """Load the model named by a ModelSpec / directory / GGUF / known name and wrap it."""
         from inferscale.encode.weights import load_causal_lm
 
         model, tokenizer = load_causal_lm(spec, dtype=dtype)
-        return cls(model, tokenizer, window, batch_size, fact_style, share_prefixes, calibration)
+        return cls(model, tokenizer, window, batch_size, fact_style, share_prefixes, calibration, wrappers)
 
     @property
     def share_prefixes(self) -> bool:
@@ -167,10 +167,12 @@ class FactEncoder:
         prefix = tuple(prefix_ids)
         chosen = [i for i, fact in enumerate(unique) if only is None or fact.fact_id in only]
         near = related_ids(unique, rendered, chosen, related, self.window.related)
-        rows = [self._fact_row(unique[i], turns, sources, prefix, rendered[:i], rendered[i], near[i])
+        wrap = self.wrappers.marked if self.wrappers else tuple
+        rows = [self._fact_row(unique[i], turns, sources, prefix, rendered[:i], wrap(rendered[i]), near[i])
                 for i in chosen]
         with tqdm(total=len(rows), desc="encoding facts", unit="fact", disable=not progress) as bar:
-            kvs = self._encode_rows(rows, bar)
+            with self.wrappers.applied(self.model) if self.wrappers else nullcontext():
+                kvs = self._encode_rows(rows, bar)
         if self.calibration is not None:
             kvs = [self.calibration.apply(kv, self.key_bias) for kv in kvs]
         return {unique[i].fact_id: kv for i, kv in zip(chosen, kvs)}
@@ -290,7 +292,8 @@ class FactEncoder:
         def gather(store: list[torch.Tensor]) -> torch.Tensor:
             return torch.stack([t[b, start : len(seq)] for t in store]).to("cpu", dtype).contiguous()
 
-        return FactKV(tuple(seq[start:]), gather(capture.keys), gather(capture.values))
+        ids = self.wrappers.stored(seq[start:]) if self.wrappers else tuple(seq[start:])
+        return FactKV(ids, gather(capture.keys), gather(capture.values))
 
     def _empty_kv(self) -> FactKV:
         shape = (self.num_layers, 0, self.num_kv_heads, self.head_size)

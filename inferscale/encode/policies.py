@@ -137,7 +137,7 @@ class FactsWindow(_CountedWindow):
     """
 
     name = "facts"
-    Options = _counted(5, "facts")
+    Options = _counted(10, "facts")
 
     def context_ids(self, turns: Sequence[Turn], source: int | None, tokenize: Tokenize,
                     previous_facts: Sequence[Sequence[int]] = (),

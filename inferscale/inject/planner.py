@@ -7,8 +7,9 @@ salt (keyed with the server secret, :mod:`inferscale.compose.salt`), the
 prompt starts with exactly the segment's tokens, and at least one prompt
 token is left to compute. It claims the segment's head: the whole facts at
 the tail that fit in the recompute budget are left to vLLM
-(:mod:`inferscale.compose.blend`). Planning is side-effect free: vLLM may ask
-twice. Each refusal carries a reason for the server log; the client is told
+(:mod:`inferscale.compose.blend`); an adaptive budget is spent only when the
+caller says the engine has room (``room``, :mod:`inferscale.inject.load_signal`).
+Planning is side-effect free: vLLM may ask twice. Each refusal carries a reason for the server log; the client is told
 less (:mod:`inferscale.inject.report`). A request that carries its epoch and
 segment length (every request the server makes) has its salt checked against
 the prompt's head first, before the user or a fact is looked up: a forged one is
@@ -19,8 +20,8 @@ from __future__ import annotations
 
 import hmac
 from itertools import chain
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
 from typing import Any
 
 from inferscale.compose.blend import Blend, injected_length
@@ -50,6 +51,10 @@ class Plan:
     detail: str = ""
     claim_len: int = 0
     blend: Blend = Blend()
+    #: the recompute budget chosen for this request (tokens), and whether the engine had room for
+    #: an adaptive one (None: the budget is fixed)
+    budget: int = 0
+    room: bool | None = None
 
     @property
     def recomputed(self) -> int:
@@ -68,10 +73,12 @@ def plan_request(
     cache_salt: str | None,
     num_computed_tokens: int,
     blend: Blend = Blend(),
+    room: Callable[[], bool] = lambda: True,
 ) -> Plan:
     """Match a request against its memory segment; ``salts`` computes the salt it
     must carry; ``blend`` holds the connector's defaults, which the request's own
-    values override."""
+    values override; ``room()`` says whether the engine has room for an adaptive
+    tail (asked only for a request whose memory matched, with an adaptive budget)."""
     try:
         request = parse_params(params)
     except InvalidParams as exc:
@@ -96,11 +103,14 @@ def plan_request(
     blend = blend.override(request.recompute_tokens, request.key_scale)
     segment = list(chain.from_iterable(parts))
     salt = request.salt(salts, epochs[1], segment)
-    return _match(request, parts, segment, prompt, cache_salt, salt, epochs, num_computed_tokens, blend)
+    plan = _match(request, segment, prompt, cache_salt, salt, epochs, blend)
+    if plan.fallback is not None:
+        return plan
+    return with_tail(plan, parts, num_computed_tokens, room() if blend.adaptive else None)
 
 
-def _match(request: SegmentRequest, parts: list[tuple[int, ...]], segment: list[int], prompt: list[int],
-           cache_salt: str | None, salt: str, epochs: tuple[str, str], num_computed: int, blend: Blend) -> Plan:
+def _match(request: SegmentRequest, segment: list[int], prompt: list[int], cache_salt: str | None, salt: str,
+           epochs: tuple[str, str], blend: Blend) -> Plan:
     m = len(segment)
     if not salt_matches(cache_salt, salt):  # checked first: a request without it learns nothing more
         return Plan(request, m, fallback=Fallback.MISSING_CACHE_SALT,
@@ -112,9 +122,15 @@ def _match(request: SegmentRequest, parts: list[tuple[int, ...]], segment: list[
         first = next(i for i, (a, b) in enumerate(zip(prompt, segment)) if a != b)
         return Plan(request, m, fallback=Fallback.TOKEN_MISMATCH,
                     detail=f"prompt differs from the memory segment at token {first} of {m}")
-    claim = injected_length([len(p) for p in parts], blend.recompute_tokens)
-    return Plan(request, m, num_external=max(0, claim - num_computed), epochs=epochs, claim_len=claim,
-                blend=blend)
+    return Plan(request, m, epochs=epochs, blend=blend)
+
+
+def with_tail(plan: Plan, parts: list[tuple[int, ...]], num_computed: int, room: bool | None) -> Plan:
+    """A matched plan with its claim: all but the whole tail facts that fit in the request's budget
+    (``room``: whether the engine has room for an adaptive one; None for a fixed one)."""
+    budget = plan.blend.budget(room)
+    claim = injected_length([len(p) for p in parts], budget)
+    return replace(plan, num_external=max(0, claim - num_computed), claim_len=claim, budget=budget, room=room)
 
 
 def salt_matches(cache_salt: str | None, salt: str) -> bool:

@@ -18,6 +18,12 @@ is told one coarse code, whatever the reason:
 
 The precise reason (:class:`~inferscale.inject.stats.Fallback`) and its
 detail go to the server log only; the connector's counters count the coarse code.
+
+A request whose memory was matched is also told the recompute budget it got
+(``recompute_budget``: the tail it may have, in tokens; ``recomputed_tokens`` is
+what of it whole facts filled) and, when that budget is adaptive, whether the
+engine was too busy to spare it (``engine_busy``; None for a fixed budget). Both
+are about the request and the engine's load, nothing about stored memory.
 """
 
 from __future__ import annotations
@@ -39,8 +45,12 @@ def client_code(fallback: Fallback) -> str:
     return REFUSED
 
 
-def client_report(fallback: Fallback | None, injected_tokens: int, recomputed_tokens: int) -> dict:
-    """``{"injected_tokens", "recomputed_tokens", "fallback"}``; a fallback reports no token counts."""
+def client_report(fallback: Fallback | None, injected_tokens: int, recomputed_tokens: int,
+                  recompute_budget: int = 0, room: bool | None = None) -> dict:
+    """``{"injected_tokens", "recomputed_tokens", "recompute_budget", "engine_busy", "fallback"}``;
+    a fallback reports no token counts and no budget."""
     if fallback is not None:
-        return {"injected_tokens": 0, "recomputed_tokens": 0, "fallback": client_code(fallback)}
-    return {"injected_tokens": injected_tokens, "recomputed_tokens": recomputed_tokens, "fallback": None}
+        return {"injected_tokens": 0, "recomputed_tokens": 0, "recompute_budget": 0, "engine_busy": None,
+                "fallback": client_code(fallback)}
+    return {"injected_tokens": injected_tokens, "recomputed_tokens": recomputed_tokens,
+            "recompute_budget": recompute_budget, "engine_busy": None if room is None else not room, "fallback": None}

@@ -24,6 +24,8 @@ HIT_PREFIX = "store_hit."
 #: memory), "load" (worker: queueing a step's loads), "wait" (worker: the forward stream's waits)
 HOST_PREFIX = "host_seconds."
 PLAN_CALLS = "plan_calls"
+#: requests whose memory was matched, by the recompute budget they got: "recompute_budget.<tokens>"
+BUDGET_PREFIX = "recompute_budget."
 
 
 class Fallback(str, Enum):
@@ -72,6 +74,10 @@ class ConnectorStats:
     def record_plan(self, seconds: float) -> None:
         """The scheduler matched a request with its memory in ``seconds``."""
         self._add({HOST_PREFIX + "plan": seconds, PLAN_CALLS: 1})
+
+    def record_budget(self, tokens: int) -> None:
+        """A request whose memory was matched got a recompute budget of ``tokens``."""
+        self._add({f"{BUDGET_PREFIX}{tokens}": 1})
 
     def snapshot(self) -> dict[str, int]:
         with self._lock:
