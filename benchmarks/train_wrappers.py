@@ -7,12 +7,12 @@ answer the model gives from the text (teacher forcing) — the student reads the
 stored, wrapped K/V, and the loss is the KL divergence from the teacher over the answer's tokens.
 
 The data is the model's own, never an evaluation set's: facts it wrote about people
-(``benchmarks/fact_corpus.py``'s ``facts.txt``), grouped by the person each names. A user holds
-the facts of ``--people-per-user`` people in a seeded shuffled order (stored order: each fact is
-encoded behind the ``--window`` facts stored before it, as the product's ``facts`` window does);
-a sample reads ``k`` of them (``--k``, in turn), among them a fact about the person asked, and the
-question is one the model itself writes for that fact. Held-out users measure the KL before
-and after.
+(``benchmarks/fact_corpus.py``'s ``facts.txt``, where the facts written about one person come
+together). A user holds ``--facts-per-user`` consecutive facts of the corpus in a seeded shuffled
+order (stored order: each fact is encoded behind the ``--window`` facts stored before it, as the
+product's ``facts`` window does); a sample reads ``k`` of them (``--k``, in turn) in a random
+order, one of them the fact a question the model itself writes is about. Held-out users measure
+the KL before and after.
 
     python benchmarks/train_wrappers.py --model qwen2.5-coder-0.5b-instruct --facts /work/data/facts05/facts.txt \\
         --trailer 4 --users 20 --steps 400 --out qwen05.wrappers.safetensors            # CPU, the 0.5B
@@ -57,15 +57,6 @@ def person_of(fact: str) -> str | None:
         if word[:1].isupper() and word not in NOT_NAMES and word.isalpha():
             return word
     return None
-
-
-def group_by_person(facts: list[str]) -> dict[str, list[str]]:
-    people: dict = defaultdict(list)
-    for fact in facts:
-        name = person_of(fact)
-        if name:
-            people[name].append(fact)
-    return {name: group for name, group in people.items() if len(group) >= 3}
 
 
 @dataclass
@@ -150,32 +141,44 @@ class Trainer:
                 out.append(Stored(fact, len(ctx), kv, keys.cpu(), values.cpu()))
         return out
 
-    def wrapped_kv(self, stored: Stored):
-        """A stored fact's K/V with its wrappers (pre-RoPE), through the vectors being trained."""
+    def wrapped_kvs(self, facts: list[Stored]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """The facts' K/V with their wrappers (pre-RoPE), through the vectors being trained: one
+        batched pass, each row after its own cached row (right-padded, masked)."""
         from transformers import DynamicCache
 
-        h, t, n = self.args.header, self.args.trailer, len(stored.ids)
-        cache = DynamicCache(tuple((k.to(self.device, self.model.dtype), v.to(self.device, self.model.dtype))
-                                   for k, v in stored.cache))
-        run = [-1 - s for s in range(h)] + (stored.ids if h else []) + [-1 - h - s for s in range(t)]
-        begin = stored.start + (0 if h else n)
+        h, t = self.args.header, self.args.trailer
+        runs = [[-1 - s for s in range(h)] + (f.ids if h else []) + [-1 - h - s for s in range(t)] for f in facts]
+        lengths = [f.cache[0][0].shape[2] for f in facts]
+        past, width = max(lengths), max(map(len, runs))
+        layers = tuple((torch.cat([_pad(f.cache[l][0], past) for f in facts]).to(self.model.dtype),
+                        torch.cat([_pad(f.cache[l][1], past) for f in facts]).to(self.model.dtype))
+                       for l in range(len(facts[0].cache)))
+        ids = torch.tensor([run + [self.pad] * (width - len(run)) for run in runs], device=self.device)
+        seen = torch.arange(past, device=self.device) < torch.tensor(lengths, device=self.device)[:, None]
+        mine = torch.arange(width, device=self.device) < torch.tensor(list(map(len, runs)), device=self.device)[:, None]
+        positions = torch.tensor(lengths, device=self.device)[:, None] + torch.arange(width, device=self.device)
+        cache = DynamicCache(layers)
         with embedding_slots(self.model, self.vectors):
-            self.model.model(input_ids=torch.tensor([run], device=self.device), past_key_values=cache,
-                             position_ids=torch.arange(begin, begin + len(run), device=self.device)[None], use_cache=True)
-        keys, values = self._pre_rope(cache, 0, begin, begin + len(run))
-        if h:
-            return keys, values
-        return (torch.cat([stored.keys.to(keys), keys], dim=1), torch.cat([stored.values.to(values), values], dim=1))
+            self.model.model(input_ids=ids, attention_mask=torch.cat([seen, mine], 1).long(), position_ids=positions,
+                             past_key_values=cache, use_cache=True)
+        out = []
+        for b, (f, run) in enumerate(zip(facts, runs)):
+            where = torch.arange(lengths[b], lengths[b] + len(run), device=self.device)
+            keys = torch.stack([self.rope.inverse(layer.keys[b, :, past:past + len(run)].transpose(0, 1).float(), where)
+                                for layer in cache.layers])
+            values = torch.stack([layer.values[b, :, past:past + len(run)].transpose(0, 1).float() for layer in cache.layers])
+            if not h:  # the fact's own K/V come before the trailer, untouched by it
+                keys = torch.cat([f.keys.to(keys), keys], dim=1)
+                values = torch.cat([f.values.to(values), values], dim=1)
+            out.append((keys, values))
+        return out
 
     def student(self, sample: Sample, users: list[list[Stored]], wrapped: bool = True) -> torch.Tensor:
         """Log-probabilities over the sample's answer after its facts' (wrapped) K/V."""
-        keys, values = [self.prefix_keys], [self.prefix_values]
-        for j in sample.read:
-            stored = users[sample.user][j]
-            k, v = self.wrapped_kv(stored) if wrapped else (stored.keys.to(self.device), stored.values.to(self.device))
-            keys.append(k)
-            values.append(v)
-        keys, values = torch.cat(keys, dim=1), torch.cat(values, dim=1)
+        facts = [users[sample.user][j] for j in sample.read]
+        kvs = self.wrapped_kvs(facts) if wrapped else [(f.keys.to(self.device), f.values.to(self.device)) for f in facts]
+        keys = torch.cat([self.prefix_keys] + [k for k, _ in kvs], dim=1)
+        values = torch.cat([self.prefix_values] + [v for _, v in kvs], dim=1)
         cache = distill.segment_cache(self.model, self.rope, keys, values)
         return distill.cached_logprobs(self.model, cache, keys.shape[1], sample.query, sample.answer)
 
@@ -189,6 +192,11 @@ class Trainer:
         return FactWrappers(v[:self.args.header], v[self.args.header:], self.filler, model_name)
 
 
+def _pad(x: torch.Tensor, width: int) -> torch.Tensor:
+    """``[1, heads, T, size]`` right-padded with zeros to ``width`` tokens."""
+    return torch.nn.functional.pad(x, (0, 0, 0, width - x.shape[2]))
+
+
 def coarse_kl(top_logprobs: torch.Tensor, top_ids: torch.Tensor, student: torch.Tensor) -> torch.Tensor:
     """Per position, KL between the teacher and the student over ``top_ids`` and the rest as one token."""
     top = top_logprobs.to(student.device)
@@ -198,26 +206,41 @@ def coarse_kl(top_logprobs: torch.Tensor, top_ids: torch.Tensor, student: torch.
     return (top.exp() * (top - picked)).sum(-1) + rest_t.exp() * (rest_t - rest_s)
 
 
-def write_questions(trainer: Trainer, facts: list[tuple[str, str]]) -> list[str]:
-    """A question the model writes for each (person, fact), greedily, ``--encode-batch`` at a time."""
-    tok, out = trainer.tokenizer, []
-    tok.padding_side = "left"
-    for start in range(0, len(facts), trainer.args.encode_batch):
-        batch = facts[start:start + trainer.args.encode_batch]
-        texts = [tok.apply_chat_template([{"role": "user", "content": QUESTION_PROMPT.format(name=n, fact=f)}],
-                                         tokenize=False, add_generation_prompt=True) for n, f in batch]
-        enc = tok(texts, return_tensors="pt", padding=True, add_special_tokens=False).to(trainer.device)
+def generate(trainer: Trainer, prompts: list[list[int]], tokens: int) -> list[list[int]]:
+    """Greedy continuations of ``prompts`` (token ids), ``--encode-batch`` at a time (left-padded),
+    each cut after the end of its turn."""
+    out, stop = [], {trainer.tokenizer.eos_token_id, *trainer.tokenizer.convert_tokens_to_ids(["<|im_end|>"])}
+    for start in range(0, len(prompts), trainer.args.encode_batch):
+        batch = prompts[start:start + trainer.args.encode_batch]
+        width = max(map(len, batch))
+        ids = torch.tensor([[trainer.pad] * (width - len(p)) + p for p in batch], device=trainer.device)
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch], device=trainer.device)
         with torch.no_grad():
-            gen = trainer.model.generate(**enc, max_new_tokens=28, do_sample=False, pad_token_id=trainer.pad)
-        for (name, _), row in zip(batch, gen[:, enc["input_ids"].shape[1]:]):
-            text = tok.decode(row, skip_special_tokens=True).strip().split("\n")[0]
-            out.append(text if text.endswith("?") and name in text else f"What do you know about {name}?")
+            gen = trainer.model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=tokens, do_sample=False,
+                                         pad_token_id=trainer.pad)
+        for row in gen[:, width:].tolist():
+            cut = next((i for i, t in enumerate(row) if t in stop), len(row))
+            out.append(row[:cut + 1] if cut < len(row) else row)
+    return out
+
+
+def write_questions(trainer: Trainer, facts: list[tuple[str, str]]) -> list[str]:
+    """A question the model writes for each (person, fact)."""
+    tok = trainer.tokenizer
+    prompts = [tok.apply_chat_template([{"role": "user", "content": QUESTION_PROMPT.format(name=n, fact=f)}],
+                                       tokenize=True, add_generation_prompt=True) for n, f in facts]
+    prompts = [list(p["input_ids"] if isinstance(p, dict) or hasattr(p, "keys") else p) for p in prompts]
+    out = []
+    for (name, _), row in zip(facts, generate(trainer, prompts, 28)):
+        text = tok.decode(row, skip_special_tokens=True).strip().split("\n")[0]
+        out.append(text if text.endswith("?") and name in text else f"What do you know about {name}?")
     return out
 
 
 def make_samples(trainer: Trainer, users: list[list[str]], stored: list[list[Stored]], first_user: int,
                  rng: random.Random) -> list[Sample]:
-    """``--samples-per-user`` per user: k facts read (one answering the question), the teacher's answer."""
+    """``--samples-per-user`` per user: k facts read (one answering the question), the teacher's answer
+    (greedy, from the facts as text) and the teacher's log-probabilities along it."""
     args, plans = trainer.args, []
     for u, texts in enumerate(users):
         for n in range(args.samples_per_user):
@@ -227,25 +250,16 @@ def make_samples(trainer: Trainer, users: list[list[str]], stored: list[list[Sto
             rng.shuffle(read)
             plans.append((u, read, target))
     questions = write_questions(trainer, [(person_of(users[u][t]) or "them", users[u][t]) for u, _, t in plans])
+    texts = [trainer.prefix + [t for j in read for t in stored[u][j].ids] for u, read, _ in plans]
+    queries = [trainer.fmt.query_ids(trainer.tokenizer, q) for q in questions]
+    answers = generate(trainer, [t + q for t, q in zip(texts, queries)], args.answer_tokens)
     samples = []
-    for (u, read, _), question in zip(plans, questions):
-        text = trainer.prefix + [t for j in read for t in stored[u][j].ids]
-        query = trainer.fmt.query_ids(trainer.tokenizer, question)
-        samples.append(teacher_sample(trainer, first_user + u, read, text, query))
+    for (u, read, _), text, query, answer in zip(plans, texts, queries, answers):
+        answer = answer or [trainer.tokenizer.eos_token_id]
+        with torch.no_grad():
+            top = distill.text_logprobs(trainer.model, text + query + answer, len(answer)).topk(args.teacher_top, dim=-1)
+        samples.append(Sample(read, first_user + u, query + answer, len(answer), top.indices.cpu(), top.values.cpu()))
     return samples
-
-
-def teacher_sample(trainer: Trainer, user: int, read: list[int], text: list[int], query: list[int]) -> Sample:
-    """The teacher's greedy answer after the facts as text, and its top log-probabilities along it."""
-    ids = torch.tensor([text + query], device=trainer.device)
-    with torch.no_grad():
-        gen = trainer.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=trainer.args.answer_tokens,
-                                     do_sample=False, output_logits=True, return_dict_in_generate=True,
-                                     pad_token_id=trainer.pad)
-    answer = gen.sequences[0, ids.shape[1]:].tolist()
-    logprobs = torch.log_softmax(torch.stack(gen.logits)[:, 0].float(), -1)[:len(answer)]
-    top = logprobs.topk(trainer.args.teacher_top, dim=-1)
-    return Sample(read, user, query + answer, len(answer), top.indices.cpu(), top.values.cpu())
 
 
 def mean_kl(trainer: Trainer, samples: list[Sample], users, wrapped: bool) -> float:
@@ -262,15 +276,14 @@ def parse_args(argv=None):
     p.add_argument("--window", type=int, default=10, help="facts each fact is encoded behind (the facts window)")
     p.add_argument("--users", type=int, default=20, help="training users")
     p.add_argument("--held-out", type=int, default=4, help="held-out users")
-    p.add_argument("--people-per-user", type=int, default=2)
-    p.add_argument("--facts-per-person", type=int, default=8)
+    p.add_argument("--facts-per-user", type=int, default=16)
     p.add_argument("--samples-per-user", type=int, default=8)
     p.add_argument("--k", type=lambda v: [int(x) for x in v.split(",")], default=[5, 10], help="facts read, in turn")
     p.add_argument("--answer-tokens", type=int, default=16)
     p.add_argument("--teacher-top", type=int, default=256, help="the teacher's most likely tokens kept per position")
     p.add_argument("--steps", type=int, default=400)
     p.add_argument("--lr", type=float, default=0.05, help="Adam's step, in units of the embedding's RMS")
-    p.add_argument("--encode-batch", type=int, default=8)
+    p.add_argument("--encode-batch", type=int, default=8, help="rows a pass (encoding, generation)")
     p.add_argument("--dtype", default=None, help="default: bfloat16 on a GPU, float32 on a CPU")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=Path, required=True, help="the wrappers file (.safetensors)")
@@ -291,19 +304,13 @@ def main(argv=None) -> None:
     for p in model.parameters():
         p.requires_grad_(False)
     rng = random.Random(args.seed)
-    people = group_by_person([f.strip() for f in args.facts.read_text().splitlines() if f.strip()])
-    names = sorted(people)
-    rng.shuffle(names)
-    want = (args.users + args.held_out) * args.people_per_user
-    if len(names) < want:
-        raise SystemExit(f"{args.facts}: {len(names)} people with 3+ facts, {want} needed "
-                         f"({args.users} + {args.held_out} users x {args.people_per_user})")
-    users = []
-    for u in range(args.users + args.held_out):
-        texts = [f for n in names[u * args.people_per_user:(u + 1) * args.people_per_user]
-                 for f in rng.sample(people[n], min(args.facts_per_person, len(people[n])))]
+    facts = [f.strip() for f in args.facts.read_text().splitlines() if f.strip()]
+    count, size = args.users + args.held_out, args.facts_per_user
+    if len(facts) < count * size:
+        raise SystemExit(f"{args.facts}: {len(facts)} facts, {count * size} needed ({count} users x {size})")
+    users = [facts[u * size:(u + 1) * size] for u in range(count)]
+    for texts in users:
         rng.shuffle(texts)
-        users.append(texts)
     trainer = Trainer(model, tokenizer, args, device)
     began = time.perf_counter()
     stored = [trainer.encode_user(texts) for texts in users]

@@ -469,6 +469,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--clients", type=int, default=max(1, min(4, (os.cpu_count() or 2) // 4)),
                         help="client processes, the users spread over them (default: a quarter of the cores, 1-4)")
     parser.add_argument("--kv-store", default="hbm", choices=["hbm", "pinned"])
+    parser.add_argument("--kv-dtype-at-rest", default="model", choices=["model", "fp8_e4m3"],
+                        help="Config.kv_dtype_at_rest: the memory tier holds (and the bus carries) fp8 K/V")
     parser.add_argument("--pinned-reads", choices=["copy", "overlap"],
                         help="Config.tuning.pinned_reads (default: Tuning's)")
     parser.add_argument("--async-loads", choices=["auto", "always", "never"],
@@ -513,6 +515,7 @@ def main(argv: list[str] | None = None) -> int:
                                      ("tail_max_waiting", args.tail_max_waiting)) if v is not None}
     # every kv@B request carries its own budget; kv@adaptive's carry none: the connector's default
     config = Config(model=str(model), data_dir=str(work), kv_store=store, recompute_tokens="adaptive",
+                    kv_dtype_at_rest=args.kv_dtype_at_rest,
                     tuning=Tuning(fused_write=not args.layerwise_write, **thresholds,
                                   **({"pinned_reads": args.pinned_reads} if args.pinned_reads else {}),
                                   **({"async_loads": args.async_loads} if args.async_loads else {})))
@@ -538,6 +541,7 @@ def main(argv: list[str] | None = None) -> int:
               "command": " ".join(["python", *sys.argv]), "facts_per_user": args.facts, "k": args.k,
               "memory_tokens": args.prefix_tokens + args.k * args.fact_tokens, "question_tokens": args.question_tokens,
               "max_tokens": args.max_tokens, "seconds": args.seconds, "kv_store": args.kv_store,
+              "kv_dtype_at_rest": args.kv_dtype_at_rest,
               "fused_write": not args.layerwise_write, "pinned_reads": config.tuning.pinned_reads,
               "async_loads": config.tuning.async_loads,
               "memory_gib": memory_bytes / 2**30, "repeats": args.repeats,

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 import tiny_models
 import vllm_harness as vh
@@ -77,3 +78,33 @@ def test_multiprocess_engine_starts_after_torch_work_in_the_parent(tmp_path):
     result = json.loads(done.stdout.strip().splitlines()[-1])
     assert result == {"injected_tokens": result["segment_tokens"], "segment_tokens": result["segment_tokens"],
                       "same_answer": True}
+
+
+def test_injection_from_fp8_at_rest(tmp_path, qwen05_dir, error_log):
+    """Qwen2.5-Coder-0.5B (keys with a bias of up to ~200) with its memory kept in fp8 on disk and in
+    the memory tier: the whole segment is injected and the answer stays close to plain prefill's
+    (what the model's own dtype at rest gives exactly in float32); the fp8 K/V are what was read
+    (the logprobs moved). Measured on a CPU (float32): at most 0.23, all 8 tokens the same."""
+    from inferscale.compose.segment import SYSTEM_USER
+    from inferscale.kv_fp8 import FP8_E4M3, Fp8KV, all_at_rest
+    from inferscale.storage.disk import DiskStore
+
+    facts = FACTS + ["Alice's brother Tomas repairs old bicycles.", "Alice runs every Sunday by the river."]
+    prompt, segment = vh.joint_memory(qwen05_dir, tmp_path, "alice", facts, "What is my cat called?")
+    disk = DiskStore(DiskStore.Options(root=str(tmp_path / "kv")))
+    for user in (SYSTEM_USER, "alice"):  # as a server set to fp8 stores them
+        disk.put(user, all_at_rest(disk.load_user(user), FP8_E4M3))
+    assert all(isinstance(kv, Fp8KV) for kv in disk.load_user("alice").values())
+    dtype = "bfloat16" if torch.cuda.is_available() else "float32"  # (FlashAttention has no float32)
+    llm = vh.make_engine(qwen05_dir, tmp_path, dtype, kv_dtype_at_rest=FP8_E4M3)
+    try:
+        plain_tokens, _, plain = vh.greedy(llm, prompt)
+        params, salt = vh.memory_request(tmp_path, "alice", [f"f{i}" for i in range(len(facts))], segment)
+        tokens, _, out = vh.greedy(llm, prompt, params, salt)
+        delta, agree = vh.logprob_gap(out, plain)
+        error_log["fp8 at rest: max|Δlogprob|, tokens agreeing"] = (delta, agree)
+        assert vh.report(out) == {"injected_tokens": len(segment), "recomputed_tokens": 0, "fallback": None}
+        assert 1e-4 < delta < 0.5, delta
+        assert tokens[:4] == plain_tokens[:4] and agree >= len(tokens) // 2, (tokens, plain_tokens)
+    finally:
+        vh.close_engine(llm)

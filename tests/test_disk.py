@@ -101,7 +101,7 @@ def checksum_as_documented(path: Path) -> str:
     """docs/storage-format.md's K/V file checksum, re-implemented from the raw file (not from kvfile)."""
     header, meta, start = read_header(path)
     raw = path.read_bytes()
-    names = {"BF16": "bfloat16", "F32": "float32", "F16": "float16", "I64": "int64"}
+    names = {"BF16": "bfloat16", "F32": "float32", "F16": "float16", "I64": "int64", "F8_E4M3": "float8_e4m3fn"}
     digest = hashlib.sha256()
     for key in sorted(k for k in meta if k != "sha256"):
         digest.update(key.encode() + b"\0" + meta[key].encode() + b"\0")

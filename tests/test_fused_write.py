@@ -22,12 +22,31 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from inferscale.compose.rope import RotaryEmbedding
+from inferscale.kv_fp8 import FP8
 
 CASES = [  # (style, rotary fraction, source dtype, cache dtype, heads slice of 4, key scale)
     ("neox", 1.0, torch.bfloat16, torch.bfloat16, slice(0, 4), 1.0),
     ("neox", 0.5, torch.float32, torch.float32, slice(2, 4), 1.25),
     ("gptj", 1.0, torch.float32, torch.bfloat16, slice(1, 2), 0.8),
+    # K/V kept in fp8 (e4m3 codes and a dequant per fact), dequantized by the kernel
+    ("neox", 0.5, FP8, torch.float32, slice(1, 3), 1.25),
+    ("gptj", 1.0, FP8, torch.bfloat16, slice(0, 4), 1.0),
 ]
+
+
+def stored_blocks(lengths, layers, num_heads, head_size, src_dtype, gen):
+    """The facts' blocks as a store keeps them, with their dequant in fp8 (else None each), and
+    the K/V they hold in float32: in fp8, K/V with a per-channel bias of tens (as Qwen's keys)."""
+    from inferscale.kv_fp8 import dequantize_block, quantize_block
+
+    raw = [torch.randn(2, layers, n, num_heads, head_size, generator=gen) for n in lengths]
+    if src_dtype != FP8:
+        blocks = [b.to(src_dtype) for b in raw]
+        return blocks, [None] * len(blocks), [b.float() for b in blocks]
+    bias = 30 * torch.randn(2, layers, 1, num_heads, head_size, generator=gen)
+    quantized = [quantize_block(b + bias) for b in raw]
+    return ([q for q, _ in quantized], [d for _, d in quantized],
+            [dequantize_block(q, d, torch.float32) for q, d in quantized])
 
 
 def flash_attention_views(num_blocks: int, heads: int, block_size: int, head_size: int, dtype, device):
@@ -49,7 +68,9 @@ def check(case: int, device: str = "cpu", pinned: bool = False, via: str = "laun
     from inferscale.inject.fused_write import CacheViews, write_tokens
     from inferscale.inject.loader import slots_in
     from inferscale.inject.sources import Sources, segment_sources
+    from inferscale.kv_fp8 import FP8_E4M3
     from inferscale.storage.blocks import HeldBlocks
+    from inferscale.storage.layout import KVLayout
 
     style, fraction, src_dtype, dst_dtype, heads, scale = CASES[case]
     gen = torch.Generator().manual_seed(case)
@@ -61,16 +82,19 @@ def check(case: int, device: str = "cpu", pinned: bool = False, via: str = "laun
     order = torch.randperm(num_blocks, generator=gen).tolist()  # the cache blocks, as a block table hands them out
     parts, expected, written, taken = [], [], [], 0
     for lengths, start, key_scale in (([7, 3, 12, 5], 4, scale), ([5, 9], 2, 2 * scale)):  # prefix first
-        blocks = [torch.randn(2, layers, n, num_heads, head_size, generator=gen).to(src_dtype) for n in lengths]
-        blocks = [b.pin_memory() if pinned else b.to(device) for b in blocks]
+        blocks, dequant, held = stored_blocks(lengths, layers, num_heads, head_size, src_dtype, gen)
+        blocks, dequant = ([t if t is None else t.pin_memory() if pinned else t.to(device) for t in ts]
+                           for ts in (blocks, dequant))
+        layout = KVLayout(layers, num_heads, head_size, torch.bfloat16, FP8_E4M3) if src_dtype == FP8 else None
         total = sum(lengths)
         spanned = (total - 1) // block_size - start // block_size + 1
         table, taken = order[taken:taken + spanned], taken + spanned
         mine = torch.from_numpy(slots_in(table, block_size, start, total))
         written.append(mine)
-        parts.append(segment_sources(HeldBlocks.of(blocks[:1]), HeldBlocks.of(blocks[1:]), start, total, table,
-                                     block_size, key_scale)[0])
-        stacked = torch.cat(blocks, dim=2).to(device)
+        prefix, facts = (HeldBlocks.of(bs, [d for d in ds if d is not None], layout)
+                         for bs, ds in ((blocks[:1], dequant[:1]), (blocks[1:], dequant[1:])))
+        parts.append(segment_sources(prefix, facts, start, total, table, block_size, key_scale)[0])
+        stacked = torch.cat(held, dim=2).to(device)
         keys = rope.rotate_range(stacked[0][:, start:, heads], start)
         keys[:, lengths[0] - start:] *= key_scale
         expected.append((mine.to(device), keys.to(dst_dtype), stacked[1][:, start:, heads].to(dst_dtype)))
@@ -104,14 +128,17 @@ def write_counted_with_decoys(views, sources, free_slots, cos, sin, head0, rotar
     from inferscale.inject.fused_write import write_counted
     from inferscale.inject.sources import SLOT
 
+    from inferscale.inject.sources import ROWS
+
     count = sources.num_tokens
     capacity = count + 5
-    rows = torch.zeros(6, capacity, dtype=torch.int64)
+    rows = torch.zeros(ROWS, capacity, dtype=torch.int64)
     rows[:, :count] = sources.table
     rows[:, count:] = sources.table[:, :5]
     rows[SLOT, count:] = free_slots[:5]
     table = torch.cat([rows.flatten(), torch.tensor([count])]).to(views.bases.device)
-    write_counted(views, table, capacity, sources.dtype, cos, sin, head0, rotary, neox)
+    write_counted(views, table, capacity, sources.dtype, cos, sin, head0, rotary, neox,
+                  stored_heads=sources.num_heads)
 
 
 def write_through_graphs(views, parts, caches, expected, cos, sin, head0, rotary, neox) -> None:
@@ -136,7 +163,7 @@ def write_through_graphs(views, parts, caches, expected, cos, sin, head0, rotary
     assert graphs.write(both, cos, sin) is not None and len(graphs._graphs) == 1  # replayed, not captured again
     first, = graphs._graphs.values()
     assert graphs.write(both, cos.clone(), sin.clone()) is not None  # a rotary table made anew: captured again
-    assert graphs._graphs[(64, both.dtype, None, None)] is not first
+    assert graphs._graphs[(64, (both.dtype, both.num_heads), None, None)] is not first
     torch.cuda.synchronize()
 
 
@@ -174,7 +201,7 @@ def verify(caches, expected, written_slots, block_size, src_dtype, dst_dtype) ->
         for layer, (_, key_view, value_view) in enumerate(caches):
             tolerance = 1e-6 if dst_dtype == torch.float32 else 8e-3
             torch.testing.assert_close(key_view[block, offset], keys[layer], rtol=tolerance, atol=tolerance)
-            if src_dtype == dst_dtype:  # a copy
+            if src_dtype == dst_dtype or dst_dtype == torch.float32:  # a copy (fp8: o + s q, exact in float32)
                 assert torch.equal(value_view[block, offset], values[layer])
             else:  # one rounding (the interpreter's float32 -> bfloat16 may not round to nearest)
                 torch.testing.assert_close(value_view[block, offset], values[layer], rtol=8e-3, atol=8e-3)
@@ -282,6 +309,38 @@ def test_fused_write_replayed_from_cuda_graphs(case):
 def test_in_place_read_groups_replayed_from_one_cuda_graph(case):
     pytest.importorskip("triton")
     check(case, "cuda", pinned=True, via="graph-groups")
+
+
+try:  # (on a CPU: in the interpreter's child only)
+    import triton
+    import triton.language as tl
+
+    from inferscale.inject.fused_write import _e4m3
+
+    @triton.jit
+    def _decode(codes, out):
+        i = tl.arange(0, 256)
+        tl.store(out + i, _e4m3(tl.load(codes + i)))
+except ImportError:
+    triton = None
+
+
+def check_e4m3_decoding(device: str = "cpu") -> None:
+    """The kernel's decoding of e4m3 codes by their bits equals torch's, for every code but the two NaNs."""
+    codes = torch.arange(256, dtype=torch.int32).to(torch.uint8).to(device)
+    out = torch.zeros(256, device=device)
+    _decode[(1,)](codes, out)
+    expected = codes.view(FP8).float()
+    numbers = ~torch.isnan(expected)
+    assert int(numbers.sum()) == 254 and torch.equal(out[numbers], expected[numbers])
+
+
+def test_the_kernel_decodes_every_e4m3_code_exactly():
+    if torch.cuda.is_available():
+        pytest.importorskip("triton")
+        check_e4m3_decoding("cuda")
+        return
+    run_interpreted("import test_fused_write as t; t.check_e4m3_decoding()")
 
 
 @settings(max_examples=200, deadline=None)

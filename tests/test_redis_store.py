@@ -173,3 +173,15 @@ def test_the_store_comes_back_with_the_server(tmp_path):
         assert store.list("ivy") == ["f0", "f1"]
     finally:
         redis.stop()
+
+
+def test_facts_kept_in_fp8_and_converted_by_a_write(store):
+    """The same segments as the disk store's (format 4 in fp8); a write in the other form converts the user."""
+    from inferscale.kv_fp8 import FP8_E4M3, Fp8KV, all_at_rest, fp8_round_trip
+
+    facts = make_facts(3, torch.bfloat16)
+    store.put("alice", dict(list(facts.items())[:2]))
+    store.put("alice", all_at_rest({"f2": facts["f2"]}, FP8_E4M3))
+    _, kept = store.read_user("alice")
+    assert list(kept) == list(facts) and all(isinstance(kv, Fp8KV) for kv in kept.values())
+    assert_batch(store.get("alice", list(facts)), {f: fp8_round_trip(kv) for f, kv in facts.items()}, list(facts))

@@ -1,4 +1,4 @@
-"""The fused write's sources table: each token's stored rows, slot, position and key scale."""
+"""The fused write's sources table: each token's stored rows, slot, position, key scale and dequant."""
 
 from __future__ import annotations
 
@@ -10,8 +10,11 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from inferscale.inject.sources import K_ADDR, LAYER_STRIDE, POSITION, SCALE, SLOT, V_ADDR, Sources, segment_sources
+from inferscale.inject.sources import (DEQUANT, K_ADDR, LAYER_STRIDE, POSITION, ROWS, SCALE, SLOT, V_ADDR, Sources,
+                                       segment_sources)
+from inferscale.kv_fp8 import FP8, FP8_E4M3
 from inferscale.storage.blocks import HeldBlocks
+from inferscale.storage.layout import KVLayout
 
 pytestmark = pytest.mark.own_process  # Numba (conftest.py)
 
@@ -30,6 +33,7 @@ def test_sources_point_at_each_tokens_rows():
     assert sources.table[SLOT].tolist() == [41, 42, 43, 8, 9, 10]
     assert sources.table[POSITION].tolist() == [1, 2, 3, 4, 5, 6]
     assert sources.table[SCALE].to(torch.int32).view(torch.float32).tolist() == [1.0, 0.5, 0.5, 0.5, 0.5, 0.5]
+    assert sources.table[DEQUANT].tolist() == [0] * 6  # (K/V in the model's dtype)
     joined = Sources.join([sources, segment_sources(prefix, facts, 0, 2, [3], 2)[0]])
     assert joined.table[SLOT].tolist() == [41, 42, 43, 8, 9, 10, 6, 7] and len(joined.blocks) == 4
     with pytest.raises(ValueError, match="joined"):  # stored in another dtype
@@ -46,35 +50,42 @@ def test_sources_point_at_each_tokens_rows():
         segment_sources(prefix, HeldBlocks.of([torch.zeros(2, 3, 4, 2, 4, dtype=torch.bfloat16)]), 0, 2, [3], 2)
 
 
-def reference(blocks: list[torch.Tensor], start: int, end: int, slots: list[int], key_scale: float
-              ) -> list[list[int]]:
+def reference(blocks: list[torch.Tensor], start: int, end: int, slots: list[int], key_scale: float,
+              dequant: list[torch.Tensor]) -> list[list[int]]:
     """The table's columns, token by token, from the blocks' tensors themselves (the first block
-    is the prefix: its keys unscaled)."""
+    is the prefix: its keys unscaled; ``dequant``: each block's, or none)."""
     columns, position = [], 0
     for index, block in enumerate(blocks):
+        scales = dequant[index].data_ptr() if dequant else 0
         row = block.shape[3] * block.shape[4]
         for token in range(block.shape[2]):
             if start <= position < end:
                 scale = key_scale if index > 0 else 1.0
                 columns.append([block[0, 0, token].data_ptr(), block[1, 0, token].data_ptr(), block.shape[2] * row,
-                                slots[position - start], position, struct.unpack("<i", struct.pack("<f", scale))[0]])
+                                slots[position - start], position, struct.unpack("<i", struct.pack("<f", scale))[0],
+                                scales])
             position += 1
     return columns
 
 
 @settings(max_examples=60, deadline=None)
 @given(st.integers(1, 9), st.lists(st.integers(1, 9), max_size=8), st.data(),
-       st.sampled_from([torch.float32, torch.bfloat16]), st.sampled_from([1.0, 0.5, 1.25, 3.0]))
+       st.sampled_from([torch.float32, torch.bfloat16, FP8]), st.sampled_from([1.0, 0.5, 1.25, 3.0]))
 def test_sources_match_each_tokens_stored_rows(prefix_len, lengths, data, dtype, key_scale):
     """Any facts, picked in any order among a user's blocks or given as they are, any range of
-    the segment, any cache blocks: every column names the token's own key and value rows in its
-    block, its slot, its position and its scale."""
+    the segment, any cache blocks, K/V in the model's dtype or in fp8: every column names the
+    token's own key and value rows in its block, its slot, its position, its scale and its
+    fact's dequant."""
+    layout = KVLayout(3, 2, 4, torch.bfloat16, FP8_E4M3) if dtype == FP8 else KVLayout(3, 2, 4, dtype)
     prefix = torch.zeros(2, 3, prefix_len, 2, 4, dtype=dtype)
     held = [torch.zeros(2, 3, n, 2, 4, dtype=dtype) for n in lengths]
+    dequant = [torch.zeros(layout.dequant_shape(), dtype=torch.bfloat16) for _ in range(1 + len(held))] \
+        if layout.fp8 else []
     rows = data.draw(st.none() | st.permutations(range(len(held))).flatmap(
         lambda order: st.integers(0, len(order)).map(lambda n: order[:n])))
     picked = held if rows is None else [held[r] for r in rows]
-    facts = HeldBlocks.of(held) if held else HeldBlocks.empty(HeldBlocks.of([prefix]).layout)
+    picked_dequant = dequant[:1] + (dequant[1:] if rows is None else [dequant[1 + r] for r in rows]) if dequant else []
+    facts = HeldBlocks.of(held, dequant[1:], layout) if held else HeldBlocks.empty(layout)
     total = prefix_len + sum(b.shape[2] for b in picked)
     start = data.draw(st.integers(0, total))
     end = data.draw(st.integers(start, total))
@@ -83,11 +94,12 @@ def test_sources_match_each_tokens_stored_rows(prefix_len, lengths, data, dtype,
     cache_blocks = data.draw(st.lists(st.integers(0, 1 << 36), min_size=spanned, max_size=spanned))
     slots = [cache_blocks[p // block_size - start // block_size] * block_size + p % block_size
              for p in range(start, end)]
-    sources, length = segment_sources(HeldBlocks.of([prefix]), facts, start, end, cache_blocks, block_size,
-                                      key_scale, None if rows is None else np.asarray(rows, dtype=np.int64))
-    assert length == total and sources.table.shape == (6, end - start)
-    assert sources.table.T.tolist() == reference([prefix, *picked], start, end, slots, key_scale)
-    assert {b.data_ptr() for b in [prefix, *picked]} <= {b.data_ptr() for b in sources.blocks}
+    sources, length = segment_sources(HeldBlocks.of([prefix], dequant[:1], layout), facts, start, end, cache_blocks,
+                                      block_size, key_scale, None if rows is None else np.asarray(rows, dtype=np.int64))
+    assert length == total and sources.table.shape == (ROWS, end - start) and sources.dtype == dtype
+    assert sources.table.T.tolist() == reference([prefix, *picked], start, end, slots, key_scale, picked_dequant)
+    kept = {b.data_ptr() for b in sources.blocks}
+    assert {b.data_ptr() for b in [prefix, *picked, *picked_dequant]} <= kept
 
 
 def test_sources_refuse_tokens_past_the_segment():

@@ -58,11 +58,11 @@ TOP_LOGPROBS = 5
 
 
 def engine_config(model_dir: Path, data_dir: Path, dtype: str, recompute_tokens: int | str = 0,
-                  async_loads: str | None = None) -> Config:
+                  kv_dtype_at_rest: str = "model", async_loads: str | None = None) -> Config:
     """The connector's config; by default every memory token is injected (no tail recompute),
     so a test compares injected K/V with plain prefill token for token."""
     return Config(model=ModelSpec(path=str(model_dir), dtype=dtype), data_dir=str(data_dir),
-                  kv_store=BackendSpec(KV_STORE), recompute_tokens=recompute_tokens,
+                  kv_store=BackendSpec(KV_STORE), recompute_tokens=recompute_tokens, kv_dtype_at_rest=kv_dtype_at_rest,
                   tuning=Tuning(fused_write=FUSED_WRITE, pinned_reads=PINNED_READS,
                                 pinned_read_programs=PINNED_READ_PROGRAMS, pinned_read_graphs=PINNED_READ_GRAPHS,
                                 pinned_copy_below_mib=PINNED_COPY_BELOW_MIB, async_loads=async_loads or ASYNC_LOADS))
@@ -84,7 +84,7 @@ def env(**values: str):
 
 def make_engine(model_dir: Path, data_dir: Path, dtype: str, *, multiprocess: bool = False,
                 prefix_caching: bool = True, connector: tuple[str, str] | None = None,
-                recompute_tokens: int | str = 0, async_loads: str | None = None,
+                recompute_tokens: int | str = 0, kv_dtype_at_rest: str = "model", async_loads: str | None = None,
                 load_failure_policy: str | None = None, **kwargs: Any):
     """``async_loads``: Config.tuning's (default: :data:`ASYNC_LOADS`); ``load_failure_policy``:
     vLLM's ``kv_load_failure_policy`` (default: the product's, ``compat.load_failure_policy``)."""
@@ -92,7 +92,8 @@ def make_engine(model_dir: Path, data_dir: Path, dtype: str, *, multiprocess: bo
     from vllm.config import KVTransferConfig
 
     release_shared()
-    ktc = kv_transfer_config(engine_config(model_dir, data_dir, dtype, recompute_tokens, async_loads))
+    ktc = kv_transfer_config(engine_config(model_dir, data_dir, dtype, recompute_tokens, kv_dtype_at_rest,
+                                           async_loads))
     if load_failure_policy:
         ktc["kv_load_failure_policy"] = load_failure_policy
     if connector:

@@ -22,6 +22,7 @@ from inferscale.encode.extract import ExtractionError
 from inferscale.encode.window import Turn
 from inferscale.errors import CorruptDataError, MissingFactError, UnknownUserError
 from inferscale.facts import Fact, make_fact_id
+from inferscale.kv_fp8 import all_at_rest
 
 FactInput = str | tuple[str, str | None]
 
@@ -190,6 +191,7 @@ class MemoryAPI:
         related = self._related(user_id, known, fresh, vectors)
         kvs = self.encoder.encode(known + fresh, turns, progress=progress, prefix_ids=prefix, only=given,
                                   related=related)
+        kvs = all_at_rest(kvs, self.config.kv_dtype_at_rest)
         self.context.disk.put(user_id, kvs, {f.fact_id: f for f in fresh},
                               {f.fact_id: v for f, v in zip(fresh, vectors)}, drop=replaced)
         self.context.retriever.add(user_id, [f.fact_id for f in fresh], vectors)
@@ -233,7 +235,7 @@ class MemoryAPI:
             (stored,) = disk.token_ids(SYSTEM_USER, [PREFIX_FACT])
             if list(stored) == ids:
                 return ids
-        disk.put(SYSTEM_USER, {PREFIX_FACT: self.encoder.encode_ids(ids)})
+        disk.put(SYSTEM_USER, all_at_rest({PREFIX_FACT: self.encoder.encode_ids(ids)}, self.config.kv_dtype_at_rest))
         return ids
 
     def _require(self, user_id: str, fact_id: str) -> Fact:

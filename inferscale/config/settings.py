@@ -66,6 +66,11 @@ class Config:
     #: the injected facts' keys are multiplied by this: a temperature 1/key_scale on models without
     #: a key bias; with one (Qwen2) it also scales the bias's positional term (docs/connector.md)
     key_scale: float = 1.0
+    #: the form facts' K/V are kept in, on disk, in host or GPU memory and over the bus: "model" (the
+    #: model's dtype) or "fp8_e4m3" (half the bytes; dequantized as they are written into the cache:
+    #: :mod:`inferscale.kv_fp8`). Writes store new facts in it; a user stored in the other form is
+    #: converted by their next write, and held in this form by the memory tier meanwhile.
+    kv_dtype_at_rest: str = "model"
     #: a KV calibration file (``benchmarks/kv_calibration.py``) every fact's K/V are corrected with
     #: at encoding, fitted for the model and window ("": none; :mod:`inferscale.encode.calibration`)
     calibration: str = ""
@@ -89,6 +94,12 @@ class Config:
                 raise ConfigError(f"{name} must be a string")
         if not isinstance(self.tuning, Tuning):
             object.__setattr__(self, "tuning", Tuning.parse(self.tuning))
+        from inferscale.kv_fp8 import check_at_rest
+
+        try:
+            check_at_rest(self.kv_dtype_at_rest)
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
         if self.fact_style not in FACT_STYLES:
             raise ConfigError(f"fact_style must be one of {', '.join(FACT_STYLES)}, got {self.fact_style!r}")
         try:

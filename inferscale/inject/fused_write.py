@@ -28,6 +28,13 @@ cos at both of its dims and its sin negated at the first, so the kernel reads
 one cos and one sin per pair), then one cast (the compiler may fuse the
 multiply-add, a difference of at most one float32 rounding before the cast to
 the cache dtype).
+
+K/V kept in fp8 (``Config.kv_dtype_at_rest``, :mod:`inferscale.kv_fp8`) are read as bytes, half
+the bytes of bf16 over the bus, and dequantized as they are read: each code decoded to float32
+by its bits (exact; no fp8 instruction, so any GPU Triton runs on does it), times its head's
+scale plus its channel's offset (the fact's dequant, whose address the table carries) — the
+same float32 ``o + s · q`` as :func:`~inferscale.kv_fp8.dequantize_block`, bit for bit, since
+``s · q`` is exact — before the keys are rotated.
 """
 
 from __future__ import annotations
@@ -37,7 +44,10 @@ from dataclasses import dataclass
 
 import torch
 
-from inferscale.inject.sources import Sources
+from inferscale.inject.sources import DEQUANT, ROWS, Sources
+from inferscale.kv_fp8 import FP8
+
+assert (DEQUANT, ROWS) == (6, 7), "the kernel reads the dequant row and the count at these"
 
 try:
     import triton
@@ -45,9 +55,10 @@ try:
 except ImportError:  # no Triton (CPU builds): the per-layer path is used
     triton = None
 
-_TL_DTYPES = {}
+_TL_DTYPES, _SRC_DTYPES = {}, {}
 if triton is not None:
     _TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
+    _SRC_DTYPES = {**_TL_DTYPES, FP8: tl.uint8}  # fp8 codes read as bytes (:func:`_e4m3`)
 
 
 def available() -> bool:
@@ -94,20 +105,44 @@ _RUNTIME_ARGS = ["table", "stride", "bases", "num_layers", "layer0", "cos", "sin
 
 if triton is not None:
 
+    @triton.jit
+    def _e4m3(byte):
+        """e4m3 codes (read as bytes) in float32, exactly: a normal code's exponent and mantissa bits
+        moved into float32's (rebiased by 127 - 7), a subnormal one's mantissa times 2^-9. (Codes
+        0x7F and 0xFF, NaN, are never stored: readers refuse them.)"""
+        bits = byte.to(tl.int32)
+        magnitude = bits & 0x7F
+        normal = ((magnitude << 20) + (120 << 23)).to(tl.float32, bitcast=True)
+        x = tl.where(magnitude >= 8, normal, magnitude.to(tl.float32) * 0.001953125)
+        return tl.where(bits >= 128, -x, x)
+
+    @triton.jit
+    def _read(row, index, mask, dequant, head, dim, FP8: tl.constexpr, HEAD_SIZE: tl.constexpr):
+        """Stored elements ``row[index]``; in fp8 dequantized (float32 ``o + s · q``) with the
+        ``[heads, HEAD_SIZE + 1]`` dequant rows at ``dequant`` (offsets, then the scale)."""
+        if FP8:
+            codes = tl.load(row + index, mask=mask, other=0)
+            at = dequant + head * (HEAD_SIZE + 1)
+            scale = tl.load(at + HEAD_SIZE, mask=mask, other=0.0).to(tl.float32)
+            return _e4m3(codes) * scale + tl.load(at + dim, mask=mask, other=0.0).to(tl.float32)
+        else:
+            return tl.load(row + index, mask=mask, other=0.0)
+
     @triton.jit(do_not_specialize=_RUNTIME_ARGS, do_not_specialize_on_alignment=_RUNTIME_ARGS)
     def _write_kernel(table, stride, bases, num_layers, layer0, cos, sin, head0, programs,
                       S_BLOCK: tl.constexpr, S_SLOT: tl.constexpr, S_HEAD: tl.constexpr, S_DIM: tl.constexpr,
                       SRC: tl.constexpr, DST: tl.constexpr, BLOCK_SIZE: tl.constexpr,
                       HEADS: tl.constexpr, HEAD_SIZE: tl.constexpr, ROTARY: tl.constexpr,
                       NEOX: tl.constexpr, ROW: tl.constexpr, PAIRS: tl.constexpr, REST: tl.constexpr,
-                      COUNTED: tl.constexpr):
+                      COUNTED: tl.constexpr, FP8: tl.constexpr, STORED_HEADS: tl.constexpr):
         # one program: tokens pid, pid + programs, ... (columns of the Sources table, whose rows lie
         # `stride` apart) of one layer, every head of this rank; with one program per token, one
         # token each. COUNTED: the grid covers the table's capacity and the number of tokens in
-        # use follows its six rows; programs past it do nothing.
+        # use follows its seven rows; programs past it do nothing. FP8: the K/V are e4m3 codes
+        # with a dequant ([2, layers, STORED_HEADS, HEAD_SIZE + 1] bfloat16) per fact.
         layer = layer0 + tl.program_id(1)
         if COUNTED:
-            count = tl.load(table + 6 * stride)
+            count = tl.load(table + 7 * stride)
         else:
             count = stride
         k_out = tl.load(bases + layer).to(tl.pointer_type(DST))
@@ -120,11 +155,18 @@ if triton is not None:
             position = tl.load(table + 4 * stride + token)
             scale = tl.load(table + 5 * stride + token).to(tl.int32).to(tl.float32, bitcast=True)
             dst = (slot // BLOCK_SIZE) * S_BLOCK + (slot % BLOCK_SIZE) * S_SLOT
+            if FP8:  # this layer's dequant rows of the token's fact, keys' and values', from this rank's first head
+                dequant = tl.load(table + 6 * stride + token).to(tl.pointer_type(tl.bfloat16))
+                k_dequant = dequant + (layer * STORED_HEADS + head0) * (HEAD_SIZE + 1)
+                v_dequant = dequant + ((num_layers + layer) * STORED_HEADS + head0) * (HEAD_SIZE + 1)
+            else:
+                k_dequant = table
+                v_dequant = table
 
-            # values: the row as it is
+            # values: the row as it is (dequantized in fp8)
             i = tl.arange(0, ROW)
             mask = i < HEADS * HEAD_SIZE
-            value = tl.load(v_row + first + i, mask=mask)
+            value = _read(v_row + first, i, mask, v_dequant, i // HEAD_SIZE, i % HEAD_SIZE, FP8, HEAD_SIZE)
             tl.store(v_out + dst + (i // HEAD_SIZE) * S_HEAD + (i % HEAD_SIZE) * S_DIM, value.to(DST), mask=mask)
 
             # keys: each rotary pair (a, b) read once, by this program
@@ -138,8 +180,8 @@ if triton is not None:
                 a = 2 * (j % (ROTARY // 2))
                 b = a + 1
             src = k_row + first + head * HEAD_SIZE
-            xa = tl.load(src + a, mask=pairs, other=0.0).to(tl.float32)
-            xb = tl.load(src + b, mask=pairs, other=0.0).to(tl.float32)
+            xa = _read(src, a, pairs, k_dequant, head, a, FP8, HEAD_SIZE).to(tl.float32)
+            xb = _read(src, b, pairs, k_dequant, head, b, FP8, HEAD_SIZE).to(tl.float32)
             # a pair's rows hold cos at both dims and -sin / +sin (RotaryEmbedding.table): two loads
             c = tl.load(cos + position * ROTARY + a, mask=pairs, other=0.0)
             s = tl.load(sin + position * ROTARY + b, mask=pairs, other=0.0)
@@ -152,7 +194,8 @@ if triton is not None:
                 rest = r < HEADS * (HEAD_SIZE - ROTARY)
                 head = r // (HEAD_SIZE - ROTARY)
                 dim = ROTARY + r % (HEAD_SIZE - ROTARY)
-                x = tl.load(k_row + first + head * HEAD_SIZE + dim, mask=rest, other=0.0).to(tl.float32)
+                x = _read(k_row + first, head * HEAD_SIZE + dim, rest, k_dequant, head, dim, FP8, HEAD_SIZE)
+                x = x.to(tl.float32)
                 tl.store(k_out + dst + head * S_HEAD + dim * S_DIM, (x * scale).to(DST), mask=rest)
 
 
@@ -166,30 +209,33 @@ def write_tokens(cache: CacheViews, sources: Sources, cos: torch.Tensor, sin: to
     writing every ``programs``-th token (None: one per token). Fewer programs hold fewer of the
     GPU's SMs while they wait on slow reads, such as host memory over the bus."""
     _launch(cache, sources.table, sources.num_tokens, False, sources.dtype, cos, sin, head0, rotary_dim, neox,
-            layers, programs)
+            layers, programs, sources.num_heads)
 
 
 def write_counted(cache: CacheViews, table: torch.Tensor, capacity: int, dtype: torch.dtype, cos: torch.Tensor,
                   sin: torch.Tensor, head0: int, rotary_dim: int, neox: bool, layers: range | None = None,
-                  programs: int | None = None) -> None:
+                  programs: int | None = None, stored_heads: int | None = None) -> None:
     """:func:`write_tokens` from a table of fixed ``capacity`` on the device: a flat int64 tensor
-    of ``6 * capacity + 1`` elements, the six rows of a :class:`Sources` table ``capacity`` apart
+    of ``ROWS * capacity + 1`` elements, the rows of a :class:`Sources` table ``capacity`` apart
     and then the number of tokens in use (which may be anything up to the capacity when the
     kernel runs). The launch itself does not depend on that number: it can be captured in a
-    CUDA graph once and replayed for any step (:mod:`write_graphs`). ``dtype``: the stored K/V's;
-    ``layers`` and ``programs`` as for :func:`write_tokens`."""
-    if table.numel() != 6 * capacity + 1:
-        raise ValueError(f"a table of capacity {capacity} has {6 * capacity + 1} elements, not {table.numel()}")
-    _launch(cache, table, capacity, True, dtype, cos, sin, head0, rotary_dim, neox, layers, programs)
+    CUDA graph once and replayed for any step (:mod:`write_graphs`). ``dtype`` and ``stored_heads``:
+    the stored K/V's (the heads needed in fp8 only); ``layers`` and ``programs`` as for
+    :func:`write_tokens`."""
+    if table.numel() != ROWS * capacity + 1:
+        raise ValueError(f"a table of capacity {capacity} has {ROWS * capacity + 1} elements, not {table.numel()}")
+    _launch(cache, table, capacity, True, dtype, cos, sin, head0, rotary_dim, neox, layers, programs, stored_heads)
 
 
 def _launch(cache: CacheViews, table: torch.Tensor, stride: int, counted: bool, dtype: torch.dtype,
             cos: torch.Tensor, sin: torch.Tensor, head0: int, rotary_dim: int, neox: bool,
-            layers: range | None = None, programs: int | None = None) -> None:
+            layers: range | None = None, programs: int | None = None, stored_heads: int | None = None) -> None:
     """The kernel over ``stride`` tokens (the table's row stride) of ``layers``, with at most
     ``programs`` programs per layer."""
     if triton is None:
         raise RuntimeError("the fused cache write needs Triton")
+    if dtype == FP8 and not (stored_heads and head0 + cache.num_heads <= stored_heads):
+        raise ValueError(f"fp8 K/V of {stored_heads} stored heads for this rank's heads {head0}..")
     layers = range(cache.num_layers) if layers is None else layers
     if layers.step != 1 or not 0 <= layers.start <= layers.stop <= cache.num_layers:
         raise ValueError(f"layers {layers} of a {cache.num_layers}-layer cache")
@@ -202,9 +248,10 @@ def _launch(cache: CacheViews, table: torch.Tensor, stride: int, counted: bool, 
     programs = stride if programs is None else min(programs, stride)
     _write_kernel[(programs, len(layers))](
         table, stride, cache.bases, cache.num_layers, layers.start, cos, sin, head0, programs,
-        S_BLOCK=s_block, S_SLOT=s_slot, S_HEAD=s_head, S_DIM=s_dim, SRC=_TL_DTYPES[dtype],
+        S_BLOCK=s_block, S_SLOT=s_slot, S_HEAD=s_head, S_DIM=s_dim, SRC=_SRC_DTYPES[dtype],
         DST=_TL_DTYPES[cache.dtype], BLOCK_SIZE=cache.block_size, HEADS=heads, HEAD_SIZE=size, ROTARY=rotary_dim,
         NEOX=neox, ROW=triton.next_power_of_2(heads * size),
         PAIRS=triton.next_power_of_2(max(1, heads * rotary_dim // 2)),
         REST=triton.next_power_of_2(max(1, heads * (size - rotary_dim))), COUNTED=counted,
+        FP8=dtype == FP8, STORED_HEADS=stored_heads if dtype == FP8 else 0,
     )

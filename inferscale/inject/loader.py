@@ -19,6 +19,7 @@ from inferscale.inject.sources import Sources, check_cache_blocks, segment_sourc
 from inferscale.compose.request import SegmentRequest
 from inferscale.errors import MissingFactError, ModelMismatchError
 from inferscale.kv import KVBatch
+from inferscale.kv_fp8 import FP8_E4M3, MODEL
 from inferscale.storage.disk import DiskStore
 from inferscale.storage.blocks import HeldBlocks
 from inferscale.storage.memory_tier import MemoryTier
@@ -114,7 +115,9 @@ class SegmentLoader:
         and enough bytes for it, :func:`reads_in_place`), else copies them to the device first."""
         if not self.host_in_place:
             return False
-        token_bytes = num_layers * 2 * (self.heads.stop - self.heads.start) * head_size * self.dtype.itemsize
+        # the bytes that cross the bus: one per element kept in fp8
+        itemsize = 1 if getattr(self.store, "kv_dtype_at_rest", MODEL) == FP8_E4M3 else self.dtype.itemsize
+        token_bytes = num_layers * 2 * (self.heads.stop - self.heads.start) * head_size * itemsize
         return reads_in_place(sum(spec.end - spec.start for spec in specs), token_bytes, self.in_place_from)
 
     def sources(self, spec: LoadSpec, num_layers: int, head_size: int, in_place: bool | None = None) -> Sources:

@@ -2,7 +2,8 @@
 
 For each token the fused write (:mod:`inferscale.inject.fused_write`) reads one column of an
 int64 table: the addresses of the token's stored key and value rows, the stride between layers,
-its cache slot, its position and its keys' scale. :func:`segment_sources` builds that table from the
+its cache slot, its position, its keys' scale and, for K/V kept in fp8, the address of its
+fact's dequant (:mod:`inferscale.kv_fp8`). :func:`segment_sources` builds that table from the
 blocks a store holds (:class:`~inferscale.storage.blocks.HeldBlocks`) for every token of a load.
 
 It runs on the engine's critical path once per injected request, after vLLM's own work has left
@@ -32,7 +33,8 @@ from inferscale.storage.blocks import HeldBlocks
 logger = logging.getLogger(__name__)
 
 #: rows of a :class:`Sources` table
-K_ADDR, V_ADDR, LAYER_STRIDE, SLOT, POSITION, SCALE = range(6)
+K_ADDR, V_ADDR, LAYER_STRIDE, SLOT, POSITION, SCALE, DEQUANT = range(7)
+ROWS = 7
 #: the float32 bits of a key scale of 1.0
 ONE_BITS = 0x3F800000
 
@@ -42,9 +44,10 @@ class Sources:
     """Where each token's K/V lies and where it goes, packed in one int64 ``table`` so that it
     reaches the device in one copy. Per token (one column): the address of its layer-0 key row
     (row ``K_ADDR``) and value row (``V_ADDR``), the distance in elements from one layer's row to
-    the next (``LAYER_STRIDE``), its cache slot (``SLOT``), its position (``POSITION``) and the
-    float32 bits of its keys' scale (``SCALE``). ``blocks`` are the tensors the addresses point
-    into: the caller keeps them alive until the kernel has run."""
+    the next (``LAYER_STRIDE``), its cache slot (``SLOT``), its position (``POSITION``), the
+    float32 bits of its keys' scale (``SCALE``) and the address of its fact's dequant (``DEQUANT``;
+    0 unless ``dtype`` is fp8). ``dtype`` and ``num_heads`` are the stored K/V's. ``blocks`` are
+    the tensors the addresses point into: the caller keeps them alive until the kernel has run."""
 
     table: torch.Tensor
     dtype: torch.dtype
@@ -96,17 +99,18 @@ def segment_sources(prefix: HeldBlocks, facts: HeldBlocks, start: int, end: int,
     layout = prefix.layout
     if facts.layout != layout or (facts.blocks and prefix.blocks[0].device != facts.blocks[0].device):
         raise ValueError(f"blocks of two layouts or devices: {layout.describe()} and {facts.layout.describe()}")
-    table = np.empty((6, end - start), dtype=np.int64)
+    table = np.empty((ROWS, end - start), dtype=np.int64)
     picked = _ALL if rows is None else rows
-    written, total = _compiled()(table, prefix.addresses, prefix.lengths, facts.addresses, facts.lengths, picked,
-                                 rows is not None, start, cache_blocks, block_size,
-                                 layout.num_kv_heads * layout.head_size, layout.dtype.itemsize, layout.num_layers,
-                                 _float_bits(key_scale))
+    written, total = _compiled()(table, prefix.addresses, prefix.lengths, prefix.dequant_addresses, facts.addresses,
+                                 facts.lengths, facts.dequant_addresses, picked, rows is not None, start, cache_blocks,
+                                 block_size, layout.num_kv_heads * layout.head_size, layout.stored_dtype.itemsize,
+                                 layout.num_layers, _float_bits(key_scale))
     if written < 0:
         raise ValueError(f"a row past the {len(facts.lengths)} blocks held")
     if written != end - start:
         raise ValueError(f"tokens {start}..{end - 1} outside a segment of {total} tokens")
-    return Sources(torch.from_numpy(table), layout.dtype, layout.num_kv_heads, prefix.blocks + facts.blocks), total
+    held = prefix.blocks + facts.blocks + prefix.dequant + facts.dequant
+    return Sources(torch.from_numpy(table), layout.stored_dtype, layout.num_kv_heads, held), total
 
 
 _ALL = np.zeros(0, dtype=np.int64)
@@ -136,14 +140,15 @@ def _compiled():
     return numba.njit(nogil=True, cache=False)(_fill)
 
 
-def _fill(table, prefix_addresses, prefix_lengths, fact_addresses, fact_lengths, rows, by_row, start, cache_blocks,
-          block_size, row, size, num_layers, scale_bits):
+def _fill(table, prefix_addresses, prefix_lengths, prefix_dequant, fact_addresses, fact_lengths, fact_dequant, rows,
+          by_row, start, cache_blocks, block_size, row, size, num_layers, scale_bits):
     """Columns ``0..`` of ``table`` for segment positions ``start..start + table.shape[1] - 1``
     (:func:`_compiled`). The segment's blocks: the prefix's, then the facts' (those at ``rows`` when
     ``by_row``). A block of ``T`` tokens at address ``A`` is ``[2, L, T, H, D]``: a token's
     layer-0 key row lies ``row`` elements after the one before, a layer's rows ``T * row`` after
     the layer before's, the values ``L * T * row`` after the keys. A token's slot is read off
-    ``cache_blocks`` (the first holds position ``start``). Returns the number of columns
+    ``cache_blocks`` (the first holds position ``start``); its dequant's address is its block's
+    entry of ``prefix_dequant`` or ``fact_dequant``. Returns the number of columns
     written (fewer than asked when the segment is shorter) and the segment's length; -1, -1 for a
     row past the facts' blocks."""
     end = start + table.shape[1]
@@ -154,11 +159,13 @@ def _fill(table, prefix_addresses, prefix_lengths, fact_addresses, fact_lengths,
     for block in range(num_blocks):
         if block < num_prefix:
             address, length, scale = prefix_addresses[block], prefix_lengths[block], ONE_BITS
+            dequant = prefix_dequant[block]
         else:
             fact = rows[block - num_prefix] if by_row else block - num_prefix
             if fact < 0 or fact >= fact_lengths.shape[0]:  # (compiled code checks no bounds)
                 return -1, -1
             address, length, scale = fact_addresses[fact], fact_lengths[fact], scale_bits
+            dequant = fact_dequant[fact]
         stride = length * row
         base = address - first * row * size  # where its token 0 would lie at its segment position
         for position in range(max(start, first), min(end, first + length)):
@@ -170,6 +177,7 @@ def _fill(table, prefix_addresses, prefix_lengths, fact_addresses, fact_lengths,
             table[SLOT, column] = block * block_size + position % block_size
             table[POSITION, column] = position
             table[SCALE, column] = scale
+            table[DEQUANT, column] = dequant
             column += 1
         first += length
     return column, first
@@ -183,7 +191,8 @@ def ready() -> bool:
     instead of the fused write."""
     one = np.ones(1, dtype=np.int64)
     try:
-        _compiled()(np.empty((6, 1), dtype=np.int64), one, one, one, one, _ALL, False, 0, one, 1, 1, 2, 1, ONE_BITS)
+        _compiled()(np.empty((ROWS, 1), dtype=np.int64), one, one, one, one, one, one, _ALL, False, 0, one, 1, 1, 2, 1,
+                    ONE_BITS)
     except Exception as exc:
         logger.warning("inferscale: the fused cache write is off: its sources table does not compile "
                        "(%s: %s)", type(exc).__name__, exc)

@@ -38,7 +38,7 @@ import numpy as np
 import torch
 
 from inferscale.inject import fused_write
-from inferscale.inject.sources import Sources
+from inferscale.inject.sources import ROWS, Sources
 
 logger = logging.getLogger(__name__)
 
@@ -48,8 +48,8 @@ CAPACITIES = tuple(64 << i for i in range(9))
 
 @dataclass
 class _Graph:
-    staging: torch.Tensor  # pinned host, 6 * capacity + 1 int64
-    rows: np.ndarray  # the staging buffer's six rows of a Sources table (a NumPy view of it)
+    staging: torch.Tensor  # pinned host, ROWS * capacity + 1 int64
+    rows: np.ndarray  # the staging buffer's rows of a Sources table (a NumPy view of it)
     count: np.ndarray  # its last element: the number of tokens in use
     table: torch.Tensor  # the same on the device
     graph: torch.cuda.CUDAGraph
@@ -66,7 +66,7 @@ class WriteGraphs:
         self.cache, self.head0, self.rotary_dim, self.neox = cache, head0, rotary_dim, neox
         self.capacities = capacities
         self.device = cache.bases.device
-        self._graphs: dict[tuple, _Graph] = {}  # (capacity, stored dtype, groups, programs)
+        self._graphs: dict[tuple, _Graph] = {}  # (capacity, stored dtype and heads, groups, programs)
         self._retired: list[_Graph] = []  # graphs of an older rotary table, kept until their last replay has run
         self._rotary: tuple[torch.Tensor, torch.Tensor] | None = None  # the cos/sin the graphs read
         self.enabled = self.device.type == "cuda" and fused_write.available()
@@ -90,7 +90,7 @@ class WriteGraphs:
             self._rotary = (cos, sin)
         elif self._retired:
             self._retired = [graph for graph in self._retired if not graph.done.query()]
-        key = (capacity, sources.dtype, None if groups is None else tuple(groups), programs)
+        key = (capacity, (sources.dtype, sources.num_heads), None if groups is None else tuple(groups), programs)
         graph = self._graphs.get(key)
         if graph is None:
             graph = self._capture(key)
@@ -120,11 +120,12 @@ class WriteGraphs:
         self._graphs[key] = graph
         return graph
 
-    def _make(self, capacity: int, dtype: torch.dtype, groups: tuple[range, ...] | None, programs: int | None
-              ) -> _Graph:
+    def _make(self, capacity: int, stored: tuple[torch.dtype, int], groups: tuple[range, ...] | None,
+              programs: int | None) -> _Graph:
         cos, sin = self._rotary
-        staging = torch.zeros(6 * capacity + 1, dtype=torch.int64, pin_memory=True)
-        table = torch.zeros(6 * capacity + 1, dtype=torch.int64, device=self.device)
+        dtype, stored_heads = stored
+        staging = torch.zeros(ROWS * capacity + 1, dtype=torch.int64, pin_memory=True)
+        table = torch.zeros(ROWS * capacity + 1, dtype=torch.int64, device=self.device)
         # recorded by the graph itself (external), except after the last group: `done` is, by the replay's caller
         marks = [torch.cuda.Event(external=True) for _ in groups[:-1]] if groups else []
 
@@ -132,7 +133,7 @@ class WriteGraphs:
             table.copy_(staging, non_blocking=True)
             for index, layers in enumerate(groups or [None]):
                 fused_write.write_counted(self.cache, table, capacity, dtype, cos, sin, self.head0,
-                                          self.rotary_dim, self.neox, layers, programs)
+                                          self.rotary_dim, self.neox, layers, programs, stored_heads)
                 if index < len(marks):
                     marks[index].record()
 
@@ -152,5 +153,5 @@ class WriteGraphs:
         done.record(forward)
         spans = list(groups) if groups else [range(self.cache.num_layers)]
         view = staging.numpy()
-        return _Graph(staging, view[:6 * capacity].reshape(6, capacity), view[6 * capacity:], table, graph, done,
-                      self._rotary, list(zip(spans, [*marks, done])))
+        rows, count = view[:ROWS * capacity].reshape(ROWS, capacity), view[ROWS * capacity:]
+        return _Graph(staging, rows, count, table, graph, done, self._rotary, list(zip(spans, [*marks, done])))

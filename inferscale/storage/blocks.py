@@ -4,7 +4,8 @@ A *block* is one fact's K/V stacked as ``[2, num_layers, num_tokens,
 num_kv_heads, head_size]`` (``block[0]`` keys, ``block[1]`` values).
 Concatenating blocks along dim 2 gives ``[2, L, T_total, H, D]`` whose ``[0]``
 and ``[1]`` are contiguous ``[L, T_total, H, D]`` tensors: a KVBatch's keys and
-values, in one allocation.
+values, in one allocation. A fact kept in fp8 has an e4m3 block and its *dequant*, its
+offsets and scales (``[2, L, H, D + 1]`` bfloat16, :mod:`inferscale.kv_fp8`).
 """
 
 from __future__ import annotations
@@ -16,7 +17,10 @@ import numpy as np
 import torch
 
 from inferscale.kv import FactKV, KVBatch
+from inferscale.kv_fp8 import DEQUANT_DTYPE, Fp8KV, dequantize_block
 from inferscale.storage.layout import KVLayout
+
+_NONE = np.zeros(0, dtype=np.int64)
 
 
 @dataclass(frozen=True)
@@ -24,16 +28,26 @@ class HeldBlocks:
     """Blocks as a reader that addresses them in place sees them (the fused cache write): the
     blocks themselves (whoever holds this keeps them alive), their data pointers and token
     counts (int64 NumPy arrays, one entry per block), and the layout they all share. Every
-    block is contiguous."""
+    block is contiguous. In fp8 (``layout.fp8``) each block has its ``dequant`` too, at
+    ``dequant_addresses`` (zeros otherwise), all on one device (the pinned store keeps them in
+    GPU memory beside host blocks)."""
 
     blocks: tuple[torch.Tensor, ...]
     addresses: np.ndarray
     lengths: np.ndarray
     layout: KVLayout
+    dequant: tuple[torch.Tensor, ...] = ()
+    dequant_addresses: np.ndarray | None = None  # (None: zeros, one per block)
+
+    def __post_init__(self):
+        if self.dequant_addresses is None:
+            object.__setattr__(self, "dequant_addresses", np.zeros(len(self.blocks), np.int64))
 
     @classmethod
-    def of(cls, blocks: Sequence[torch.Tensor]) -> HeldBlocks:
-        """Checked: ``[2, L, T, H, D]`` blocks, contiguous, of one layout, on one device."""
+    def of(cls, blocks: Sequence[torch.Tensor], dequant: Sequence[torch.Tensor] = (),
+           layout: KVLayout | None = None) -> HeldBlocks:
+        """Checked: ``[2, L, T, H, D]`` blocks, contiguous, of one layout, on one device (and
+        ``layout``'s, where given: an fp8 one's blocks come with their ``dequant``)."""
         if not blocks:
             raise ValueError("no blocks")
         first = blocks[0]
@@ -44,30 +58,51 @@ class HeldBlocks:
                     or block.dim() != 5 or block.shape[:2] != first.shape[:2] or block.shape[3:] != first.shape[3:]:
                 raise ValueError("blocks must be contiguous [2, L, T, H, D] of one layout, on one device")
         _, layers, _, heads, size = first.shape
-        return cls(tuple(blocks), np.fromiter((b.data_ptr() for b in blocks), np.int64, len(blocks)),
-                   np.fromiter((b.shape[2] for b in blocks), np.int64, len(blocks)),
-                   KVLayout(int(layers), int(heads), int(size), first.dtype))
+        layout = layout or KVLayout(int(layers), int(heads), int(size), first.dtype)
+        if layout.block_shape(0)[:2] + layout.block_shape(0)[3:] != first.shape[:2] + first.shape[3:] \
+                or layout.stored_dtype != first.dtype:
+            raise ValueError(f"blocks of {first.dtype} {tuple(first.shape)} are not {layout.describe()}")
+        _check_dequant(layout, dequant, len(blocks))
+        return cls(tuple(blocks), _addresses(blocks), np.fromiter((b.shape[2] for b in blocks), np.int64, len(blocks)),
+                   layout, tuple(dequant), _addresses(dequant) if dequant else None)
 
     @classmethod
     def empty(cls, layout: KVLayout) -> HeldBlocks:
-        none = np.zeros(0, dtype=np.int64)
-        return cls((), none, none, layout)
+        return cls((), _NONE, _NONE, layout)
 
     def __add__(self, other: HeldBlocks) -> HeldBlocks:
         if other.layout != self.layout or (self.blocks and other.blocks
                                            and other.blocks[0].device != self.blocks[0].device):
             raise ValueError(f"blocks of two layouts or devices: {self.layout.describe()} and {other.layout.describe()}")
         return HeldBlocks(self.blocks + other.blocks, np.concatenate((self.addresses, other.addresses)),
-                          np.concatenate((self.lengths, other.lengths)), self.layout)
+                          np.concatenate((self.lengths, other.lengths)), self.layout, self.dequant + other.dequant,
+                          np.concatenate((self.dequant_addresses, other.dequant_addresses)))
 
     def select(self, rows: Sequence[int]) -> HeldBlocks:
         """The blocks at ``rows``, in that order."""
         index = np.asarray(rows, dtype=np.int64)
         return HeldBlocks(tuple(self.blocks[i] for i in rows), self.addresses[index], self.lengths[index],
-                          self.layout)
+                          self.layout, tuple(self.dequant[i] for i in rows) if self.dequant else (),
+                          self.dequant_addresses[index])
 
 
-def stack_block(kv: FactKV, device: torch.device) -> torch.Tensor:
+def _addresses(tensors: Sequence[torch.Tensor]) -> np.ndarray:
+    return np.fromiter((t.data_ptr() for t in tensors), np.int64, len(tensors))
+
+
+def _check_dequant(layout: KVLayout, dequant: Sequence[torch.Tensor], count: int) -> None:
+    """An fp8 layout's blocks each have a contiguous dequant of its shape, all on one device; others none."""
+    if not layout.fp8:
+        if dequant:
+            raise ValueError(f"blocks of {layout.describe()} have no dequant")
+        return
+    shape = layout.dequant_shape()
+    if len(dequant) != count or any(tuple(d.shape) != shape or d.dtype != DEQUANT_DTYPE or not d.is_contiguous()
+                                    or d.device != dequant[0].device for d in dequant):
+        raise ValueError(f"fp8 blocks need each a contiguous {DEQUANT_DTYPE} dequant {list(shape)}, on one device")
+
+
+def stack_block(kv: FactKV | Fp8KV, device: torch.device) -> torch.Tensor:
     """A fresh ``[2, L, T, H, D]`` block on ``device`` (never aliases the caller's tensors)."""
     return torch.stack((kv.keys.detach(), kv.values.detach())).to(device)
 
@@ -92,6 +127,15 @@ def move_blocks(blocks: Sequence[torch.Tensor], device: torch.device) -> list[to
     (stream-ordered on the current CUDA stream; from pinned memory one DMA per block)."""
     non_blocking = device.type == "cuda"
     return [block.to(device, non_blocking=non_blocking) for block in blocks]
+
+
+def gather_dequantized(blocks: Sequence[torch.Tensor], dequant: Sequence[torch.Tensor], dtype: torch.dtype,
+                       device: torch.device) -> torch.Tensor:
+    """fp8 blocks, each moved to ``device`` (a copy of half the bytes, as :func:`move_blocks`),
+    dequantized there into ``dtype`` and concatenated along the token axis."""
+    parts = [dequantize_block(block, scales, dtype)
+             for block, scales in zip(move_blocks(blocks, device), move_blocks(dequant, device))]
+    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=2)
 
 
 def batch_from_blocks(

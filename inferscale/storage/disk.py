@@ -41,13 +41,14 @@ from inferscale.devices import resolve_device
 from inferscale.errors import CorruptDataError, UnknownUserError
 from inferscale.facts import Fact, user_file_stem, user_from_file_stem
 from inferscale.kv import FactKV, KVBatch
+from inferscale.kv_fp8 import Fp8KV
 from inferscale.storage import kvfile, legacy
 from inferscale.storage.base import KVStore
 from inferscale.storage.blocks import empty_batch
 from inferscale.storage.disk_writes import LOCK_NAME, SUFFIX, DiskWrites
 from inferscale.storage.index import INDEX_NAME, UserIndex
 from inferscale.storage.index_cache import IndexCache
-from inferscale.storage.index_reads import IndexReads, fresh_user_file
+from inferscale.storage.index_reads import IndexReads, batch_of, fresh_user_file
 from inferscale.storage.layout import check_ids, check_layout, require_facts
 from inferscale.storage.segments import read_segments
 
@@ -88,14 +89,16 @@ class DiskStore(DiskWrites, IndexReads, KVStore):
 
     # -- the KVStore interface -------------------------------------------------
 
-    def put(self, user_id: str, facts: Mapping[str, FactKV], records: Mapping[str, Fact] | None = None,
+    def put(self, user_id: str, facts: Mapping[str, FactKV | Fp8KV], records: Mapping[str, Fact] | None = None,
             embeddings: Mapping[str, torch.Tensor] | None = None, drop: Sequence[str] = ()) -> None:
         """Add or replace facts: appended as one new segment, committed by one index write.
 
         ``records`` (text and source turn) and ``embeddings`` of those facts, when
         given, are committed in the same write: a fact is stored whole or not at all.
         ``drop`` names stored facts removed by the same write (a fact replaced by
-        one under another id: the one or the other is stored, never both).
+        one under another id: the one or the other is stored, never both). Facts are kept as
+        given: a FactKV in the model's dtype, an Fp8KV in fp8 (:mod:`inferscale.kv_fp8`); a write
+        in the other form converts the user's stored facts to it.
         """
         check_ids(user_id, [*facts, *drop])
         if not facts:
@@ -103,7 +106,7 @@ class DiskStore(DiskWrites, IndexReads, KVStore):
         layout, fresh = fresh_user_file(user_id, facts, records, embeddings)
         with self._writer():
             current = self._clean(user_id)
-            check_layout(user_id, facts, current.layout if current else None)
+            check_layout(user_id, facts, current.layout.kept_as(layout.at_rest) if current else None)
             self._commit(user_id, current, fresh, set(facts) | set(drop))
 
     def get(self, user_id: str, fact_ids: Sequence[str], device: torch.device | str | None = None) -> KVBatch:
@@ -113,10 +116,7 @@ class DiskStore(DiskWrites, IndexReads, KVStore):
             index = self._index(user_id)
             return empty_batch(index.layout if index else None, target)
         _, user = self._read(user_id, fact_ids)
-        kvs = [user.facts[f] for f in fact_ids]
-        keys = torch.cat([kv.keys for kv in kvs], dim=1).to(target)
-        values = torch.cat([kv.values for kv in kvs], dim=1).to(target)
-        return KVBatch(fact_ids, [kv.token_ids for kv in kvs], keys, values)
+        return batch_of(fact_ids, [user.facts[f] for f in fact_ids], target)
 
     def delete(self, user_id: str, fact_ids: Sequence[str] | None = None) -> None:
         """Idempotent. Deleting a whole user removes their files even if they are corrupt."""

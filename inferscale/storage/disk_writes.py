@@ -16,7 +16,7 @@ from inferscale.facts import user_file_stem
 from inferscale.storage import files, kvfile
 from inferscale.storage.compaction import segments_to_rewrite
 from inferscale.storage.index import INDEX_NAME, UserIndex, new_segment_name
-from inferscale.storage.segments import make_index, next_version, read_segments
+from inferscale.storage.segments import converts, make_index, next_version, read_segments
 
 SUFFIX = ".safetensors"
 LOCK_NAME = ".lock"
@@ -62,7 +62,8 @@ class DiskWrites:
             return []
         holding = {current.facts[f].segment for f in drop if f in current.facts}
         new_bytes = sum(kv.nbytes for kv in fresh.facts.values())
-        return segments_to_rewrite(current.segment_kv_bytes(), holding, new_bytes, current.legacy)
+        return segments_to_rewrite(current.segment_kv_bytes(), holding, new_bytes,
+                                   current.legacy or converts(current, fresh))
 
     def _write_segment(self, user_id: str, name: str, segment: kvfile.UserFile) -> tuple[str, str, int]:
         data, sha256 = kvfile.encode(user_id, segment)

@@ -1,4 +1,4 @@
-"""A user's index (format 3): everything about their facts except the K/V.
+"""A user's index (format 3; 4 for a user kept in fp8): everything about their facts except the K/V.
 
 ``<root>/users/<user_id>/index.json`` lists the user's facts in insertion
 order — token ids, record (text, source turn) and the segment file holding
@@ -30,6 +30,8 @@ from inferscale.storage.layout import KVLayout
 
 FORMAT = "inferscale-kv-index"
 VERSION = "3"
+#: the version of a user kept in fp8 (its layout names ``at_rest``: older readers refuse it clearly)
+FP8_VERSION = "4"
 INDEX_NAME = "index.json"
 CHECKSUM_KEY = "sha256"
 _SEGMENT_NAME = re.compile(r"^seg-[0-9a-f]{32}\.safetensors$")
@@ -78,7 +80,7 @@ class UserIndex:
     @property
     def legacy(self) -> bool:
         """True for a format 1/2 file read as an index (one segment: the file itself)."""
-        return self.version != VERSION
+        return self.version not in (VERSION, FP8_VERSION)
 
     @property
     def token_ids(self) -> dict[str, tuple[int, ...]]:
@@ -90,15 +92,15 @@ class UserIndex:
 
     @property
     def nbytes(self) -> int:
-        """Bytes of K/V (not of the files)."""
-        return sum(len(e.token_ids) for e in self.facts.values()) * self.layout.token_nbytes()
+        """Bytes of K/V (not of the files), in the form they are kept in."""
+        return self.layout.nbytes(len(e.token_ids) for e in self.facts.values())
 
     def segment_kv_bytes(self) -> dict[str, int]:
         """Bytes of K/V in each segment (oldest first)."""
-        tokens = dict.fromkeys(self.segments, 0)
+        lengths: dict[str, list[int]] = {name: [] for name in self.segments}
         for entry in self.facts.values():
-            tokens[entry.segment] += len(entry.token_ids)
-        return {name: n * self.layout.token_nbytes() for name, n in tokens.items()}
+            lengths[entry.segment].append(len(entry.token_ids))
+        return {name: self.layout.nbytes(n) for name, n in lengths.items()}
 
     def facts_in(self, segment: str) -> list[str]:
         return [f for f, e in self.facts.items() if e.segment == segment]
@@ -111,7 +113,7 @@ class UserIndex:
     def _body(self) -> dict:
         return {
             "format": FORMAT,
-            "format_version": VERSION,
+            "format_version": FP8_VERSION if self.layout.fp8 else VERSION,
             "user_id": self.user_id,
             EPOCH_KEY: self.epoch,
             "layout": self.layout.to_dict(),
@@ -141,8 +143,11 @@ class UserIndex:
             raise CorruptDataError(f"{where}: index checksum mismatch (the file was altered or damaged)")
         try:
             segments = _segments(body["segments"])
-            return cls(user_id, _epoch(body[EPOCH_KEY]), KVLayout.from_dict(body["layout"]),
-                       _facts(body["facts"], segments), segments)
+            layout = KVLayout.from_dict(body["layout"])
+            if layout.fp8 != (body["format_version"] == FP8_VERSION):
+                raise ValueError(f"format_version {body['format_version']} with K/V {layout.describe()}")
+            return cls(user_id, _epoch(body[EPOCH_KEY]), layout, _facts(body["facts"], segments), segments,
+                       body["format_version"])
         except (ValueError, TypeError, KeyError) as exc:
             raise CorruptDataError(f"{where}: inconsistent index ({exc})") from exc
 
@@ -168,9 +173,9 @@ def _fact_json(fact_id: str, entry: FactEntry) -> dict:
 def _check_header(body: Mapping, user_id: str, where: str) -> None:
     if body.get("format") != FORMAT:
         raise CorruptDataError(f"{where}: not an {FORMAT} file (format={body.get('format')!r})")
-    if body.get("format_version") != VERSION:
+    if body.get("format_version") not in (VERSION, FP8_VERSION):
         raise CorruptDataError(f"{where}: unsupported index format_version {body.get('format_version')!r} "
-                               f"(this version reads {VERSION})")
+                               f"(this version reads {VERSION} and {FP8_VERSION})")
     missing = {"user_id", EPOCH_KEY, "layout", "segments", "facts", CHECKSUM_KEY} - set(body)
     if missing:
         raise CorruptDataError(f"{where}: index lacks {sorted(missing)}")

@@ -16,7 +16,8 @@ import torch
 
 from inferscale.errors import UnknownUserError
 from inferscale.facts import Fact
-from inferscale.kv import FactKV
+from inferscale.kv import FactKV, KVBatch
+from inferscale.kv_fp8 import MODEL, Fp8KV, at_rest
 from inferscale.storage import kvfile
 from inferscale.storage.index import UserIndex
 from inferscale.storage.layout import KVLayout, check_layout, require_facts
@@ -49,12 +50,13 @@ class IndexReads:
         require_facts(user_id, fact_ids, index.facts)
         return index.epoch, [index.facts[f].token_ids for f in fact_ids]
 
-    def load_user(self, user_id: str) -> dict[str, FactKV]:
-        """All of the user's facts on the CPU, verified."""
+    def load_user(self, user_id: str) -> dict[str, FactKV | Fp8KV]:
+        """All of the user's facts on the CPU, verified, as they are kept (Fp8KV in fp8)."""
         return self.read_user(user_id)[1]
 
-    def read_user(self, user_id: str) -> tuple[str, dict[str, FactKV]]:
-        """(epoch, all facts verified, in order) of one version of the user (to fill a memory tier)."""
+    def read_user(self, user_id: str) -> tuple[str, dict[str, FactKV | Fp8KV]]:
+        """(epoch, all facts verified, in order, as they are kept) of one version of the user (to
+        fill a memory tier)."""
         index, user = self._read(user_id, None)
         return index.epoch, {f: user.facts[f] for f in index.facts}
 
@@ -77,7 +79,15 @@ class IndexReads:
         return index
 
 
-def fresh_user_file(user_id: str, facts: Mapping[str, FactKV], records: Mapping[str, Fact] | None,
+def batch_of(fact_ids: Sequence[str], kvs: Sequence[FactKV | Fp8KV], device: torch.device) -> KVBatch:
+    """The facts' K/V in the model's dtype (fp8 ones dequantized), concatenated, on ``device``."""
+    kvs = [at_rest(kv, MODEL) for kv in kvs]
+    keys = torch.cat([kv.keys for kv in kvs], dim=1).to(device)
+    values = torch.cat([kv.values for kv in kvs], dim=1).to(device)
+    return KVBatch(list(fact_ids), [kv.token_ids for kv in kvs], keys, values)
+
+
+def fresh_user_file(user_id: str, facts: Mapping[str, FactKV | Fp8KV], records: Mapping[str, Fact] | None,
                     embeddings: Mapping[str, torch.Tensor] | None) -> tuple[KVLayout, kvfile.UserFile]:
     """The layout and the packed segment of a ``put`` of ``facts`` (non-empty) with their
     ``records`` and ``embeddings``, checked: one layout, and no record or embedding of a fact

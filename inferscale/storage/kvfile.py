@@ -9,7 +9,9 @@ dtype), ``<fact_id>/token_ids`` (int64 ``[T]``) and, where the fact has one,
 ``<fact_id>/embedding`` (float32 ``[dim]``) per fact, and metadata
 ``format``, ``format_version``, ``user_id``, ``layout``, ``fact_ids``,
 ``records`` (each fact's text and source turn; empty in a segment, whose
-records live in the index) and ``sha256`` (see :func:`checksum`).
+records live in the index) and ``sha256`` (see :func:`checksum`). A segment of a user kept in
+fp8 (:mod:`inferscale.kv_fp8`) is format 4: its keys and values are e4m3, each fact has a
+``<fact_id>/dequant`` (bfloat16 ``[2, L, H, D + 1]``) and its layout names ``at_rest``.
 """
 
 from __future__ import annotations
@@ -26,15 +28,20 @@ from safetensors.torch import save as st_save
 
 from inferscale.errors import CorruptDataError
 from inferscale.kv import FactKV
+from inferscale.kv_fp8 import Fp8KV, check_dequant
 from inferscale.storage.layout import KVLayout
 
 FORMAT = "inferscale-kv"
 FORMAT_VERSION = "3"
+#: the version of a segment kept in fp8 (format 3's, with e4m3 K/V and each fact's dequant)
+FP8_VERSION = "4"
 #: versions this code reads (version 1 files have no records or embeddings; version 3
-#: files are segments, whose records live in the user's index)
-READABLE_VERSIONS = ("1", "2", "3")
+#: files are segments, whose records live in the user's index; version 4, segments in fp8)
+READABLE_VERSIONS = ("1", "2", "3", "4")
 CHECKSUM_KEY = "sha256"
 PARTS = ("keys", "values", "token_ids")
+#: an fp8 fact's offsets and scales (:attr:`~inferscale.kv_fp8.Fp8KV.dequant`)
+DEQUANT = "dequant"
 EMBEDDING = "embedding"
 
 
@@ -45,7 +52,7 @@ class UserFile:
     embedding where it has them."""
 
     layout: KVLayout
-    facts: dict[str, FactKV]
+    facts: dict[str, FactKV | Fp8KV]
     records: dict[str, dict] = field(default_factory=dict)
     embeddings: dict[str, torch.Tensor] = field(default_factory=dict)
     #: the file's checksum (set when decoded)
@@ -87,11 +94,13 @@ def encode(user_id: str, user: UserFile) -> tuple[bytes, str]:
         tensors[tensor_name(fact_id, "keys")] = _owned_cpu(kv.keys)
         tensors[tensor_name(fact_id, "values")] = _owned_cpu(kv.values)
         tensors[tensor_name(fact_id, "token_ids")] = torch.tensor(kv.token_ids, dtype=torch.int64)
+        if isinstance(kv, Fp8KV):
+            tensors[tensor_name(fact_id, DEQUANT)] = _owned_cpu(kv.dequant)
         if fact_id in user.embeddings:
             tensors[tensor_name(fact_id, EMBEDDING)] = _owned_cpu(user.embeddings[fact_id].to(torch.float32))
     metadata = {
         "format": FORMAT,
-        "format_version": FORMAT_VERSION,
+        "format_version": FP8_VERSION if user.layout.fp8 else FORMAT_VERSION,
         "user_id": user_id,
         "layout": json.dumps(user.layout.to_dict(), sort_keys=True),
         "fact_ids": json.dumps(list(user.facts)),
@@ -109,6 +118,8 @@ def decode(data: bytes, user_id: str, where: str) -> UserFile:
         raise CorruptDataError(f"{where}: checksum mismatch (the file was altered or damaged)")
     try:
         layout = KVLayout.from_dict(json.loads(metadata["layout"]))
+        if layout.fp8 != (metadata["format_version"] == FP8_VERSION):
+            raise ValueError(f"format_version {metadata['format_version']} with K/V {layout.describe()}")
         fact_ids = json.loads(metadata["fact_ids"])
         records = check_records(json.loads(metadata.get("records", "{}")), fact_ids)
         embeddings = _embeddings(tensors, fact_ids)
@@ -183,22 +194,29 @@ def check_records(records, fact_ids: list) -> dict[str, dict]:
     return records
 
 
-def _facts(layout: KVLayout, fact_ids: list, tensors: Mapping[str, torch.Tensor]) -> dict[str, FactKV]:
-    """FactKVs from verified tensors; ValueError when names, shapes or dtypes disagree."""
-    expected = {tensor_name(f, part) for f in fact_ids for part in PARTS}
+def _facts(layout: KVLayout, fact_ids: list, tensors: Mapping[str, torch.Tensor]) -> dict[str, FactKV | Fp8KV]:
+    """FactKVs (Fp8KVs in fp8) from verified tensors; ValueError when names, shapes or dtypes
+    disagree, or an fp8 fact's dequant or codes are not what a writer makes (:func:`check_dequant`)."""
+    parts = (*PARTS, DEQUANT) if layout.fp8 else PARTS
+    expected = {tensor_name(f, part) for f in fact_ids for part in parts}
     if len(set(fact_ids)) != len(fact_ids) or expected != set(tensors):
         raise ValueError("tensor names do not match the fact_ids list")
     facts = {}
     for fact_id in fact_ids:
-        kv = FactKV(
-            tensors[tensor_name(fact_id, "token_ids")].tolist(),
-            tensors[tensor_name(fact_id, "keys")],
-            tensors[tensor_name(fact_id, "values")],
-        )
+        kv = _fact(layout, {part: tensors[tensor_name(fact_id, part)] for part in parts})
         if KVLayout.of(kv) != layout or tensors[tensor_name(fact_id, "token_ids")].dim() != 1:
             raise ValueError(f"fact {fact_id!r} does not match the layout {layout.describe()}")
         facts[fact_id] = kv
     return facts
+
+
+def _fact(layout: KVLayout, parts: Mapping[str, torch.Tensor]) -> FactKV | Fp8KV:
+    token_ids = parts["token_ids"].tolist()
+    if not layout.fp8:
+        return FactKV(token_ids, parts["keys"], parts["values"])
+    kv = Fp8KV(token_ids, parts["keys"], parts["values"], parts[DEQUANT], layout.dtype)
+    check_dequant(kv.dequant, kv.keys, kv.values)
+    return kv
 
 
 def _owned_cpu(tensor: torch.Tensor) -> torch.Tensor:

@@ -22,6 +22,7 @@ import torch
 
 from inferscale.errors import ConfigError
 from inferscale.kv import FactKV, KVBatch
+from inferscale.kv_fp8 import Fp8KV
 from inferscale.storage.blocks import HeldBlocks
 
 
@@ -35,6 +36,8 @@ class MemoryTier(Protocol):
     volatile: bool
     #: True: blocks lie in page-locked host memory, which a GPU kernel may read in place
     pinned: bool
+    # (optional) ``kv_dtype_at_rest``: the form it keeps facts in, ``"model"`` or ``"fp8_e4m3"``
+    # (:mod:`inferscale.kv_fp8`); a tier without it is given facts in the model's dtype
 
     def epoch(self, user_id: str) -> str | None:
         """The version of the user's facts held (the disk's, when :meth:`load` put them there);
@@ -47,8 +50,9 @@ class MemoryTier(Protocol):
         """Raise :class:`~inferscale.errors.CapacityError` when a user of ``nbytes`` of K/V could
         never be held (checked before the disk tier reads them)."""
 
-    def load(self, user_id: str, facts: Mapping[str, FactKV], epoch: str) -> None:
-        """Hold exactly ``facts`` for the user, as version ``epoch`` of the disk tier."""
+    def load(self, user_id: str, facts: Mapping[str, FactKV | Fp8KV], epoch: str) -> None:
+        """Hold exactly ``facts`` for the user, as version ``epoch`` of the disk tier (in the tier's
+        ``kv_dtype_at_rest``, :func:`~inferscale.storage.tiered.ensure_user`)."""
 
     def delete(self, user_id: str, fact_ids: Sequence[str] | None = None) -> None:
         """Forget some facts of a user, or the whole user when ``fact_ids`` is None (idempotent)."""
@@ -60,12 +64,13 @@ class MemoryTier(Protocol):
     def blocks(self, user_id: str, fact_ids: Sequence[str], device: torch.device | str | None = None
                ) -> list[torch.Tensor]:
         """Each fact's contiguous ``[2, L, T, H, D]`` block on ``device``: the held block itself
-        where it lies there (the caller never writes to it), else a copy."""
+        where it lies there (the caller never writes to it), else a copy (e4m3 codes in fp8)."""
 
     def held_rows(self, user_id: str, fact_ids: Sequence[str], device: torch.device | str | None = None
                   ) -> tuple[HeldBlocks, np.ndarray | None]:
         """The user's blocks where they lie on ``device`` and the rows of ``fact_ids`` among them
-        (int64; None: the blocks are the facts', in order): the fused write's source."""
+        (int64; None: the blocks are the facts', in order): the fused write's source (in fp8 with
+        each block's dequant)."""
 
 
 #: every name of the contract: its attributes, then its methods

@@ -35,7 +35,7 @@ from inferscale.storage import kvfile
 from inferscale.storage.base import KVStore
 from inferscale.storage.blocks import empty_batch
 from inferscale.storage.index import UserIndex
-from inferscale.storage.index_reads import IndexReads
+from inferscale.storage.index_reads import IndexReads, batch_of
 from inferscale.storage.layout import check_ids, require_facts
 from inferscale.storage.redis_writes import EPOCH_FIELD, INDEX_FIELD, RedisWrites, redis_errors
 from inferscale.storage.segments import decode_segment, join_segments
@@ -90,10 +90,7 @@ class RedisStore(RedisWrites, IndexReads, KVStore):
             index = self._index(user_id)
             return empty_batch(index.layout if index else None, target)
         _, user = self._read(user_id, fact_ids)
-        kvs = [user.facts[f] for f in fact_ids]
-        keys = torch.cat([kv.keys for kv in kvs], dim=1).to(target)
-        values = torch.cat([kv.values for kv in kvs], dim=1).to(target)
-        return KVBatch(fact_ids, [kv.token_ids for kv in kvs], keys, values)
+        return batch_of(fact_ids, [user.facts[f] for f in fact_ids], target)
 
     def users(self) -> list[str]:
         with redis_errors(self):

@@ -17,12 +17,13 @@ import torch
 from inferscale.errors import CorruptDataError, InferScaleError, StoreUnavailableError
 from inferscale.facts import Fact
 from inferscale.kv import FactKV
+from inferscale.kv_fp8 import Fp8KV
 from inferscale.storage import kvfile
 from inferscale.storage.compaction import segments_to_rewrite
 from inferscale.storage.index import UserIndex, new_segment_name
 from inferscale.storage.index_reads import fresh_user_file
 from inferscale.storage.layout import check_ids, check_layout
-from inferscale.storage.segments import decode_segment, join_segments, make_index, next_version
+from inferscale.storage.segments import converts, decode_segment, join_segments, make_index, next_version
 
 INDEX_FIELD = "index"
 EPOCH_FIELD = "epoch"
@@ -56,17 +57,17 @@ class RedisWrites:
     def user_key(self, user_id: str) -> str:
         return f"{self.options.prefix}:user:{user_id}"
 
-    def put(self, user_id: str, facts: Mapping[str, FactKV], records: Mapping[str, Fact] | None = None,
+    def put(self, user_id: str, facts: Mapping[str, FactKV | Fp8KV], records: Mapping[str, Fact] | None = None,
             embeddings: Mapping[str, torch.Tensor] | None = None, drop: Sequence[str] = ()) -> None:
         """Add or replace facts (with their records and embeddings, and ``drop`` removed), in one
         transaction: every replica sees all of it or none of it."""
         check_ids(user_id, [*facts, *drop])
         if not facts:
             return
-        fresh = fresh_user_file(user_id, facts, records, embeddings)[1]
+        layout, fresh = fresh_user_file(user_id, facts, records, embeddings)
 
         def change(current: UserIndex | None):
-            check_layout(user_id, facts, current.layout if current else None)
+            check_layout(user_id, facts, current.layout.kept_as(layout.at_rest) if current else None)
             return fresh, set(facts) | set(drop)
 
         self._transact(user_id, change)
@@ -158,4 +159,4 @@ def _to_rewrite(current: UserIndex | None, fresh: kvfile.UserFile, drop: set[str
         return []
     holding = {current.facts[f].segment for f in drop if f in current.facts}
     new_bytes = sum(kv.nbytes for kv in fresh.facts.values())
-    return segments_to_rewrite(current.segment_kv_bytes(), holding, new_bytes)
+    return segments_to_rewrite(current.segment_kv_bytes(), holding, new_bytes, converts(current, fresh))

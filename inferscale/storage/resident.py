@@ -13,6 +13,12 @@ the instruction prefix every request reads) are never evicted. A user larger
 than the room that can be made is refused (:class:`CapacityError`). While a
 user is replaced, its old and new copies briefly coexist.
 
+**Form.** The facts are kept in ``Config.kv_dtype_at_rest`` (the runtime key ``kv_dtype_at_rest``,
+:func:`~inferscale.storage.tiers.build_tiers`): in the model's dtype, or in fp8 with each fact's
+dequant beside its block (:mod:`inferscale.kv_fp8`), whatever form the disk tier keeps them in
+(``put`` and ``load`` convert). One form for every user, the instruction prefix included, so that
+one launch of the fused write reads a request's whole segment.
+
 **Epoch.** Each user's copy carries the epoch of the version it
 holds: the disk's, when it was loaded from there (:meth:`load`,
 :func:`inferscale.storage.tiered.ensure_user`), or a new one at every ``put``.
@@ -24,7 +30,6 @@ import threading
 from abc import abstractmethod
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from functools import cached_property
 from typing import Any
 
 import numpy as np
@@ -33,41 +38,20 @@ import torch
 from inferscale.devices import auto_device, check_device, resolve_device, runtime_device
 from inferscale.errors import CapacityError, UnknownUserError
 from inferscale.kv import FactKV, KVBatch
+from inferscale.kv_fp8 import MODEL, Fp8KV, all_at_rest, check_at_rest
 from inferscale.storage.base import KVStore
-from inferscale.storage.blocks import HeldBlocks, batch_from_blocks, empty_batch, gather_blocks, move_blocks
+from inferscale.storage.blocks import (HeldBlocks, batch_from_blocks, empty_batch, gather_blocks, gather_dequantized,
+                                       move_blocks)
 from inferscale.storage.index import new_epoch
 from inferscale.storage.layout import KVLayout, check_ids, check_layout, is_internal, require_facts
 from inferscale.storage.lru import UsageOrder
+from inferscale.storage.user_kv import UserKV
 
 #: what :meth:`ResidentStore._place` receives per fact: a block it already holds, or a new fact
-Source = torch.Tensor | FactKV
+#: (an Fp8KV where the store keeps fp8)
+Source = torch.Tensor | FactKV | Fp8KV
 #: the default budget of a memory store (bytes of K/V)
 DEFAULT_MAX_BYTES = 4 << 30
-
-
-@dataclass(frozen=True)
-class UserKV:
-    """One user's facts: blocks ``[2, L, T, H, D]`` and token ids, in insertion order."""
-
-    layout: KVLayout
-    blocks: Mapping[str, torch.Tensor]
-    token_ids: Mapping[str, tuple[int, ...]]
-    epoch: str
-
-    @property
-    def nbytes(self) -> int:
-        return _nbytes(self.layout, self.token_ids.values())
-
-    @cached_property
-    def device(self) -> torch.device:
-        """Where the user's blocks lie (all on one device)."""
-        return next(iter(self.blocks.values())).device
-
-    @cached_property
-    def held(self) -> tuple[dict[str, int], HeldBlocks]:
-        """Each fact's row in one :class:`HeldBlocks` of all the user's blocks (built on first
-        use: a request then picks its facts' rows instead of inspecting each block)."""
-        return {fact_id: row for row, fact_id in enumerate(self.blocks)}, HeldBlocks.of(list(self.blocks.values()))
 
 
 class ResidentStore(KVStore):
@@ -100,8 +84,11 @@ class ResidentStore(KVStore):
                                  "memory; set unbounded = true beside it to mean that")
 
     def __init__(self, options: Options | None = None, **runtime: Any):
-        """``runtime["device"]`` is used when the options name none; other runtime keys are ignored."""
+        """``runtime["device"]`` is used when the options name none; ``runtime["kv_dtype_at_rest"]``
+        is the form the facts are kept in (default: the model's dtype); other runtime keys are ignored."""
         options = options or self.Options()
+        #: the form every fact is kept in (``Config.kv_dtype_at_rest``)
+        self.kv_dtype_at_rest = check_at_rest(runtime.get("kv_dtype_at_rest", MODEL))
         #: where ``get`` puts the batch when the caller names no device
         self.device = auto_device(options.device or runtime_device(runtime))
         self.max_bytes = options.max_bytes
@@ -111,13 +98,20 @@ class ResidentStore(KVStore):
 
     @abstractmethod
     def _place(self, layout: KVLayout, sources: Mapping[str, Source]) -> dict[str, torch.Tensor]:
-        """Blocks for every fact in ``sources`` (same order), in this store's memory."""
+        """Blocks for every fact in ``sources`` (same order), in this store's memory, of
+        ``layout.stored_dtype``."""
 
-    def put(self, user_id: str, facts: Mapping[str, FactKV]) -> None:
-        """Add or replace facts of one user (a new epoch)."""
+    def _place_dequant(self, dequant: Mapping[str, torch.Tensor], blocks: Mapping[str, torch.Tensor]
+                       ) -> dict[str, torch.Tensor]:
+        """fp8 facts' dequant (held or new), each beside its block of ``blocks``."""
+        return {fact_id: d.to(blocks[fact_id].device) for fact_id, d in dequant.items()}
+
+    def put(self, user_id: str, facts: Mapping[str, FactKV | Fp8KV]) -> None:
+        """Add or replace facts of one user (a new epoch), kept in this store's form."""
         check_ids(user_id, facts)
         if not facts:
             return
+        facts = all_at_rest(facts, self.kv_dtype_at_rest)
         check_layout(user_id, facts, None)
         with self._write_lock:
             old = self._users.get(user_id)
@@ -127,12 +121,13 @@ class ResidentStore(KVStore):
             sources.update(facts)
             token_ids.update((fact_id, kv.token_ids) for fact_id, kv in facts.items())
             self._make_room(user_id, _nbytes(layout, token_ids.values()))
-            self._install(user_id, UserKV(layout, self._place(layout, sources), token_ids, new_epoch()))
+            self._install(user_id, self._user(layout, sources, token_ids, new_epoch(), old))
 
-    def load(self, user_id: str, facts: Mapping[str, FactKV], epoch: str) -> None:
-        """Hold exactly ``facts`` for the user, as version ``epoch`` of another tier.
-        Raises :class:`CapacityError` (holding nothing for the user) when they do not fit."""
+    def load(self, user_id: str, facts: Mapping[str, FactKV | Fp8KV], epoch: str) -> None:
+        """Hold exactly ``facts`` for the user (in this store's form), as version ``epoch`` of another
+        tier. Raises :class:`CapacityError` (holding nothing for the user) when they do not fit."""
         check_ids(user_id, facts)
+        facts = all_at_rest(facts, self.kv_dtype_at_rest)
         layout = check_layout(user_id, facts, None)
         with self._write_lock:
             self._drop(user_id)
@@ -140,7 +135,7 @@ class ResidentStore(KVStore):
                 return
             token_ids = {fact_id: kv.token_ids for fact_id, kv in facts.items()}
             self._make_room(user_id, _nbytes(layout, token_ids.values()))
-            self._install(user_id, UserKV(layout, self._place(layout, facts), token_ids, epoch))
+            self._install(user_id, self._user(layout, facts, token_ids, epoch))
 
     def get(self, user_id: str, fact_ids: Sequence[str], device: torch.device | str | None = None) -> KVBatch:
         target = resolve_device(device, self.device)
@@ -151,7 +146,9 @@ class ResidentStore(KVStore):
         user = self._require(user_id, user)
         require_facts(user_id, fact_ids, user.blocks)
         self._order.touch(user_id)
-        stacked = gather_blocks([user.blocks[f] for f in fact_ids], target)
+        blocks = [user.blocks[f] for f in fact_ids]
+        stacked = gather_dequantized(blocks, [user.dequant[f] for f in fact_ids], user.layout.dtype, target) \
+            if user.layout.fp8 else gather_blocks(blocks, target)
         return batch_from_blocks(fact_ids, [user.token_ids[f] for f in fact_ids], stacked)
 
     def blocks(self, user_id: str, fact_ids: Sequence[str], device: torch.device | str | None = None
@@ -159,13 +156,18 @@ class ResidentStore(KVStore):
         """The facts' ``[2, L, T, H, D]`` blocks on ``device``, for a reader that takes them as
         they are (the fused cache write): the held blocks themselves when they already lie
         there (no copy; the caller must not write to them), else a copy of each there (no
-        gather into one block: the reader takes a list)."""
+        gather into one block: the reader takes a list). In fp8: e4m3 blocks."""
+        return self._moved(user_id, fact_ids, device, "blocks")
+
+    def _moved(self, user_id: str, fact_ids: Sequence[str], device, part: str) -> list[torch.Tensor]:
+        """The facts' blocks (``part="blocks"``) or fp8 dequant (``"dequant"``; none in the model's
+        dtype) on ``device``, as :meth:`blocks` says."""
         target = resolve_device(device, self.device)
         user = self._require(user_id, self._users.get(user_id))
         require_facts(user_id, fact_ids, user.blocks)
         self._order.touch(user_id)
-        held = [user.blocks[f] for f in fact_ids]
-        if not held or all(block.device == target for block in held):
+        held = [getattr(user, part)[f] for f in fact_ids] if part == "blocks" or user.layout.fp8 else []
+        if not held or all(tensor.device == target for tensor in held):
             return held
         return move_blocks(held, target)
 
@@ -179,7 +181,9 @@ class ResidentStore(KVStore):
         user = self._require(user_id, self._users.get(user_id))
         if user.device != target:  # (a pinned store's blocks wanted on a GPU)
             copies = self.blocks(user_id, fact_ids, target)
-            return (HeldBlocks.of(copies) if copies else HeldBlocks.empty(user.layout)), None
+            if not copies:
+                return HeldBlocks.empty(user.layout), None
+            return HeldBlocks.of(copies, self._moved(user_id, fact_ids, target, "dequant"), user.layout), None
         row_of, held = user.held
         try:
             rows = np.fromiter(map(row_of.__getitem__, fact_ids), np.int64, len(fact_ids))
@@ -208,7 +212,7 @@ class ResidentStore(KVStore):
                 self._drop(user_id)
                 return
             token_ids = {f: old.token_ids[f] for f in keep}
-            self._install(user_id, UserKV(old.layout, self._place(old.layout, keep), token_ids, new_epoch()))
+            self._install(user_id, self._user(old.layout, keep, token_ids, new_epoch(), old))
 
     def list(self, user_id: str) -> list[str]:
         user = self._users.get(user_id)
@@ -257,6 +261,16 @@ class ResidentStore(KVStore):
             others -= self.nbytes(victim)
             self._drop(victim)
 
+    def _user(self, layout: KVLayout, sources: Mapping[str, Source], token_ids: dict[str, tuple[int, ...]],
+              epoch: str, held: UserKV | None = None) -> UserKV:
+        """A user's facts placed in this store's memory; in fp8 each with its dequant (a new fact's
+        own, or the one ``held`` beside the block)."""
+        blocks = self._place(layout, sources)
+        if not layout.fp8:
+            return UserKV(layout, blocks, token_ids, epoch)
+        dequant = {f: src.dequant if isinstance(src, Fp8KV) else held.dequant[f] for f, src in sources.items()}
+        return UserKV(layout, blocks, token_ids, epoch, self._place_dequant(dequant, blocks))
+
     def _install(self, user_id: str, user: UserKV) -> None:
         self._users[user_id] = user
         self._order.add(user_id)
@@ -273,4 +287,7 @@ class ResidentStore(KVStore):
 
 
 def _nbytes(layout: KVLayout, token_ids) -> int:
-    return sum(len(ids) for ids in token_ids) * layout.token_nbytes()
+    return layout.nbytes(len(ids) for ids in token_ids)
+
+
+__all__ = ["DEFAULT_MAX_BYTES", "ResidentStore", "Source", "UserKV"]

@@ -4,7 +4,9 @@ Reading verifies each segment whole (its own checksum, :func:`kvfile.decode`)
 and against the index: the checksum the index recorded for it, the facts the
 index places in it, their token ids, the layout. A write (:func:`next_version`)
 puts the facts it adds, and the live facts of the segments it rewrites, into
-one new segment, and gives the user a new epoch.
+one new segment, and gives the user a new epoch. A write of facts kept in another form than the
+user's (``Config.kv_dtype_at_rest`` changed since) converts the user: every segment is rewritten,
+in the new facts' form (:func:`converts`).
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from collections.abc import Collection, Iterable, Mapping
 from pathlib import Path
 
 from inferscale.errors import CorruptDataError
+from inferscale.kv_fp8 import at_rest
 from inferscale.storage import kvfile
 from inferscale.storage.index import FactEntry, SegmentInfo, UserIndex, new_epoch
 
@@ -62,7 +65,7 @@ def next_version(user_id: str, current: UserIndex | None, fresh: kvfile.UserFile
 
     ``fresh`` holds the facts added (a fact already stored is replaced, in
     place); ``drop`` the facts removed; ``carried`` the facts read from the
-    ``rewritten`` segments, which move to the new segment unless dropped.
+    ``rewritten`` segments, which move to the new segment unless dropped (kept in ``fresh``'s form).
     """
     rewritten = set(rewritten)
     entries: dict[str, FactEntry] = {}
@@ -79,9 +82,15 @@ def next_version(user_id: str, current: UserIndex | None, fresh: kvfile.UserFile
         entries.setdefault(fact_id, _fresh_entry(fresh, fact_id, segment_name))
     moved = [f for f, e in entries.items() if e.segment == segment_name]
     source = {f: fresh if f in fresh.facts else carried for f in moved}  # a replaced fact is replaced whole
-    segment = kvfile.UserFile(fresh.layout, {f: source[f].facts[f] for f in moved},
+    segment = kvfile.UserFile(fresh.layout, {f: at_rest(source[f].facts[f], fresh.layout.at_rest) for f in moved},
                               embeddings={f: source[f].embeddings[f] for f in moved if f in source[f].embeddings})
     return entries, segment
+
+
+def converts(current: UserIndex | None, fresh: kvfile.UserFile) -> bool:
+    """Whether a write of ``fresh`` keeps the user's facts in another form than ``current``'s
+    (then every segment is rewritten in the new one)."""
+    return current is not None and current.layout.at_rest != fresh.layout.at_rest
 
 
 def _fresh_entry(fresh: kvfile.UserFile, fact_id: str, segment_name: str) -> FactEntry:

@@ -5,12 +5,14 @@ memory store is a cache of whole users. :func:`ensure_user` makes the memory
 store hold the disk's current version of a user, told by the user's
 epoch (renewed by every write to the disk, read from the user's index),
 not by comparing facts: a fact re-encoded under the same token ids is a new
-version too.
+version too. The facts reach the memory store in the form it keeps (its ``kv_dtype_at_rest``;
+a memory tier that names none gets them in the model's dtype), whatever form the disk keeps.
 """
 
 from __future__ import annotations
 
 from inferscale.errors import CapacityError, UnknownUserError
+from inferscale.kv_fp8 import MODEL, all_at_rest
 from inferscale.storage.base import KVStore
 from inferscale.storage.disk import DiskStore
 from inferscale.storage.memory_tier import MemoryTier
@@ -40,5 +42,5 @@ def ensure_user(memory: MemoryTier | KVStore, disk: DiskStore, user_id: str) -> 
     except UnknownUserError:
         memory.delete(user_id)
         return False
-    memory.load(user_id, facts, epoch)
+    memory.load(user_id, all_at_rest(facts, getattr(memory, "kv_dtype_at_rest", MODEL)), epoch)
     return True

@@ -35,5 +35,8 @@ def disk_tier(config: Config) -> DiskStore:
 
 def build_tiers(config: Config) -> Tiers:
     """The memory tier ``config.kv_store`` names, checked against its contract (a
-    :class:`~inferscale.errors.ConfigError` names what it lacks), and the disk tier behind it."""
-    return Tiers(check_memory_tier(build("kv_store", config.kv_store)), disk_tier(config))
+    :class:`~inferscale.errors.ConfigError` names what it lacks), keeping facts in
+    ``config.kv_dtype_at_rest`` (a runtime key: a tier that ignores it is given the model's
+    dtype, :func:`~inferscale.storage.tiered.ensure_user`), and the disk tier behind it."""
+    memory = build("kv_store", config.kv_store, kv_dtype_at_rest=config.kv_dtype_at_rest)
+    return Tiers(check_memory_tier(memory), disk_tier(config))
