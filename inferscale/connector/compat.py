@@ -173,7 +173,11 @@ def load_failure_policy(device_type: str | None = None) -> str:
     an H200 with 0.26 (``benchmarks/results/gpu_connector_tests_fused_h200.log``) and 0.33
     (``benchmarks/results/gpu_connector_tests_vllm033_fused1_h200.log``). So on any GPU ``"fail"`` ends the
     request with ``finish_reason="error"``: a clear, retryable error instead of an answer from the
-    wrong K/V. (A release that merges the fix is the place for a release check.)
+    wrong K/V. (A release that merges the fix is the place for a release check.) A background load
+    (``Config.tuning.async_loads``) fails before its request ever ran, so nothing is rolled back:
+    whether "recompute" answers right for it on a GPU is what
+    ``tests/test_background_loads.py::test_a_failed_background_load_is_recomputed_right_under_the_recompute_policy``
+    checks there (the policy is one for the engine, and synchronous loads share it).
     """
     if (device_type or platform_device_type()) != "cpu":
         return "fail"
