@@ -282,6 +282,7 @@ def parse_args(argv=None):
     p.add_argument("--answer-tokens", type=int, default=16)
     p.add_argument("--teacher-top", type=int, default=256, help="the teacher's most likely tokens kept per position")
     p.add_argument("--steps", type=int, default=400)
+    p.add_argument("--max-minutes", type=float, default=0, help="stop training after this long (from the start)")
     p.add_argument("--lr", type=float, default=0.05, help="Adam's step, in units of the embedding's RMS")
     p.add_argument("--encode-batch", type=int, default=8, help="rows a pass (encoding, generation)")
     p.add_argument("--dtype", default=None, help="default: bfloat16 on a GPU, float32 on a CPU")
@@ -326,6 +327,9 @@ def main(argv=None) -> None:
     optimizer = torch.optim.Adam([trainer.vectors], lr=args.lr * trainer.scale)
     curve, order = [], list(range(len(train)))
     for step in range(args.steps):
+        if args.max_minutes and time.perf_counter() - began > 60 * args.max_minutes:
+            print(f"stopped at step {step}: --max-minutes {args.max_minutes:g} reached", flush=True)
+            break
         if step % len(train) == 0:
             rng.shuffle(order)
         loss = trainer.loss(train[order[step % len(train)]], stored)
@@ -342,7 +346,7 @@ def main(argv=None) -> None:
     report = {"command": " ".join(["python", *sys.argv]), "model": Path(path).name, "device": device, "dtype": dtype,
               "header": args.header, "trailer": args.trailer, "window": args.window, "k": args.k,
               "users": args.users, "held_out_users": args.held_out, "samples": len(train), "held_out_samples": len(held),
-              "steps": args.steps, "lr": args.lr, "encode_s": encode_s, "data_s": data_s,
+              "steps": len(curve), "lr": args.lr, "encode_s": encode_s, "data_s": data_s,
               "train_s": time.perf_counter() - began - data_s, "kl_without": before, "kl_initial": init,
               "kl_after": after, "curve": curve}
     args.out.with_suffix(".json").write_text(json.dumps(report, indent=1) + "\n")

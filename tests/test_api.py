@@ -101,7 +101,7 @@ def test_memory_side_lists_searches_updates_and_deletes(mem):
         memory.delete_fact("ivy", new.fact_id)
     assert "ivy" in memory.users()
     # what Mem0 kept of ivy with InferScale as its vector store goes too
-    from inferscale.retrieval.mem0_files import CollectionFiles, UserMemories
+    from inferscale.mem0.collection_files import CollectionFiles, UserMemories
 
     mem0_files = CollectionFiles(memory.config.mem0_path / "vectors" / "mem0")
     mem0_files.save(UserMemories("ivy", ["m1"], torch.zeros(1, 4), [{"data": "Ivy has a cat."}]))

@@ -1,4 +1,4 @@
-"""Fact extraction with Mem0's pipeline (inferscale.encode.extract).
+"""Fact extraction with Mem0's pipeline (inferscale.mem0.extract).
 
 The slow tests use a real ``vllm.entrypoints.openai.api_server`` serving the
 real Qwen2.5-Coder-0.5B-Instruct on 127.0.0.1 (the engine of the session's ``inferscale serve``,
@@ -24,7 +24,7 @@ from inferscale.datasets.demo import TURNS
 from vllm_server import free_port
 from inferscale.encode.window import Turn
 from inferscale.errors import ConfigError, InferScaleError
-from inferscale.encode.extract import (
+from inferscale.mem0.extract import (
     CappedLLM,
     EndpointUnreachableError,
     Mem0Extractor,
@@ -187,7 +187,7 @@ def test_forgetting_a_user_removes_mem0s_memories_history_and_messages(tmp_path)
     """Mem0's own store after forget_user: nothing of the user's left, other users untouched."""
     import sqlite3
 
-    from inferscale.encode.extract import forget_user, session_scope
+    from inferscale.mem0.extract import forget_user, session_scope
 
     store = tmp_path / "mem0"
     options = Mem0Extractor.Options(llm_base_url="http://127.0.0.1:9/v1", store_dir=str(store))

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from inferscale.errors import ConfigError, CorruptDataError
-from inferscale.retrieval.mem0_files import CollectionFiles, UserMemories, forget_user_files
+from inferscale.mem0.collection_files import CollectionFiles, UserMemories, forget_user_files
 
 ALICE = ["I adopted a grey cat named Oscar.", "My sister Ana lives in Porto.",
          "I am allergic to peanuts.", "I take Portuguese lessons on Tuesdays."]
@@ -41,7 +41,7 @@ def mem0_module(tmp_path_factory):
 
 
 def mem0_config(data_dir, retriever="exact", **store) -> dict:
-    from inferscale.encode.extract import default_embedder_path
+    from inferscale.mem0.extract import default_embedder_path
 
     return {
         "vector_store": {"provider": "inferscale", "config": {
@@ -67,7 +67,7 @@ def listed(memory, user_id: str) -> dict[str, str]:
 @pytest.mark.parametrize("retriever", ["exact", {"name": "faiss", "options": {"kind": "hnsw", "approx_min": 2}}],
                          ids=["exact", "faiss-hnsw"])
 def test_mem0_over_the_inferscale_provider_survives_a_restart(mem0_module, tmp_path, retriever):
-    from inferscale.retrieval.mem0_provider import InferScaleVectorStore
+    from inferscale.mem0.provider import InferScaleVectorStore
 
     memory = mem0_module.Memory.from_config(mem0_config(tmp_path, retriever))
     assert isinstance(memory.vector_store, InferScaleVectorStore)
@@ -139,8 +139,9 @@ def test_collection_files_round_trip(tmp_path):
     with pytest.raises(ValueError, match="2 ids, 1 payloads"):
         files.save(UserMemories("bob", ["x", "y"], vectors, [{}]))
     files.path("a/b%c").write_bytes(b"not a safetensors file")
-    with pytest.raises(CorruptDataError, match="not a readable inferscale-mem0/1 file"):
-        list(files.load())
+    (unreadable,) = files.load()
+    assert unreadable.user_id == "a/b%c"
+    assert unreadable.reason.startswith("users/a%2Fb%25c.safetensors: not a readable inferscale-mem0/1 file")
 
 
 def test_forgetting_a_user_removes_their_file_in_every_collection(tmp_path):
@@ -158,7 +159,7 @@ def test_forgetting_a_user_removes_their_file_in_every_collection(tmp_path):
 
 
 def test_importing_the_entry_point_does_not_import_mem0(tmp_path):
-    code = ("import sys, inferscale.mem0, inferscale.retrieval.mem0_store, inferscale.retrieval.mem0_config\n"
+    code = ("import sys, inferscale.mem0, inferscale.mem0.store, inferscale.mem0.provider_config\n"
             "assert 'mem0' not in sys.modules, 'imported mem0 before register()'\n"
             "inferscale.mem0.register()\n"
             "from mem0.utils.factory import VectorStoreFactory\n"
@@ -168,7 +169,7 @@ def test_importing_the_entry_point_does_not_import_mem0(tmp_path):
 
 
 def test_a_reopened_collection_keeps_its_width_and_users(mem0_module, tmp_path):
-    from inferscale.retrieval.mem0_provider import InferScaleVectorStore
+    from inferscale.mem0.provider import InferScaleVectorStore
 
     store = InferScaleVectorStore(data_dir=str(tmp_path), collection_name="c")
     x = torch.nn.functional.normalize(torch.randn(3, 4, generator=torch.Generator().manual_seed(0)), dim=1)
@@ -186,7 +187,7 @@ def test_a_reopened_collection_keeps_its_width_and_users(mem0_module, tmp_path):
 
 def test_a_memory_left_in_two_users_files_is_loaded_once(mem0_module, tmp_path):
     """A crash between the two writes of a move leaves two copies; the later ``updated_at`` is the one kept."""
-    from inferscale.retrieval.mem0_provider import InferScaleVectorStore
+    from inferscale.mem0.provider import InferScaleVectorStore
 
     files = CollectionFiles(tmp_path / "mem0" / "vectors" / "mem0")
     x = torch.eye(4)

@@ -695,7 +695,7 @@ def mem0_module(tmp_path_factory):
 
 @pytest.mark.parametrize("backend", ["exact", "faiss-flat", "jasper-stand-in"])
 def test_mem0_store_adapter(backend, request, mem0_module):
-    from inferscale.retrieval.mem0_store import make_store
+    from inferscale.mem0.store import make_store
 
     store = make_store(make_retriever(backend, request), "facts", DIM)
     x = unit(6, DIM, seed=7)
@@ -718,15 +718,16 @@ def test_mem0_store_adapter(backend, request, mem0_module):
     store.delete("a1")
     assert [sorted(r.id for r in rows) for rows in store.list({"user_id": "alice"})] == [["a0", "a2", "b2"]]
     assert store.col_info()["count"] == 5 and store.list_cols() == ["facts"]
-    with pytest.raises(ValueError, match="equality filters only"):
-        store.search("q", x[0].tolist(), 1, {"user_id": "alice", "created_at": {"gte": 0}})
+    assert store.search("q", x[0].tolist(), 1, {"user_id": "alice", "created_at": {"gte": 0}}) == []  # none has one
+    with pytest.raises(ValueError, match="Cannot mix range operators"):
+        store.search("q", x[0].tolist(), 1, {"user_id": "alice", "created_at": {"gte": 0, "ne": 1}})
     store.reset()
     assert store.list() == [[]] and store.search("q", x[0].tolist(), 5) == []
 
 
 def test_mem0_memory_searches_through_an_inferscale_retriever(embeddings_server, tmp_path, mem0_module):
     """A real ``mem0.Memory`` (infer=False, embeddings from the local endpoint) over FaissRetriever."""
-    from inferscale.retrieval.mem0_store import attach
+    from inferscale.mem0.store import attach
 
     url = f"http://127.0.0.1:{embeddings_server.server_port}/v1"
     memory = mem0_module.Memory.from_config({

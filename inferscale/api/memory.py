@@ -18,11 +18,11 @@ from inferscale.api.context import Context
 from inferscale.compose.prompt import fact_token_ids
 from inferscale.compose.segment import PREFIX_FACT, SYSTEM_USER
 from inferscale.config import Config, build
-from inferscale.encode.extract import ExtractionError
 from inferscale.encode.window import Turn
 from inferscale.errors import CorruptDataError, MissingFactError, UnknownUserError
 from inferscale.facts import Fact, make_fact_id
 from inferscale.kv_fp8 import all_at_rest
+from inferscale.mem0 import ExtractionError
 
 FactInput = str | tuple[str, str | None]
 
@@ -49,7 +49,7 @@ class FoundFact:
 def extraction_tokens(config: Config) -> int:
     """The served context Mem0's extraction needs (its ≈8k-token prompt, the context it adds,
     the answer for ``config.max_facts_per_turn`` facts)."""
-    from inferscale.encode.extract import Mem0Extractor, context_tokens
+    from inferscale.mem0 import Mem0Extractor, context_tokens
 
     options = Mem0Extractor.Options(llm_base_url="http://unused/v1", store_dir="unused",
                                     max_facts_per_turn=config.max_facts_per_turn)
@@ -110,8 +110,7 @@ class MemoryAPI:
         """Forget a user: every fact with its K/V and embedding, and what Mem0's
         extraction kept (its memories, their history, the session's messages), also where
         InferScale is Mem0's vector store (``<data_dir>/mem0/vectors``)."""
-        from inferscale.encode.extract import forget_user
-        from inferscale.retrieval.mem0_files import forget_user_files
+        from inferscale.mem0 import forget_user
 
         disk = self.context.disk
         found = user_id in disk.users()
@@ -122,13 +121,12 @@ class MemoryAPI:
         disk.delete(user_id)
         self.context.retriever.delete(user_id)
         mem0 = forget_user(self.config.mem0_path, user_id)
-        mem0 += forget_user_files(self.config.mem0_path / "vectors", user_id)
         return Forgotten(user_id, facts, mem0, found or mem0 > 0)
 
     def extract_facts(self, user_id: str, turns: Sequence[Turn], llm_base_url: str, progress: bool = True,
                       **options: Any) -> list[tuple[str, str]]:
         """Mem0's extraction, turn by turn, as ``(fact, source turn_id)``."""
-        from inferscale.encode.extract import Mem0Extractor
+        from inferscale.mem0 import Mem0Extractor
 
         opts = Mem0Extractor.Options(llm_base_url=llm_base_url, store_dir=str(self.config.mem0_path),
                                      max_facts_per_turn=self.config.max_facts_per_turn, **options)

@@ -12,7 +12,7 @@ Adding facts writes them as one new segment and replaces the index; it does
 not rewrite what is stored, except the few newest small segments it merges
 (:mod:`inferscale.storage.compaction`). Deleting or replacing a fact rewrites
 the segments that held it, so its bytes leave the disk. Every file is written
-to a temp file, fsynced and renamed (:mod:`inferscale.storage.files`); the
+to a temp file, fsynced and renamed (:mod:`inferscale.files`); the
 index's rename is the commit: a crash leaves the old or the new version, and
 files it left behind are removed by the next write (the writing side:
 :mod:`inferscale.storage.disk_writes`). Writers take an exclusive ``flock`` on

@@ -13,7 +13,8 @@ from pathlib import Path
 
 from inferscale.errors import CorruptDataError
 from inferscale.facts import user_file_stem
-from inferscale.storage import files, kvfile
+from inferscale import files
+from inferscale.storage import kvfile
 from inferscale.storage.compaction import segments_to_rewrite
 from inferscale.storage.index import INDEX_NAME, UserIndex, new_segment_name
 from inferscale.storage.segments import converts, make_index, next_version, read_segments

@@ -1,7 +1,7 @@
 """The disk store's cache of parsed index files, keyed by each file's identity.
 
 An entry is valid while its file is unchanged: the key is the path with the file's
-identity (:func:`inferscale.storage.files.identity`: inode, size, times), so a
+identity (:func:`inferscale.files.identity`: inode, size, times), so a
 rewritten index (a new file renamed over the old) is read again. The cache holds at
 most ``max_entries`` indexes and ``max_bytes`` of their files, the oldest dropped first.
 """
@@ -15,7 +15,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from inferscale.errors import CorruptDataError
-from inferscale.storage import files
+from inferscale import files
 from inferscale.storage.index import UserIndex
 
 

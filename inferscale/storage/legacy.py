@@ -20,7 +20,7 @@ from safetensors import safe_open
 
 from inferscale.errors import CorruptDataError
 from inferscale.storage import kvfile
-from inferscale.storage.files import identity
+from inferscale.files import identity
 from inferscale.storage.index import FactEntry, SegmentInfo, UserIndex
 from inferscale.storage.layout import KVLayout
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
@@ -27,6 +27,8 @@ class InferScaleConfig(BaseModel):
     data_dir: str = Field(description="InferScale's data dir; memories live in <data_dir>/mem0/vectors/<collection>")
     embedding_model_dims: int | None = Field(None, description="Vector width; None: the first stored vectors'")
     retriever: str | dict[str, Any] = Field("exact", description="A retriever name or {name, options}: exact, faiss")
+    distance: Literal["cosine", "dot"] = Field("cosine", description="cosine (Qdrant's, Mem0's default): vectors "
+                                               "normalized; dot: inner products of the vectors as given")
 
     @field_validator("collection_name")
     @classmethod

