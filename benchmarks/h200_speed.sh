@@ -18,7 +18,8 @@ FUSED=${FUSED:-}
 # of the profile step, PROFILE_STORE=pinned:graphs (a store as in TTFT_STORES; default hbm) and
 # PROFILE_TAG (appended to its file names); of the tests step, TEST_KV_STORE=hbm, PINNED_READS,
 # PINNED_READ_PROGRAMS=n, PINNED_READ_GRAPHS=0/1 (default: Config's), TEST_BLOCK_SIZE=n,
-# PINNED_COPY_BELOW_MIB=x (default 0: the tiny test model's reads go in place; Config's 96 would copy them all)
+# PINNED_COPY_BELOW_MIB=x (default 0: the tiny test model's reads go in place; Config's 96 would copy them all),
+# ASYNC_LOADS=always/never/auto (Config.tuning.async_loads; default: Config's)
 source benchmarks/gpu_block.sh
 NOW=$SITE:$PWD BEFORE=$SITE:$PWD/.gpu/before
 if [[ -d .gpu/wheels ]] && ! PYTHONPATH=$NOW python3 -c 'import faiss' 2>/dev/null; then
@@ -64,14 +65,15 @@ fi
 if has tests; then
   for fused in ${TEST_WRITES:-0 1}; do  # 1: the fused write (the default), 0: per layer
     stamp "connector tests on the GPU (tiny Llama, bf16, CUDA graphs, fused write $fused)"
-    log="$RUN/tests_fused$fused${PINNED_READS:+_$PINNED_READS}${PINNED_READ_PROGRAMS:+_p$PINNED_READ_PROGRAMS}${PINNED_READ_GRAPHS:+_graphs$PINNED_READ_GRAPHS}${PINNED_COPY_BELOW_MIB:+_copybelow$PINNED_COPY_BELOW_MIB}${TEST_KV_STORE:+_$TEST_KV_STORE}${TEST_BLOCK_SIZE:+_bs$TEST_BLOCK_SIZE}.log"
+    log="$RUN/tests_fused$fused${ASYNC_LOADS:+_async$ASYNC_LOADS}${PINNED_READS:+_$PINNED_READS}${PINNED_READ_PROGRAMS:+_p$PINNED_READ_PROGRAMS}${PINNED_READ_GRAPHS:+_graphs$PINNED_READ_GRAPHS}${PINNED_COPY_BELOW_MIB:+_copybelow$PINNED_COPY_BELOW_MIB}${TEST_KV_STORE:+_$TEST_KV_STORE}${TEST_BLOCK_SIZE:+_bs$TEST_BLOCK_SIZE}.log"
     PYTHONPATH=$NOW INFERSCALE_TEST_MODELS=llama:bfloat16 INFERSCALE_REPLAY_MODELS=llama:bfloat16 \
       INFERSCALE_TEST_CUDA_GRAPHS=1 INFERSCALE_TEST_FUSED_WRITE=$fused INFERSCALE_TEST_PINNED_READS=${PINNED_READS:-overlap} \
       INFERSCALE_TEST_KV_STORE=${TEST_KV_STORE:-pinned} INFERSCALE_TEST_BLOCK_SIZE=${TEST_BLOCK_SIZE:-} \
       INFERSCALE_TEST_PINNED_READ_PROGRAMS=${PINNED_READ_PROGRAMS:-} INFERSCALE_TEST_PINNED_READ_GRAPHS=${PINNED_READ_GRAPHS:-} \
-      INFERSCALE_TEST_PINNED_COPY_BELOW_MIB=${PINNED_COPY_BELOW_MIB:-0} \
+      INFERSCALE_TEST_PINNED_COPY_BELOW_MIB=${PINNED_COPY_BELOW_MIB:-0} INFERSCALE_TEST_ASYNC_LOADS=${ASYNC_LOADS:-} \
       timeout 420 python3 -m pytest \
-      tests/test_connector.py tests/test_sources.py tests/test_layout.py tests/test_connector_layout.py $(has kernel || echo tests/test_fused_write.py) -q -p no:cacheprovider -k "not fuzz" > "$log" 2>&1
+      tests/test_connector.py tests/test_sources.py tests/test_layout.py tests/test_connector_layout.py \
+      tests/test_background_writer.py $(has kernel || echo tests/test_fused_write.py) -q -p no:cacheprovider -k "not fuzz" > "$log" 2>&1
     status=$?
     grep -v " INFO \| DEBUG " "$log" | tail -30
     echo "exit status $status"

@@ -397,7 +397,8 @@ def plot(result: dict, path: Path) -> None:
 #: per token, "groups<n>": pinned_read_launches = n, and "copybelow<n>": pinned_copy_below_mib = n;
 #: several joined by "+", e.g. pinned:programs0+groups4)
 STORE_OPTIONS = {"copy": {"pinned_reads": "copy"}, "overlap": {"pinned_reads": "overlap"},
-                 "launch": {"write_graphs": False}, "graphs": {"pinned_reads": "overlap", "pinned_read_graphs": True}}
+                 "launch": {"write_graphs": False}, "graphs": {"pinned_reads": "overlap", "pinned_read_graphs": True},
+                 "async": {"async_loads": "always"}, "sync": {"async_loads": "never"}}
 COUNTED_OPTIONS = {"programs": "pinned_read_programs", "groups": "pinned_read_launches",
                    "copybelow": "pinned_copy_below_mib"}
 
@@ -461,7 +462,9 @@ def main() -> None:
                         "program per token) and pinned_read_launches = 4, "
                         "hbm:launch or pinned:launch write_graphs = false (for pinned: a launch per group of "
                         "layers, no graphs), pinned:graphs pinned_read_graphs = true (the default), "
-                        "pinned:copybelow0 pinned_copy_below_mib = 0 (every read in place)")
+                        "pinned:copybelow0 pinned_copy_below_mib = 0 (every read in place), "
+                        "pinned:async async_loads = \"always\" (loaded beside the batch), pinned:sync "
+                        "async_loads = \"never\" (before the forward pass)")
     parser.add_argument("--recompute", default="0", help="recompute budgets (tokens) to time KV injection with")
     parser.add_argument("--fused-write", action="store_true", help="Config.tuning.fused_write: one kernel per step")
     parser.add_argument("--layerwise-write", action="store_true",

@@ -473,6 +473,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="Config.kv_dtype_at_rest: the memory tier holds (and the bus carries) fp8 K/V")
     parser.add_argument("--pinned-reads", choices=["copy", "overlap"],
                         help="Config.tuning.pinned_reads (default: Tuning's)")
+    parser.add_argument("--async-loads", choices=["auto", "always", "never"],
+                        help="Config.tuning.async_loads: memory loaded beside the batch or before the forward "
+                             "pass (default: Tuning's)")
     parser.add_argument("--cuda-graphs", action="store_true")
     parser.add_argument("--layerwise-write", action="store_true",
                         help="Config.tuning.fused_write = false (default: the fused write)")
@@ -514,7 +517,8 @@ def main(argv: list[str] | None = None) -> int:
     config = Config(model=str(model), data_dir=str(work), kv_store=store, recompute_tokens="adaptive",
                     kv_dtype_at_rest=args.kv_dtype_at_rest,
                     tuning=Tuning(fused_write=not args.layerwise_write, **thresholds,
-                                  **({"pinned_reads": args.pinned_reads} if args.pinned_reads else {})))
+                                  **({"pinned_reads": args.pinned_reads} if args.pinned_reads else {}),
+                                  **({"async_loads": args.async_loads} if args.async_loads else {})))
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     log = out.parent / f"{out.name}_server.log"
@@ -539,6 +543,7 @@ def main(argv: list[str] | None = None) -> int:
               "max_tokens": args.max_tokens, "seconds": args.seconds, "kv_store": args.kv_store,
               "kv_dtype_at_rest": args.kv_dtype_at_rest,
               "fused_write": not args.layerwise_write, "pinned_reads": config.tuning.pinned_reads,
+              "async_loads": config.tuning.async_loads,
               "memory_gib": memory_bytes / 2**30, "repeats": args.repeats,
               "tail_thresholds": {k: getattr(config.tuning, k) for k in ("tail_max_step_tokens", "tail_max_waiting")},
               "warm_up": check, "rows": load_rows.aggregate(runs), "runs": runs}

@@ -37,6 +37,7 @@ def ttft_module():
     ("graphs+groups4", {"pinned_reads": "overlap", "pinned_read_graphs": True, "pinned_read_launches": 4}),
     ("copybelow0", {"pinned_reads": "overlap", "pinned_copy_below_mib": 0}),
     ("graphs+copybelow64", {"pinned_reads": "overlap", "pinned_read_graphs": True, "pinned_copy_below_mib": 64}),
+    ("async", {"async_loads": "always"}), ("copy+sync", {"pinned_reads": "copy", "async_loads": "never"}),
     ("groups0", None), ("programs", None), ("programs-3", None), ("fast", None), ("groups8+", None),
     ("+", None),
 ])

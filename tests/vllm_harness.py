@@ -45,6 +45,9 @@ PINNED_COPY_BELOW_MIB = float(os.environ.get("INFERSCALE_TEST_PINNED_COPY_BELOW_
 #: INFERSCALE_TEST_KV_STORE=hbm (GPU machine): the connector's memory tier (default: pinned host);
 #: on the GPU the hbm store's fused writes are replayed from CUDA graphs (Config.tuning.write_graphs)
 KV_STORE = os.environ.get("INFERSCALE_TEST_KV_STORE", "pinned")
+#: INFERSCALE_TEST_ASYNC_LOADS=always/never: requests load their memory in the background / before the
+#: forward pass, or "auto" (unset: Tuning's default)
+ASYNC_LOADS = os.environ.get("INFERSCALE_TEST_ASYNC_LOADS") or Tuning.async_loads
 #: INFERSCALE_TEST_BLOCK_SIZE=64 (GPU machine): tokens per KV cache block (unset: vLLM's choice)
 BLOCK_SIZE = {"block_size": int(os.environ["INFERSCALE_TEST_BLOCK_SIZE"])} if os.environ.get("INFERSCALE_TEST_BLOCK_SIZE") else {}
 #: on a GPU an engine holds its model and a 128 MiB cache; vLLM still refuses to start unless the free
@@ -55,14 +58,14 @@ TOP_LOGPROBS = 5
 
 
 def engine_config(model_dir: Path, data_dir: Path, dtype: str, recompute_tokens: int | str = 0,
-                  kv_dtype_at_rest: str = "model") -> Config:
+                  kv_dtype_at_rest: str = "model", async_loads: str | None = None) -> Config:
     """The connector's config; by default every memory token is injected (no tail recompute),
     so a test compares injected K/V with plain prefill token for token."""
     return Config(model=ModelSpec(path=str(model_dir), dtype=dtype), data_dir=str(data_dir),
                   kv_store=BackendSpec(KV_STORE), recompute_tokens=recompute_tokens, kv_dtype_at_rest=kv_dtype_at_rest,
                   tuning=Tuning(fused_write=FUSED_WRITE, pinned_reads=PINNED_READS,
                                 pinned_read_programs=PINNED_READ_PROGRAMS, pinned_read_graphs=PINNED_READ_GRAPHS,
-                                pinned_copy_below_mib=PINNED_COPY_BELOW_MIB))
+                                pinned_copy_below_mib=PINNED_COPY_BELOW_MIB, async_loads=async_loads or ASYNC_LOADS))
 
 
 @contextlib.contextmanager
@@ -81,12 +84,18 @@ def env(**values: str):
 
 def make_engine(model_dir: Path, data_dir: Path, dtype: str, *, multiprocess: bool = False,
                 prefix_caching: bool = True, connector: tuple[str, str] | None = None,
-                recompute_tokens: int | str = 0, kv_dtype_at_rest: str = "model", **kwargs: Any):
+                recompute_tokens: int | str = 0, kv_dtype_at_rest: str = "model", async_loads: str | None = None,
+                load_failure_policy: str | None = None, **kwargs: Any):
+    """``async_loads``: Config.tuning's (default: :data:`ASYNC_LOADS`); ``load_failure_policy``:
+    vLLM's ``kv_load_failure_policy`` (default: the product's, ``compat.load_failure_policy``)."""
     from vllm import LLM
     from vllm.config import KVTransferConfig
 
     release_shared()
-    ktc = kv_transfer_config(engine_config(model_dir, data_dir, dtype, recompute_tokens, kv_dtype_at_rest))
+    ktc = kv_transfer_config(engine_config(model_dir, data_dir, dtype, recompute_tokens, kv_dtype_at_rest,
+                                           async_loads))
+    if load_failure_policy:
+        ktc["kv_load_failure_policy"] = load_failure_policy
     if connector:
         ktc["kv_connector"], ktc["kv_connector_module_path"] = connector
     with env(VLLM_ENABLE_V1_MULTIPROCESSING="1" if multiprocess else "0"):

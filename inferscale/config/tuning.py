@@ -19,6 +19,8 @@ from inferscale.errors import ConfigError
 
 #: Tuning.pinned_reads
 PINNED_READS = ("copy", "overlap")
+#: Tuning.async_loads
+ASYNC_LOADS = ("auto", "always", "never")
 
 
 @dataclass(frozen=True)
@@ -53,6 +55,13 @@ class Tuning:
     #: in-place read costs about the same fixed host time (its launch, the forward's waits) at any
     #: size; 0 reads every step in place
     pinned_copy_below_mib: float = 96.0
+    #: when a request's memory is loaded (inject/load_mode.py): "always" in the background (the
+    #: request waits in vLLM's WAITING_FOR_REMOTE_KVS while the batch runs; the K/V is copied on a
+    #: stream of its own and the request joins the batch once it has arrived), "never" before the
+    #: forward pass of the step that prefills the request (that step waits for its requests'
+    #: reads), or "auto": in the background on a GPU where the memory tier (kv_store) is not "hbm".
+    #: "never" until measured on a GPU against "auto" (benchmarks/vllm_serve_load.py --async-loads)
+    async_loads: str = "never"
     #: with recompute_tokens = "adaptive": a request's tail is left to vLLM only while the step
     #: being scheduled holds at most this many tokens of other requests: one for each request
     #: decoding, those of each request admitted before it in the step (a tail included). A lone
@@ -75,9 +84,9 @@ class Tuning:
         value = self.pinned_copy_below_mib
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < float("inf"):
             raise ConfigError(f"tuning pinned_copy_below_mib must be a number ≥ 0, got {value!r}")
-        if self.pinned_reads not in PINNED_READS:
-            raise ConfigError(f"tuning pinned_reads must be one of {', '.join(PINNED_READS)}, "
-                              f"got {self.pinned_reads!r}")
+        for name, allowed in (("pinned_reads", PINNED_READS), ("async_loads", ASYNC_LOADS)):
+            if getattr(self, name) not in allowed:
+                raise ConfigError(f"tuning {name} must be one of {', '.join(allowed)}, got {getattr(self, name)!r}")
 
     @classmethod
     def parse(cls, value: Any) -> Tuning:

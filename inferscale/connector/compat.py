@@ -173,11 +173,33 @@ def load_failure_policy(device_type: str | None = None) -> str:
     an H200 with 0.26 (``benchmarks/results/gpu_connector_tests_fused_h200.log``) and 0.33
     (``benchmarks/results/gpu_connector_tests_vllm033_fused1_h200.log``). So on any GPU ``"fail"`` ends the
     request with ``finish_reason="error"``: a clear, retryable error instead of an answer from the
-    wrong K/V. (A release that merges the fix is the place for a release check.)
+    wrong K/V. (A release that merges the fix is the place for a release check.) A background load
+    (``Config.tuning.async_loads``) fails before its request ever ran, so nothing is rolled back:
+    whether "recompute" answers right for it on a GPU is what
+    ``tests/test_background_loads.py::test_a_failed_background_load_is_recomputed_right_under_the_recompute_policy``
+    checks there (the policy is one for the engine, and synchronous loads share it).
     """
     if (device_type or platform_device_type()) != "cpu":
         return "fail"
     return "recompute"
+
+
+#: Background loads (``get_num_new_matched_tokens`` answering ``(n, True)``, inject/background.py) run
+#: alike on 0.26 and 0.32, read from both schedulers: the request's blocks are allocated (not cached
+#: until the load is reported), it waits in ``WAITING_FOR_REMOTE_KVS``, ``update_state_after_alloc``
+#: gets all its blocks and the request is not among the step's scheduled ones; it is promoted once
+#: its id comes back in ``finished_recving`` (``get_finished``); blocks reported by
+#: ``get_block_ids_with_load_errors`` no later than that pass cut its computed tokens at the first
+#: failed block (``_update_requests_with_invalid_blocks``: the local prefix-cache hit is kept, the rest
+#: prefilled, or the request ended under "fail"); a request aborted while it loads keeps its blocks
+#: until its load is reported (``finish_requests``' ``delay_free_blocks``), then they are freed.
+#: Differences: 0.26 calls ``start_load_kv`` before the forward pass of every step, 0.32 after it
+#: when the step has no synchronous load (``has_sync_kv_loads``): the connector issues background
+#: loads in ``get_finished``, after the forward pass in both. 0.32 asserts that ``n > 0`` with True
+#: (the connector answers True only then) and adds a request-level ``failed_recving``
+#: (``get_transfer_results``), which 0.26 lacks and the connector does not use: failed blocks work in
+#: both. Both call ``start_load_kv`` and ``get_finished`` on a step that runs no model (``no_forward``),
+#: so a load is reported while nothing else runs.
 
 
 def shutdown(llm) -> None:
@@ -249,6 +271,12 @@ def resumed_requests(scheduler_output) -> Iterator[tuple[str, list[int]]]:
     for i, req_id in enumerate(cached.req_ids):
         if req_id in resumed and cached.new_block_ids[i] is not None:
             yield req_id, list(cached.new_block_ids[i][0])
+
+
+def allocated_block_ids(blocks) -> list[int]:
+    """The block ids (first KV cache group) of the ``KVCacheBlocks`` vLLM hands
+    ``update_state_after_alloc``: all the request's blocks, in block-table order."""
+    return list(blocks.get_block_ids()[0])
 
 
 def scheduled_request_ids(scheduler_output) -> Iterator[str]:

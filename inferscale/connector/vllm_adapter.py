@@ -21,7 +21,7 @@ paged cache through the layout read from the caches vLLM registers
 one-block self-test per layer. If a layer's layout is not understood, the worker
 says so in one log line, writes nothing, and tells the scheduler side
 (:class:`InjectionReadiness`, at engine start), which then claims no tokens: every
-request is prefilled normally.
+request is prefilled normally. Loads go before the forward pass or beside the batch (inject/load_mode.py).
 """
 
 from __future__ import annotations
@@ -39,7 +39,10 @@ from inferscale.compose.salt import CacheSalts
 from inferscale.config import Config
 from inferscale.connector import compat
 from inferscale.connector.metrics import InferScalePromMetrics, InferScaleStats, stats_or_none
+from inferscale.inject.background import BackgroundWriter
+from inferscale.inject.background_requests import BackgroundRequests
 from inferscale.inject.layout import LayoutError, PagedLayers
+from inferscale.inject.load_mode import loads_in_background
 from inferscale.inject.load_signal import EngineLoad
 from inferscale.inject.loader import LoadSpec, kv_head_range, load_blocks
 from inferscale.inject.planner import NO_MEMORY, Plan, plan_request
@@ -53,7 +56,8 @@ logger = compat.init_logger("vllm.inferscale.connector")
 
 @dataclass
 class InferScaleMetadata(compat.KVConnectorMetadata):
-    loads: list[LoadSpec] = field(default_factory=list)
+    loads: list[LoadSpec] = field(default_factory=list)  # written before this step's forward pass
+    background_loads: list[LoadSpec] = field(default_factory=list)  # requests held back until reported
 
 
 def config_from_extra(extra: dict[str, Any] | None) -> Config:
@@ -102,11 +106,15 @@ class InferScaleConnector(compat.KVConnectorBase_V1):
         self.block_size = vllm_config.cache_config.block_size
         self.stats = ConnectorStats()
         if role == compat.KVConnectorRole.SCHEDULER:
+            #: whether requests load their memory in the background (the worker follows the metadata)
+            self.loads_in_background = loads_in_background(self.config.tuning.async_loads,
+                                                           self.config.kv_store.name, compat.device_type(vllm_config))
             self.disk = disk_tier(self.config)  # the scheduler matches prompts against the disk's index
             self.salts = CacheSalts.from_file(self.config.secret_path)  # the worker never needs the secret
             self.blend = self.config.blend(compat.device_type(vllm_config))
             self._plans: dict[str, Plan] = {}
             self._pending: dict[str, Plan] = {}
+            self._background = BackgroundRequests()
             self._loaded_blocks: dict[str, set[int]] = {}
             self._failed: set[str] = set()
             self.off_reason = ""  # why the workers cannot inject ("": they can, or have not said)
@@ -120,6 +128,8 @@ class InferScaleConnector(compat.KVConnectorBase_V1):
         self.load.arrived(request.request_id)
 
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int, bool]:
+        if request.request_id in self._failed:  # its load failed: from here on it is prefilled normally
+            return 0, False
         began = time.perf_counter()
         plan = plan_request(self.disk, self.salts, request.prompt_token_ids or [], request.kv_transfer_params,
                             request.cache_salt, num_computed_tokens, self.blend,
@@ -128,31 +138,39 @@ class InferScaleConnector(compat.KVConnectorBase_V1):
         if plan is not NO_MEMORY:
             self._plans[request.request_id] = plan
             self.stats.record_plan(time.perf_counter() - began)
-        return plan.num_external, False
+        return plan.num_external, self.loads_in_background and plan.num_external > 0
 
     def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
         plan = self._plans.get(request.request_id)
-        self.load.admitted(request.request_id, request.num_tokens - (plan.claim_len if plan else 0))
-        if num_external_tokens > 0:
-            self._pending[request.request_id] = self._plans[request.request_id]
+        parked = self.loads_in_background and num_external_tokens > 0  # loads first: in no step's work yet
+        self.load.admitted(request.request_id, 0 if parked else request.num_tokens - (plan.claim_len if plan else 0))
+        if parked:  # the request is not scheduled: its blocks are known only here
+            self._background.allocated(request.request_id, plan, compat.allocated_block_ids(blocks))
+        elif num_external_tokens > 0:
+            self._pending[request.request_id] = plan
 
     def build_connector_meta(self, scheduler_output) -> InferScaleMetadata:
         meta = InferScaleMetadata()
         scheduled = [*compat.new_requests(scheduler_output), *compat.resumed_requests(scheduler_output)]
         for req_id, block_ids in scheduled:
             plan = self._pending.pop(req_id, None)
-            if plan is None:
-                continue
-            start = plan.claim_len - plan.num_external
-            blocks = load_blocks(block_ids, self.block_size, start, plan.claim_len)
-            meta.loads.append(LoadSpec(req_id, plan.request, start, plan.claim_len, plan.segment_len, blocks,
-                                       self.block_size, plan.epochs, plan.blend.key_scale))
-            self._loaded_blocks[req_id] = set(blocks)
+            if plan is not None:
+                meta.loads.append(self._load_spec(req_id, plan, block_ids))
+        meta.background_loads = [self._load_spec(*load) for load in self._background.to_send()]
         self.load.step_built(compat.scheduled_request_ids(scheduler_output))
         return meta
 
+    def _load_spec(self, req_id: str, plan: Plan, block_ids: list[int]) -> LoadSpec:
+        """The load of the plan's tokens into the request's blocks (remembered: a failure names them)."""
+        start = plan.claim_len - plan.num_external
+        blocks = load_blocks(block_ids, self.block_size, start, plan.claim_len)
+        self._loaded_blocks[req_id] = set(blocks)
+        return LoadSpec(req_id, plan.request, start, plan.claim_len, plan.segment_len, blocks, self.block_size,
+                        plan.epochs, plan.blend.key_scale)
+
     def update_connector_output(self, connector_output) -> None:
         invalid = getattr(connector_output, "invalid_block_ids", None) or set()
+        self._background.arrived(getattr(connector_output, "finished_recving", None) or ())
         for req_id, blocks in self._loaded_blocks.items():
             if blocks & invalid:
                 self._failed.add(req_id)
@@ -165,7 +183,8 @@ class InferScaleConnector(compat.KVConnectorBase_V1):
         self.load.finished(req_id)
         plan = self._plans.pop(req_id, None)
         self._pending.pop(req_id, None)
-        loaded = self._loaded_blocks.pop(req_id, None) is not None
+        aborted_loading = self._background.finished(req_id)  # (vLLM frees its blocks when the load is reported)
+        loaded = self._loaded_blocks.pop(req_id, None) is not None and not aborted_loading
         if plan is None:
             return False, None
         fallback = Fallback.LOAD_ERROR if req_id in self._failed else plan.fallback
@@ -183,21 +202,28 @@ class InferScaleConnector(compat.KVConnectorBase_V1):
 
     # ---------------- worker side ----------------
 
-    #: the write policy (a subclass may bring its own)
+    #: the write policies, before the forward pass and in the background (a subclass may bring its own)
     writer_type: type[KVWriter] = KVWriter
+    background_writer_type: type[BackgroundWriter] = BackgroundWriter
 
     def _init_worker(self, vllm_config) -> None:
         host_memory.start_trimming(host_memory.trim_interval())  # when INFERSCALE_MALLOC_TRIM_S asks for it
         model = vllm_config.model_config
         rank, world = compat.tensor_parallel()
         heads = kv_head_range(model.get_total_num_kv_heads(), world, rank)
-        rope = RotaryEmbedding.from_hf_config(compat.text_config(vllm_config))
-        self.writer = self.writer_type(self.config, build_tiers(self.config), rope, heads, model.get_head_size(),
-                                       self.stats, counts=rank == 0)  # every rank loads the same users
+        tiers, counts = build_tiers(self.config), rank == 0  # every rank loads the same users: one counts
+        self.writer = self._writer(self.writer_type, vllm_config, tiers, heads, counts)
+        self.background = self._writer(self.background_writer_type, vllm_config, tiers, heads, counts)
+        self._background_queue: list[LoadSpec] = []  # this step's background loads, issued after the forward
         self.layer_names: list[str] = []
         self._layer_of: dict[str, int] = {}
         self.caches: PagedLayers | None = None
         self.readiness = InjectionReadiness(False, "the KV caches were never registered")
+
+    def _writer(self, kind: type[KVWriter], vllm_config, tiers, heads: slice, counts: bool):
+        """A writer of ``kind`` with rotary tables of its own (they live on the stream that reads them)."""
+        rope = RotaryEmbedding.from_hf_config(compat.text_config(vllm_config))
+        return kind(self.config, tiers, rope, heads, vllm_config.model_config.get_head_size(), self.stats, counts)
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         self.layer_names = sorted(kv_caches, key=compat.layer_index)
@@ -206,15 +232,19 @@ class InferScaleConnector(compat.KVConnectorBase_V1):
         writes = [compat.backend_cache_write(self._vllm_config, name, kv_caches[name]) for name in self.layer_names]
         heads = self.writer.heads.stop - self.writer.heads.start
         self.caches, self.readiness = checked_caches(tensors, writes, heads, self.writer.head_size)
-        self.writer.register(len(tensors), tensors[0].device, tensors[0].dtype)
+        for writer in (self.writer, self.background):
+            writer.register(len(tensors), tensors[0].device, tensors[0].dtype)
 
     def get_handshake_metadata(self) -> InjectionReadiness:
         return self.readiness
 
     def start_load_kv(self, forward_context, **kwargs: Any) -> None:
         """Queue this step's loads; the forward pass waits for each layer in
-        :meth:`wait_for_layer_load`, or for all of them now when it will not ask."""
-        loads = getattr(self._get_connector_metadata(), "loads", ())
+        :meth:`wait_for_layer_load`, or for all of them now when it will not ask. Background
+        loads wait for :meth:`get_finished`, after the forward pass was launched."""
+        meta = self._get_connector_metadata()
+        self._background_queue += getattr(meta, "background_loads", ())
+        loads = getattr(meta, "loads", ())
         if loads and self.caches is None:  # nothing is written into a layout not understood
             self.writer.refuse_step(loads)
         elif loads:
@@ -234,9 +264,22 @@ class InferScaleConnector(compat.KVConnectorBase_V1):
         if writer is not None:  # whatever the forward pass did not wait for, later work does
             writer.wait_all()
 
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        """The background loads that arrived (or failed) since the last step, aborted requests' too
+        (vLLM frees their blocks then); this step's are issued now, after the forward pass."""
+        background = getattr(self, "background", None)
+        if background is None:
+            return None, None
+        queued, self._background_queue = self._background_queue, []
+        return None, background.step(queued, self.caches, finished_req_ids) or None
+
     def get_block_ids_with_load_errors(self) -> set[int]:
-        writer = getattr(self, "writer", None)
-        return writer.take_load_errors() if writer is not None else set()
+        writers = [w for w in (getattr(self, "writer", None), getattr(self, "background", None)) if w is not None]
+        return set().union(*(writer.take_load_errors() for writer in writers))
+
+    def shutdown(self) -> None:
+        if getattr(self, "background", None) is not None:  # nothing is left writing into caches being freed
+            self.background.wait()
 
     # ---------------- stats (both sides) ----------------
 

@@ -11,10 +11,13 @@ import torch
 import vllm_probe
 from inferscale.compose.segment import Segment
 from inferscale.connector.vllm_adapter import InferScaleConnector
+from inferscale.inject.background import BackgroundWriter
 from inferscale.inject.writer import KVWriter
 
 
-class ReplayWriter(KVWriter):
+class Replay:
+    """The writers' source of K/V, replaced (before the forward pass and in the background alike)."""
+
     def _fused_views(self, cache):
         return None  # the replay goes through the per-layer write, whose source it replaces
 
@@ -25,5 +28,14 @@ class ReplayWriter(KVWriter):
         return Segment([], spec.start, [], keys, values)
 
 
+class ReplayWriter(Replay, KVWriter):
+    pass
+
+
+class ReplayBackgroundWriter(Replay, BackgroundWriter):
+    pass
+
+
 class ReplayConnector(InferScaleConnector):
     writer_type = ReplayWriter
+    background_writer_type = ReplayBackgroundWriter

@@ -1,0 +1,32 @@
+"""Scheduler side, vLLM-free: whether requests load their memory before the batch or beside it.
+
+A synchronous load (vLLM's ``(n, False)``) is written into the request's blocks before the forward
+pass of the step that prefills the request: that step, and every request in it, waits for the
+read. A background load (``(n, True)``) lets the batch run on: vLLM allocates the request's
+blocks and parks it in ``WAITING_FOR_REMOTE_KVS``, the worker copies the K/V on a stream of its
+own (:mod:`~inferscale.inject.background`) and says when it has arrived, and the request joins a
+later step with its memory already in place. It costs the request at least one more engine step
+(where the read is short, as from GPU memory, that step is all it adds), and spares the others
+the read (where it is long, as from host memory over the bus, that is most of a step).
+
+``Config.tuning.async_loads`` chooses: ``"always"``, ``"never"``, or ``"auto"``, which loads in
+the background on a GPU whose memory tier does not hold K/V in device memory. The scheduler
+side cannot see the worker's tier (which users it holds, and where, lives in the worker
+process), so "auto" goes by the tier the config names: ``"hbm"`` is read on the device, in one
+kernel, and stays synchronous; ``"pinned"``, ``"disk"`` and any plugin tier cross the bus and
+load in the background. On a CPU nothing crosses a bus and a background load would only cost
+the request its extra step: "auto" keeps it synchronous there.
+"""
+
+from __future__ import annotations
+
+#: memory tiers that hold K/V in the engine's device memory (read by one kernel on the device)
+DEVICE_TIERS = frozenset({"hbm"})
+
+
+def loads_in_background(async_loads: str, kv_store: str, device_type: str) -> bool:
+    """Whether an engine on ``device_type`` with the memory tier ``kv_store`` loads memory in
+    the background under ``Config.tuning.async_loads`` (see the module)."""
+    if async_loads == "auto":
+        return device_type == "cuda" and kv_store not in DEVICE_TIERS
+    return async_loads == "always"

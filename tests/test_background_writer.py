@@ -1,0 +1,330 @@
+"""Background loads, vLLM-free: when they are chosen (inject/load_mode.py), the scheduler side's
+bookkeeping (inject/background_requests.py) and the worker's writer (inject/background.py): on the
+CPU as issued, its fused path under Triton's interpreter, and on a GPU (skipped without CUDA) on
+its own stream, after the forward stream's earlier work."""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from inferscale.compose.rope import RotaryEmbedding
+from inferscale.compose.segment import PREFIX_FACT, SYSTEM_USER
+from inferscale.config import Config, Tuning
+from inferscale.errors import ConfigError
+from inferscale.inject.background import BackgroundWriter
+from inferscale.inject.background_requests import BackgroundRequests
+from inferscale.inject.load_mode import loads_in_background
+from inferscale.inject.loader import LoadSpec, kv_head_range, load_blocks
+from inferscale.inject.planner import Plan
+from inferscale.inject.stats import ConnectorStats
+from inferscale.inject.writer import KVWriter
+from inferscale.storage.disk import DiskStore
+from inferscale.storage.hbm import HBMStore
+from inferscale.storage.pinned import PinnedHostStore
+from inferscale.storage.tiered import ensure_user
+from inferscale.storage.tiers import Tiers
+from test_storage import make_fact, make_facts
+from test_writer import LAYERS, SIZE, RecordingCache, spec_for
+
+CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA streams")
+
+
+# ---------------------------------------------------------------- when loads go to the background
+
+@pytest.mark.parametrize("mode, store, device, expected", [
+    ("auto", "pinned", "cuda", True), ("auto", "disk", "cuda", True), ("auto", "my-plugin-tier", "cuda", True),
+    ("auto", "hbm", "cuda", False), ("auto", "pinned", "cpu", False),
+    ("always", "hbm", "cpu", True), ("never", "pinned", "cuda", False),
+])
+def test_auto_loads_in_the_background_what_crosses_the_bus(mode, store, device, expected):
+    assert loads_in_background(mode, store, device) is expected
+
+
+def test_async_loads_takes_three_values():
+    assert Tuning().async_loads == "never"  # (until measured on a GPU)
+    assert Config(tuning={"async_loads": "always"}).tuning.async_loads == "always"
+    with pytest.raises(ConfigError, match="async_loads must be one of auto, always, never, got 'sometimes'"):
+        Tuning(async_loads="sometimes")
+
+
+# ---------------------------------------------------------------- the scheduler side's bookkeeping
+
+EVENTS = st.lists(st.tuples(st.sampled_from(["allocate", "send", "arrive", "finish"]), st.integers(0, 4)),
+                  max_size=40)
+
+
+@settings(max_examples=300, deadline=None)
+@given(EVENTS)
+def test_background_requests_are_tracked_exactly_and_forgotten(events):
+    """Any order of vLLM's calls: a request is loading from the step its load is sent until it is
+    reported; finishing it says whether its load was still in flight; nothing is kept once every
+    request has been reported or finished."""
+    book, allocated, loading, sent = BackgroundRequests(), {}, set(), []
+    for kind, n in events:
+        req_id = f"r{n}"
+        if kind == "allocate":
+            book.allocated(req_id, Plan(None), [n, n + 1])
+            allocated[req_id] = [n, n + 1]
+        elif kind == "send":
+            sent = book.to_send()
+            assert sorted((r, b) for r, _, b in sent) == sorted(allocated.items())
+            loading |= set(allocated)
+            allocated.clear()
+        elif kind == "arrive":
+            book.arrived([req_id])
+            loading.discard(req_id)
+        else:
+            assert book.finished(req_id) is (req_id in loading)
+            allocated.pop(req_id, None)
+            loading.discard(req_id)
+        assert len(book) == len(allocated) + len(loading)
+        assert all(book.is_loading(r) for r in loading)
+    for n in range(5):
+        book.finished(f"r{n}")
+    assert len(book) == 0 and book.to_send() == []
+
+
+# ---------------------------------------------------------------- the worker's writer, on the CPU
+
+@pytest.fixture
+def tiers(tmp_path) -> Tiers:
+    return make_tiers(tmp_path, PinnedHostStore(PinnedHostStore.Options(device="cpu")))
+
+
+def make_tiers(root: Path, memory) -> Tiers:
+    disk = DiskStore(DiskStore.Options(root=str(root / "kv")))
+    disk.put(SYSTEM_USER, {PREFIX_FACT: make_fact(5, layers=LAYERS, size=SIZE, seed=999)})
+    disk.put("ann", make_facts(3, layers=LAYERS, size=SIZE))
+    return Tiers(memory, disk)
+
+
+def writers_for(tiers: Tiers, device: str = "cpu", **tuning) -> tuple[BackgroundWriter, KVWriter]:
+    """A background writer and a synchronous one (copying host memory, as the background does)."""
+    made = []
+    for kind, options in ((BackgroundWriter, tuning), (KVWriter, {**tuning, "pinned_reads": "copy"})):
+        rope = RotaryEmbedding(1.0 / (10_000 ** (torch.arange(0, SIZE, 2).float() / SIZE)), SIZE)
+        writer = kind(Config(tuning=Tuning(**options)), tiers, rope, kv_head_range(2, 1, 0), SIZE, ConnectorStats())
+        writer.register(LAYERS, torch.device(device), torch.float32)
+        made.append(writer)
+    return made[0], made[1]
+
+
+def start(writer: BackgroundWriter, loads: list[LoadSpec], cache) -> None:
+    """Issue ``loads`` as a step would, and again at the next step once their users are read."""
+    writer.start(loads, cache)
+    writer.fills.close()  # (waits for the reads the loads wait for)
+    writer.start([], cache)
+
+
+def test_a_background_load_is_reported_once_and_its_failure_with_it(tiers):
+    writer, _ = writers_for(tiers)
+    assert writer.config.tuning.pinned_reads == "copy" and not writer.loader.host_in_place  # the bus is DMA's
+    good = spec_for(tiers.disk, "ann", "good")
+    stale = spec_for(tiers.disk, "ann", "stale", epochs=("old", "old"))  # not the memory it was scheduled with
+    cache = RecordingCache()
+    start(writer, [stale, good], cache)
+    assert writer.loading == {"stale", "good"}
+    assert writer.take_load_errors() == set()  # a failure is told with its load's report, not before
+    assert [layer for layer, *_ in cache.writes] == list(range(LAYERS))  # only the good one was written
+    assert writer.finished() == {"stale", "good"}
+    assert writer.take_load_errors() == set(stale.blocks)
+    assert (writer.finished(), writer.take_load_errors(), writer.loading) == (set(), set(), set())
+
+
+class SlowDisk(DiskStore):
+    """The store of record, whose reads of a user's K/V wait until the test lets them go (a slow disk)."""
+
+    def __init__(self, root: str):
+        super().__init__(DiskStore.Options(root=root))
+        self.go, self.reading = threading.Event(), threading.Event()
+
+    def read_user(self, user_id):
+        self.reading.set()
+        assert self.go.wait(60), "the test never let the read go"
+        return super().read_user(user_id)
+
+
+def test_a_load_waits_unissued_for_its_users_read_while_the_others_are_written(tmp_path):
+    """A user the memory tier lacks is read on the fill thread: its load waits, unissued and not
+    reported, while a load of a user the tier holds is written; it is written at the first step
+    after the read."""
+    disk = SlowDisk(str(tmp_path / "kv"))
+    disk.put(SYSTEM_USER, {PREFIX_FACT: make_fact(5, layers=LAYERS, size=SIZE, seed=999)})
+    disk.put("ann", make_facts(3, layers=LAYERS, size=SIZE))
+    disk.put("bob", make_facts(2, layers=LAYERS, size=SIZE))
+    memory = PinnedHostStore(PinnedHostStore.Options(device="cpu"))
+    disk.go.set()
+    for user in (SYSTEM_USER, "ann"):  # ann's memory is held; bob's is not
+        ensure_user(memory, disk, user)
+    disk.go.clear()
+    writer, _ = writers_for(Tiers(memory, disk))
+    cache = RecordingCache()
+    writer.start([spec_for(disk, "bob", "cold"), spec_for(disk, "ann", "warm")], cache)
+    assert disk.reading.wait(60)
+    assert len(cache.writes) == LAYERS  # ann's load, written; bob's waits for its read
+    for _ in range(3):  # steps go by: nothing of bob's is written or reported
+        writer.start([], cache)
+        assert writer.finished() <= {"warm"} and writer.loading <= {"cold", "warm"}
+    assert "cold" in writer.loading and len(cache.writes) == LAYERS
+    disk.go.set()
+    writer.fills.close()
+    writer.start([], cache)
+    assert len(cache.writes) == 2 * LAYERS and writer.finished() == {"cold"}
+    assert writer.loading == set() and writer.take_load_errors() == set()
+
+
+def test_a_load_whose_request_finished_while_its_user_is_read_is_reported_unwritten(tmp_path):
+    disk = SlowDisk(str(tmp_path / "kv"))
+    disk.put(SYSTEM_USER, {PREFIX_FACT: make_fact(5, layers=LAYERS, size=SIZE, seed=999)})
+    disk.put("bob", make_facts(2, layers=LAYERS, size=SIZE))
+    writer, _ = writers_for(Tiers(PinnedHostStore(PinnedHostStore.Options(device="cpu")), disk))
+    cache = RecordingCache()
+    writer.start([spec_for(disk, "bob", "aborted")], cache)
+    assert disk.reading.wait(60) and writer.loading == {"aborted"}
+    writer.drop({"aborted", "some-other-request"})
+    assert writer.finished() == {"aborted"} and writer.take_load_errors() == set() and writer.loading == set()
+    disk.go.set()
+    writer.fills.close()
+    writer.start([], cache)
+    assert cache.writes == [] and writer.finished() == set()
+
+
+def test_a_refused_background_load_is_reported_with_every_block_failed(tiers):
+    writer, _ = writers_for(tiers)
+    spec = spec_for(tiers.disk, "ann", "refused")
+    writer.refuse([spec])
+    assert writer.loading == {"refused"}
+    assert writer.finished() == {"refused"} and writer.take_load_errors() == set(spec.blocks)
+
+
+def test_a_background_load_writes_what_a_synchronous_one_writes(tiers):
+    background, synchronous = writers_for(tiers)
+    spec = spec_for(tiers.disk, "ann")
+    caches = RecordingCache(), RecordingCache()
+    start(background, [spec], caches[0])
+    synchronous.write_step([spec], caches[1])
+    assert background.finished() == {"r"}
+    for (layer, key, value, slots), (layer2, key2, value2, slots2) in zip(*(c.writes for c in caches), strict=True):
+        assert layer == layer2 and torch.equal(key, key2) and torch.equal(value, value2) and torch.equal(slots, slots2)
+
+
+def check_background_fused(tmp_path: str) -> None:
+    """Two requests' background loads, written by the fused kernel (under Triton's interpreter),
+    land at their slots as the per-layer path's K/V."""
+    from inferscale.inject import fused_write, sources
+    from test_writer import FlashAttentionCache
+
+    assert fused_write.available() and sources.ready()
+    tiers = make_tiers(Path(tmp_path), PinnedHostStore(PinnedHostStore.Options(device="cpu")))
+    writer, _ = writers_for(tiers)
+    first = spec_for(tiers.disk, "ann")
+    length = first.end
+    specs = [LoadSpec("r", first.request, 0, length, length, load_blocks(range(length), 4, 0, length), 4, first.epochs),
+             LoadSpec("s", first.request, 3, length, length, load_blocks(range(100, 200), 4, 3, length), 4,
+                      first.epochs)]
+    cache = FlashAttentionCache(200, 2, 4, SIZE)
+    start(writer, specs, cache)
+    assert writer.finished() == {"r", "s"} and writer.take_load_errors() == set()
+    check_written(writer, specs, cache.layers)
+
+
+def check_written(writer: KVWriter, specs: list[LoadSpec], layers) -> None:
+    """Each spec's K/V (as the per-layer path computes it) lies at its slots of every layer."""
+    for spec in specs:
+        expected = writer.loader.load(spec, LAYERS, SIZE)
+        slots = torch.from_numpy(spec.slots).to(layers[0][1].device)
+        block_size = layers[0][1].shape[1]
+        for layer, (_, key, value) in enumerate(layers):
+            got_k, got_v = key[slots // block_size, slots % block_size], value[slots // block_size, slots % block_size]
+            assert torch.allclose(got_k, expected.keys[layer], atol=1e-5), (spec.req_id, layer)
+            assert torch.equal(got_v, expected.values[layer]), (spec.req_id, layer)
+
+
+def test_the_fused_background_write_lands_where_the_per_layer_write_would(tmp_path):
+    from test_fused_write import run_interpreted
+
+    run_interpreted(f"import test_background_writer as t; t.check_background_fused({str(tmp_path)!r})")
+
+
+# ---------------------------------------------------------------- on a GPU: its own stream
+
+class CudaCache:
+    """vLLM 0.26 FlashAttention's cache layout on the GPU, which the fused write addresses."""
+
+    def __init__(self, num_blocks: int = 64, block_size: int = 4):
+        from test_fused_write import flash_attention_views
+
+        self.layers = [flash_attention_views(num_blocks, 2, block_size, SIZE, torch.float32, "cuda")
+                       for _ in range(LAYERS)]
+
+    def views(self):
+        return [(key, value) for _, key, value in self.layers]
+
+    def write(self, layer, key, value, slots):
+        _, key_cache, value_cache = self.layers[layer]
+        size = key_cache.shape[1]
+        key_cache[slots // size, slots % size] = key
+        value_cache[slots // size, slots % size] = value
+
+
+def gpu_specs(tiers: Tiers) -> list[LoadSpec]:
+    first = spec_for(tiers.disk, "ann")
+    length = first.end
+    return [LoadSpec("r", first.request, 0, length, length, load_blocks(range(length), 4, 0, length), 4, first.epochs),
+            LoadSpec("s", first.request, 2, length, length, load_blocks(range(30, 64), 4, 2, length), 4, first.epochs)]
+
+
+@CUDA
+@pytest.mark.parametrize("tier", ["pinned", "hbm"])
+@pytest.mark.parametrize("tuning", [{}, {"write_graphs": False}, {"fused_write": False}],
+                         ids=["graphs", "launch", "per-layer"])
+def test_a_background_load_writes_after_the_forward_streams_earlier_work(tmp_path, tier, tuning):
+    """The forward stream is busy (a long sleep), then fills the whole cache: a background load
+    issued after that must land after the fill (its writes wait for the forward stream's earlier
+    work), and is reported only once it has run."""
+    pytest.importorskip("triton")
+    memory = PinnedHostStore() if tier == "pinned" else HBMStore()
+    tiers = make_tiers(tmp_path, memory)
+    writer, _ = writers_for(tiers, "cuda", **tuning)
+    cache, specs = CudaCache(), gpu_specs(tiers)
+    for _ in range(2):  # (the first use fills the memory tier from disk and captures graphs)
+        torch.cuda._sleep(1 << 30)  # ~0.5 s of the forward stream
+        for layer, _, _ in cache.layers:
+            layer.fill_(7.0)
+        start(writer, specs, cache)
+        torch.cuda.synchronize()
+        assert writer.finished() == {"r", "s"} and writer.take_load_errors() == set()
+        check_written(writer, specs, cache.layers)
+        assert writer.loading == set() and writer._in_flight == []  # (and the tensors it read let go)
+
+
+@CUDA
+def test_background_loads_run_on_their_own_stream_and_the_forward_stream_never_waits(tmp_path):
+    """With the fused write the loads are queued on the writer's stream: the forward stream has
+    nothing of theirs queued (an event recorded on it right after the issue completes while the
+    load stream still waits for a sleep queued on it)."""
+    pytest.importorskip("triton")
+    tiers = make_tiers(tmp_path, PinnedHostStore())
+    writer, _ = writers_for(tiers, "cuda")
+    cache, specs = CudaCache(), gpu_specs(tiers)
+    start(writer, specs, cache)  # (first use: the memory tier filled, graphs captured)
+    torch.cuda.synchronize()
+    writer.finished()
+    load_stream = writer.layer_loads.stream
+    with torch.cuda.stream(load_stream):
+        torch.cuda._sleep(1 << 31)  # ~1 s of the load stream: the load queued behind it
+    writer.start(specs, cache)
+    forward_free = torch.cuda.Event()
+    forward_free.record(torch.cuda.current_stream())
+    forward_free.synchronize()  # returns at once if the forward stream holds none of the load's work
+    assert writer.loading == {"r", "s"}  # (the load, behind the sleep, has not run: not reported)
+    assert writer.finished() == set()
+    load_stream.synchronize()
+    assert writer.finished() == {"r", "s"}
+    check_written(writer, specs, cache.layers)
