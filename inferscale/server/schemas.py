@@ -20,6 +20,8 @@ MAX_FACTS_PER_CALL = 256
 MAX_FACT_CHARS_PER_CALL = 100_000
 MAX_MESSAGES = 200
 MAX_MESSAGE_CHARS = 20_000
+#: the characters of one call's messages together (with the facts', what bounds the body: server/limits.py)
+MAX_MESSAGE_CHARS_PER_CALL = 200_000
 MAX_QUERY_CHARS = 4_000
 
 
@@ -81,6 +83,16 @@ class AddMemories(_UserBody):
                     item.encode()
                 except UnicodeEncodeError:  # pydantic lets a lone surrogate through a str in a union
                     raise ValueError("a fact holds a lone UTF-16 surrogate, which is not text") from None
+        return value
+
+
+    @field_validator("messages")
+    @classmethod
+    def _messages(cls, value):
+        total = sum(len(m.content) for m in value or ())
+        if total > MAX_MESSAGE_CHARS_PER_CALL:
+            raise ValueError(f"the messages hold {total:,} characters together (at most "
+                             f"{MAX_MESSAGE_CHARS_PER_CALL:,} per call: send more calls)")
         return value
 
 
