@@ -107,7 +107,7 @@ class Context:
             try:
                 epoch = self.disk.epoch(user_id)
                 ids, vectors = self.disk.embeddings(user_id)
-            except CorruptDataError as exc:  # that user's memory is unreadable; everyone else's serves
+            except (CorruptDataError, ValueError) as exc:  # that user's memory is unreadable; everyone else's serves
                 logger.error("memory of %r left out of the index: %s", user_id, exc)
                 continue
             if ids:

@@ -48,9 +48,17 @@ class _UserBody(_Body):
         return check_request_user_id(value)
 
 
+def _some_text(value: str) -> str:
+    if not value.strip():
+        raise ValueError("a fact must hold some text, not only whitespace")
+    return value
+
+
 class FactIn(_Body):
     text: str = Field(min_length=1, max_length=MAX_FACT_CHARS)
     source_turn: str | None = Field(None, max_length=128)
+
+    _text = field_validator("text")(_some_text)
 
 
 class MessageIn(_Body):
@@ -78,6 +86,8 @@ class AddMemories(_UserBody):
         for item in value:
             if isinstance(item, str) and not 0 < len(item) <= MAX_FACT_CHARS:
                 raise ValueError(f"a fact must have 1..{MAX_FACT_CHARS} characters")
+            if isinstance(item, str):
+                _some_text(item)
             if isinstance(item, str) and not item.isascii():
                 try:
                     item.encode()
@@ -108,6 +118,8 @@ class SearchMemories(_UserBody):
 
 class UpdateMemory(_UserBody):
     text: str = Field(min_length=1, max_length=MAX_FACT_CHARS)
+
+    _text = field_validator("text")(_some_text)
 
 
 def fact_json(fact: Fact, score: float | None = None) -> dict:
