@@ -62,7 +62,8 @@ def add_parsers(sub) -> None:
     serve.add_argument("--encoder-device", default="cpu",
                        help="where the fact encoder runs: cpu (default) or cuda[:N], which lowers the engine's "
                             "--gpu-memory-utilization to leave it room")
-    serve.add_argument("--engine-timeout", type=float, default=1200.0, help="seconds to wait for the engine")
+    serve.add_argument("--engine-timeout", type=float, default=1200.0,
+                       help="seconds to wait for the engine to start (default 1200)")
     serve.add_argument("--forget-resets-prefix-cache", action="store_true",
                        help="forgetting a user also empties vLLM's prefix cache, so none of their K/V can be served "
                             "from it again (every user's cached prefixes go; see docs/server.md)")
@@ -84,5 +85,5 @@ def add_parsers(sub) -> None:
     engine.set_defaults(func=cmd_engine, vllm_args=[])
 
     config_cmd = sub.add_parser("serve-config", help=cmd_serve_config.__doc__)
-    config_cmd.add_argument("--config")
+    config_cmd.add_argument("--config", help="TOML config file (default: INFERSCALE_* environment)")
     config_cmd.set_defaults(func=cmd_serve_config)
