@@ -13,6 +13,7 @@ request the connector injects memory into, and users never share cached blocks;
 
 from __future__ import annotations
 
+import logging
 import time
 import uuid
 from collections.abc import Mapping, Sequence
@@ -29,6 +30,7 @@ from inferscale.errors import UnknownUserError
 from inferscale.facts import Hit
 
 Mode = Literal["kv", "prompt", "none"]
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -77,6 +79,7 @@ class GenerationAPI:
         self.in_process = in_process
         self.engine_kwargs = engine_kwargs
         self._llm = None
+        context.erasure_listeners.append(self._drop_cached_memory)
 
     @cached_property
     def composer(self):
@@ -84,10 +87,15 @@ class GenerationAPI:
 
     @property
     def llm(self):
+        """The engine, started on first use (minutes the first time on a CPU: vLLM compiles)."""
         if self._llm is None:
             from inferscale.connector.engine import make_llm
 
+            logger.warning("inferscale: starting vLLM's engine for %s (the first start takes minutes on a CPU: vLLM "
+                           "loads and compiles the model; later calls reuse it) ...", self.config.model.path)
+            start = time.perf_counter()
             self._llm = make_llm(str(self.context.model_dir), self.config, self.in_process, **self.engine_kwargs)
+            logger.warning("inferscale: the engine is ready (%.0f s)", time.perf_counter() - start)
         return self._llm
 
     @user_call
@@ -178,6 +186,13 @@ class GenerationAPI:
         return Answer(out.outputs[0].text, mode, request.fact_ids, request.num_tokens, request.memory_tokens,
                       report.get("injected_tokens", 0), report.get("fallback"),
                       report.get("recomputed_tokens", 0), timings)
+
+    def _drop_cached_memory(self, user_id: str) -> None:
+        """Something of a user's memory is gone: empty the in-process engine's prefix cache, which
+        may hold blocks computed from it under a salt of theirs (running requests are computed
+        again), so that no request, even one holding that salt, reads them back."""
+        if self._llm is not None:
+            self._llm.reset_prefix_cache(reset_running_requests=True)
 
     def close(self) -> None:
         """Shut the engine down (frees its memory and worker processes)."""

@@ -15,7 +15,7 @@ from functools import cached_property
 from typing import Any
 
 from inferscale.api.checks import fact_inputs, fact_text, top_k, user_call
-from inferscale.api.context import Context
+from inferscale.api.context import Context, erases
 from inferscale.compose.prompt import fact_token_ids
 from inferscale.compose.segment import PREFIX_FACT, SYSTEM_USER
 from inferscale.config import Config, build
@@ -97,6 +97,7 @@ class MemoryAPI:
         return records
 
     @user_call
+    @erases
     def update_fact(self, user_id: str, fact_id: str, text: str) -> Fact:
         """Replace a fact's text: a new fact, encoded again under a new id, stored and the old
         one removed in one write (a crash leaves the one or the other, never both)."""
@@ -107,12 +108,14 @@ class MemoryAPI:
         return new
 
     @user_call
+    @erases
     def delete_fact(self, user_id: str, fact_id: str) -> None:
         self._require(user_id, fact_id)
         self.context.disk.delete(user_id, [fact_id])
         self.context.retriever.delete(user_id, [fact_id])
 
     @user_call
+    @erases
     def delete_user(self, user_id: str) -> Forgotten:
         """Forget a user: every fact with its K/V and embedding, and what Mem0's
         extraction kept (its memories, their history, the session's messages), also where

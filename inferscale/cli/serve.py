@@ -65,8 +65,9 @@ def add_parsers(sub) -> None:
     serve.add_argument("--engine-timeout", type=float, default=1200.0,
                        help="seconds to wait for the engine to start (default 1200)")
     serve.add_argument("--forget-resets-prefix-cache", action="store_true",
-                       help="forgetting a user also empties vLLM's prefix cache, so none of their K/V can be served "
-                            "from it again (every user's cached prefixes go; see docs/server.md)")
+                       help="forgetting a user, deleting or changing a fact also empties vLLM's prefix cache, so the "
+                            "blocks go too (every user's cached prefixes go; the engine port's lock already keeps "
+                            "them from being read: docs/server.md)")
     serve.add_argument("--engine-url", help="an engine not started here: a router in front of `inferscale engine` "
                                             "replicas, e.g. http://127.0.0.1:30000 (docs/cluster.md)")
     serve.add_argument("--engine-retry", type=float, default=30.0,
