@@ -5,13 +5,24 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import sys
+import tempfile
 
 from inferscale.cli.common import api_of, positive_int, top_k
 
 
 def cmd_demo(args) -> int:
     """Build memory for a small conversation, answer questions both ways, compare."""
+    if args.data_dir or args.config or os.environ.get("INFERSCALE_DATA_DIR") or os.environ.get("INFERSCALE_CONFIG"):
+        return _demo(args)
+    with tempfile.TemporaryDirectory(prefix="inferscale-demo-") as scratch:  # not into the home data dir
+        print(f"the demo's memory goes to {scratch} (removed at the end; --data-dir keeps it)", flush=True)
+        args.data_dir = scratch
+        return _demo(args)
+
+
+def _demo(args) -> int:
     from inferscale.datasets import demo as demo_data
 
     mem = api_of(args, in_process=True)
