@@ -113,6 +113,8 @@ def test_with_the_flag_a_fact_delete_and_a_forget_empty_the_prefix_cache(resetti
     forgotten = httpx.delete(f"{front.url}/v1/memories", params={"user_id": "gus@example.com"})
     assert forgotten.status_code == 200 and forgotten.json()["prefix_cache_reset"] is True
     assert leaked.cached_tokens() == 0
+    for method, path in (("GET", "/server_info"), ("POST", "/collective_rpc"), ("POST", "/sleep")):  # no dev mode
+        assert httpx.request(method, f"{leaked.engine}{path}", headers=front.engine_headers()).status_code == 404
 
 
 def test_the_model_list_through_the_front_names_no_path(front):
