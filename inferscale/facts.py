@@ -101,7 +101,8 @@ def check_id_list(values: Sequence[object], what: str) -> None:
 
 
 def check_user_id(value: object) -> str:
-    """A user id is what Mem0 accepts as one, less control characters.
+    """A user id is what Mem0 accepts as one, less control characters; returned in Unicode's
+    NFC form, the one every store holds (:func:`check_stored_user_id`).
 
     Mem0 takes any string and trims it, refusing empty ones and ones with
     whitespace inside; here the id must already be trimmed (``"alice "`` is an
@@ -110,10 +111,21 @@ def check_user_id(value: object) -> str:
     a zero-width space, a bidi override) are not, nor ids longer than
     :data:`MAX_USER_ID_CHARS` characters or whose file name
     (:func:`user_file_stem`) would pass :data:`MAX_USER_FILE_STEM_BYTES` bytes.
+    An id typed composed or decomposed (``"jos\\u00e9"``, ``"jose\\u0301"``) is one
+    user: every way in (the Python API, the server, ``kv_transfer_params``, the
+    command line) takes the id through here.
 
     Ids that pass are remembered (every request names its user).
     """
     return _checked_user_id(value) if type(value) is str else _check_user_id(value)
+
+
+def check_stored_user_id(value: object) -> str:
+    """:func:`check_user_id`, and already in NFC: what a store is given (the API normalized it)."""
+    normal = check_user_id(value)
+    if normal != value:
+        raise ValueError(f"user_id {shown(value)} is not in Unicode NFC: normalize it first (check_user_id)")
+    return normal
 
 
 def _check_user_id(value: object) -> str:
@@ -121,6 +133,9 @@ def _check_user_id(value: object) -> str:
         raise ValueError(f"user_id must be a non-empty string, got {shown(value)}")
     if len(value) > MAX_USER_ID_CHARS:  # first: nothing below walks a long value
         raise ValueError(f"user_id is {len(value)} characters long (at most {MAX_USER_ID_CHARS})")
+    value = unicodedata.normalize("NFC", value)
+    if len(value) > MAX_USER_ID_CHARS:  # NFC lengthens a few characters (composition exclusions)
+        raise ValueError(f"user_id is {len(value)} characters long in NFC (at most {MAX_USER_ID_CHARS})")
     if value in DOT_NAMES:
         raise ValueError(f"user_id {value!r} is not a usable name")
     bad = next((c for c in value if c.isspace() or unicodedata.category(c).startswith(("C", "Z"))), None)
@@ -134,12 +149,18 @@ def _check_user_id(value: object) -> str:
 
 
 def check_request_user_id(value: object) -> str:
-    """A user id a request may name (HTTP, chat, ``kv_transfer_params``): :func:`check_user_id`'s,
-    and not one of the library's own (:func:`is_internal`)."""
-    check_user_id(value)
+    """A user id a request may name (HTTP, chat, ``kv_transfer_params``): :func:`check_user_id`'s
+    (in NFC), and not one of the library's own (:func:`is_internal`)."""
+    value = check_user_id(value)
     if is_internal(value):
         raise ValueError(f"user_id {shown(value)} is reserved (ids starting with {INTERNAL_PREFIX!r} are internal)")
     return value
+
+
+def same_user(stored: str, expected: str) -> bool:
+    """A stored file names the expected user: the same id, or one stored before ids were
+    normalized whose NFC form it is."""
+    return stored == expected or (isinstance(stored, str) and unicodedata.normalize("NFC", stored) == expected)
 
 
 def is_internal(user_id: str) -> bool:
@@ -156,7 +177,7 @@ def user_file_stem(user_id: str, check: bool = True) -> str:
     """The user's id as a file name (without suffix): ``%``, ``/`` and ``\\`` written as
     ``%XX``, everything else kept (``alice@example.com`` stays as it is)."""
     if check:
-        check_user_id(user_id)
+        check_stored_user_id(user_id)
     return "".join(_FILE_ESCAPES.get(c, c) for c in user_id)
 
 

@@ -11,6 +11,7 @@ secret can compute any user's salt.
 from __future__ import annotations
 
 import contextlib
+import hmac
 import os
 import secrets
 import stat
@@ -58,3 +59,9 @@ def _read(path: Path) -> bytes:
     if len(secret) < MIN_SECRET_BYTES:
         raise ConfigError(f"secret file {path} holds {len(secret)} bytes, at least {MIN_SECRET_BYTES} are needed")
     return secret
+
+
+def engine_key(secret: bytes) -> str:
+    """The key of the engine's port (:mod:`inferscale.server.engine_guard`), derived from the
+    secret (never the secret itself): the front sends it, the engine checks it."""
+    return hmac.digest(secret, b"inferscale engine key", "sha256").hex()

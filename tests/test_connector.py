@@ -253,8 +253,10 @@ def _fallback_cases(served):
 
 
 #: the reason the server logs for each case; the client is told only "refused" (or "invalid_params")
-EXPECTED = {"unknown_user": "unknown_user", "unknown_fact": "unknown_fact", "foreign_fact": "unknown_fact",
-            "token_mismatch": "token_mismatch", "missing_cache_salt": "missing_cache_salt",
+#: (the salt covers the prompt's head and is checked first: a request naming a user, facts or tokens its salt
+#: was not made for is refused for that)
+EXPECTED = {"unknown_user": "missing_cache_salt", "unknown_fact": "missing_cache_salt", "foreign_fact": "missing_cache_salt",
+            "token_mismatch": "missing_cache_salt", "missing_cache_salt": "missing_cache_salt",
             "invalid_params": "invalid_params", "prompt_too_short": "prompt_too_short"}
 
 

@@ -11,6 +11,7 @@ from inferscale.secret import load_secret
 from inferscale.storage import disk as disk_module
 from inferscale.storage.disk import DiskStore
 from inferscale.storage.index import INDEX_NAME
+from inferscale.storage.index_cache import PARSED_BYTES_PER_BYTE
 from test_storage import make_facts
 
 
@@ -61,7 +62,7 @@ def test_a_secret_path_that_is_a_directory_is_a_clear_error(tmp_path):
 def test_the_index_cache_is_bounded_in_bytes(store, monkeypatch):
     sizes = {u: (store.user_dir(u) / INDEX_NAME).stat().st_size for u in ("ann", "bob")}
     assert store._indexes.max_bytes == disk_module.CACHE_BYTES
-    monkeypatch.setattr(store._indexes, "max_bytes", max(sizes.values()) + 1)
+    monkeypatch.setattr(store._indexes, "max_bytes", max(sizes.values()) * PARSED_BYTES_PER_BYTE + 1)
     store.list("ann")
     store.list("bob")
     assert len(store._indexes) == 1 and store._indexes.nbytes <= store._indexes.max_bytes

@@ -134,18 +134,19 @@ def test_capped_llm_swaps_only_json_object():
 
 
 @pytest.fixture(scope="module")
-def llm_server(qwen05_front, pytestconfig) -> str:
-    """A real vLLM OpenAI-compatible server for Qwen2.5-Coder-0.5B-Instruct; its /v1 base URL: the
-    engine of the session's `inferscale serve` (conftest.py), vLLM's own server with prefix caching
-    and a context that fits Mem0's prompt (check_context fails the extraction otherwise)."""
+def llm_server(qwen05_front, pytestconfig) -> dict:
+    """A real vLLM OpenAI-compatible server for Qwen2.5-Coder-0.5B-Instruct; its /v1 base URL and
+    the key its port answers: the engine of the session's `inferscale serve` (conftest.py), vLLM's
+    own server with prefix caching and a context that fits Mem0's prompt (check_context fails the
+    extraction otherwise)."""
     url = f"http://127.0.0.1:{qwen05_front.engine_port()}/v1"
     _say(pytestconfig, f"vLLM server at {url}")
-    return url
+    return {"llm_base_url": url, "api_key": qwen05_front.engine_headers()["Authorization"].removeprefix("Bearer ")}
 
 
-def _extract(url: str, store: Path, turns: list[Turn], **options) -> tuple[list[tuple[str, str]], float]:
+def _extract(server: dict, store: Path, turns: list[Turn], **options) -> tuple[list[tuple[str, str]], float]:
     start = time.perf_counter()
-    with Mem0Extractor(Mem0Extractor.Options(llm_base_url=url, store_dir=str(store), **options)) as extractor:
+    with Mem0Extractor(Mem0Extractor.Options(**server, store_dir=str(store), **options)) as extractor:
         facts = extractor.extract("maya", turns)
     return facts, time.perf_counter() - start
 

@@ -211,7 +211,7 @@ def test_the_engine_port_injects_nothing_for_a_forged_request(front):
     def complete(prompt: list[int], salt: str | None) -> tuple[str, dict]:
         body = {"model": QWEN05, "prompt": prompt, "max_tokens": 8, "temperature": 0, "kv_transfer_params": params,
                 **({"cache_salt": salt} if salt else {})}
-        answer = httpx.post(f"{engine}/v1/completions", json=body, timeout=120)
+        answer = httpx.post(f"{engine}/v1/completions", json=body, headers=front.engine_headers(), timeout=120)
         if answer.status_code == 400 and "cache_salt" in answer.text:  # vLLM refuses salts with '@' or '/'
             return answer.text, REFUSED
         return answer.json()["choices"][0]["text"], answer.json()["kv_transfer_params"]["inferscale"]

@@ -143,9 +143,9 @@ def test_ids_with_slashes_stay_ids(client, state):
      400, "set by the server"),  # no Content-Type: vLLM parses JSON all the same
     ("post", "/v1/completions", {"content": json.dumps({"prompt": [1], "kv_transfer_params": {}}).encode(),
                                  "headers": {"Content-Type": "Application/JSON"}}, 400, "set by the server"),
-    ("post", "/v1/chat/completions", {"content": b" " * (33 << 20), "headers": JSON}, 413, "larger than 32 MiB"),
+    ("post", "/v1/chat/completions", {"content": b" " * (33 << 20), "headers": JSON}, 413, "larger than 8 MiB"),
     ("post", "/v1/memories", {"content": (b" " * (1 << 20) for _ in range(40)), "headers": JSON}, 413,
-     "larger than 32 MiB"),  # sent in chunks, without a Content-Length
+     "larger than 4 MiB"),  # sent in chunks, without a Content-Length
 ])
 def test_bad_input_is_a_clear_4xx(client, method, path, kwargs, status, needle):
     response = getattr(client, method)(path, **kwargs)

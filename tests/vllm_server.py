@@ -51,6 +51,7 @@ class Front:
     url: str
     proc: subprocess.Popen
     log: Path
+    data_dir: Path | None = None
 
     def log_text(self) -> str:
         return self.log.read_text(errors="replace")
@@ -65,6 +66,12 @@ class Front:
         cmd = open(f"/proc/{self.engine_pid()}/cmdline").read().split("\0")
         return int(cmd[cmd.index("--port") + 1])
 
+    def engine_headers(self) -> dict[str, str]:
+        """What a process holding the server secret (the front) sends the engine: its port's key."""
+        from inferscale.secret import engine_key, load_secret
+
+        return {"Authorization": f"Bearer {engine_key(load_secret(self.data_dir / 'secret'))}"}
+
 
 @contextlib.contextmanager
 def inferscale_serve(model: Path | str, data_dir: Path, *args: str) -> Iterator[Front]:
@@ -73,7 +80,7 @@ def inferscale_serve(model: Path | str, data_dir: Path, *args: str) -> Iterator[
     cmd = [sys.executable, "-m", "inferscale.cli", "serve", str(model), "--data-dir", str(data_dir),
            "--port", str(port), *args]
     with _running(cmd, f"http://127.0.0.1:{port}/v1") as (url, proc, log):
-        yield Front(url.removesuffix("/v1"), proc, log)
+        yield Front(url.removesuffix("/v1"), proc, log, Path(data_dir))
 
 
 @contextlib.contextmanager

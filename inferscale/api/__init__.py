@@ -36,7 +36,11 @@ __all__ = ["MAX_FACTS", "SESSION_HEADER", "Answer", "Composed", "Context", "Extr
 class InferScale:
     def __init__(self, config: Config, in_process: bool = False, **engine_kwargs: Any):
         """``in_process`` runs vLLM's engine core in this process (faster start);
-        ``engine_kwargs`` go to ``vllm.LLM``."""
+        ``engine_kwargs`` go to ``vllm.LLM``. A model that is neither a directory, a GGUF file
+        nor a known name is a :class:`ConfigError` here, not when the engine starts."""
+        from inferscale.encode.weights import resolve_model
+
+        resolve_model(config.model)
         self.config = config
         self.context = Context(config)
         self.memory = MemoryAPI(self.context)

@@ -9,9 +9,10 @@ side each take one, so a server can run either alone or both over one context.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from functools import cached_property
 from pathlib import Path
 
@@ -21,7 +22,7 @@ from inferscale.compose.salt import CacheSalts
 from inferscale.config import Config, build
 from inferscale.errors import CorruptDataError
 from inferscale.facts import fact_id_key
-from inferscale.secret import load_secret
+from inferscale.secret import engine_key, load_secret
 from inferscale.session import session_key
 from inferscale.storage.disk import DiskStore
 from inferscale.storage.tiers import disk_tier
@@ -99,6 +100,11 @@ class Context:
         return fact_id_key(load_secret(self.config.secret_path))
 
     @cached_property
+    def engine_key(self) -> str:
+        """The key the engine's port answers (:mod:`inferscale.server.engine_guard`), from the secret."""
+        return engine_key(load_secret(self.config.secret_path))
+
+    @cached_property
     def session_secret(self) -> bytes:
         return load_secret(self.config.secret_path)
 
@@ -120,7 +126,7 @@ class Context:
             try:
                 epoch = self.disk.epoch(user_id)
                 ids, vectors = self.disk.embeddings(user_id)
-            except CorruptDataError as exc:  # that user's memory is unreadable; everyone else's serves
+            except (CorruptDataError, ValueError) as exc:  # that user's memory is unreadable; everyone else's serves
                 logger.error("memory of %r left out of the index: %s", user_id, exc)
                 continue
             if ids:
@@ -128,8 +134,32 @@ class Context:
             self.indexed.note(user_id, epoch)
         return retriever
 
+    @cached_property
+    def erasure_listeners(self) -> list[Callable[[str], None]]:
+        """Called with a user id once something of their memory is gone (a fact deleted or changed,
+        the user forgotten): what holds it beyond the store drops it (the in-process engine's
+        prefix cache: :class:`GenerationAPI`)."""
+        return []
+
+    def erased(self, user_id: str) -> None:
+        for listener in self.erasure_listeners:
+            listener(user_id)
+
     def retriever_for(self, user_id: str):
         """The retriever, with the user's index at the store's current version of them (another
         replica may have changed it: :mod:`inferscale.api.freshness`)."""
         self.retriever  # noqa: B018  (built first)
         return self.indexed.sync(user_id)
+
+
+def erases(method):
+    """A :class:`MemoryAPI` method that removes memory: once it returns, the context's erasure
+    listeners are told (``user_id`` is the method's first argument)."""
+
+    @functools.wraps(method)
+    def erasing(self, user_id, *args, **kwargs):
+        result = method(self, user_id, *args, **kwargs)
+        self.context.erased(user_id)
+        return result
+
+    return erasing

@@ -13,6 +13,7 @@ request the connector injects memory into, and users never share cached blocks;
 
 from __future__ import annotations
 
+import logging
 import time
 import uuid
 from collections.abc import Mapping, Sequence
@@ -20,6 +21,8 @@ from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any, Literal
 
+from inferscale.api.checks import mode as check_mode
+from inferscale.api.checks import top_k, user_call
 from inferscale.api.context import Context
 from inferscale.compose.request import make_params
 from inferscale.config import build
@@ -27,6 +30,7 @@ from inferscale.errors import UnknownUserError
 from inferscale.facts import Hit
 
 Mode = Literal["kv", "prompt", "none"]
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -75,6 +79,7 @@ class GenerationAPI:
         self.in_process = in_process
         self.engine_kwargs = engine_kwargs
         self._llm = None
+        context.erasure_listeners.append(self._drop_cached_memory)
 
     @cached_property
     def composer(self):
@@ -82,24 +87,33 @@ class GenerationAPI:
 
     @property
     def llm(self):
+        """The engine, started on first use (minutes the first time on a CPU: vLLM compiles)."""
         if self._llm is None:
             from inferscale.connector.engine import make_llm
 
+            logger.warning("inferscale: starting vLLM's engine for %s (the first start takes minutes on a CPU: vLLM "
+                           "loads and compiles the model; later calls reuse it) ...", self.config.model.path)
+            start = time.perf_counter()
             self._llm = make_llm(str(self.context.model_dir), self.config, self.in_process, **self.engine_kwargs)
+            logger.warning("inferscale: the engine is ready (%.0f s)", time.perf_counter() - start)
         return self._llm
 
+    @user_call
     def retrieve(self, user_id: str, query: str, k: int | None = None) -> list[Hit]:
+        k = top_k(k)
         retriever = self.context.retriever_for(user_id)
         if retriever.count(user_id) == 0:
             raise UnknownUserError(user_id)
         return retriever.search(user_id, self.context.embedder.embed([query]), k or self.config.top_k)[0]
 
+    @user_call
     def compose(self, user_id: str, query: str, k: int | None = None, mode: Mode = "kv",
                 conversation: Sequence[Mapping[str, str]] | None = None, **prompt_options: Any) -> Composed:
         """Retrieve the user's top-k facts for ``query``, order them as the composer does, and
         lay out the request (:meth:`prompt`) that answers ``query``, or ``conversation`` (a chat
         whose last message ``query`` is) after the memory. ``prompt_options`` go to :meth:`prompt`.
         Mode ``"none"`` retrieves nothing."""
+        k, mode = top_k(k), check_mode(mode)
         start = time.perf_counter()
         hits = self.retrieve(user_id, query, k) if mode != "none" else []
         retrieved = time.perf_counter()
@@ -107,6 +121,7 @@ class GenerationAPI:
         request = self.prompt(user_id, asked, self.composer.order(hits), mode, **prompt_options)
         return Composed(request, retrieved - start, time.perf_counter() - retrieved)
 
+    @user_call
     def prompt(self, user_id: str, query: str | Sequence[Mapping[str, str]], fact_order: Sequence[str],
                mode: Mode = "kv", fresh_cache: bool = False, recompute_tokens: int | None = None,
                key_scale: float | None = None) -> PromptRequest:
@@ -118,6 +133,7 @@ class GenerationAPI:
         configured blend for this request (None: the configured one).
         ``fresh_cache`` adds a nonce to the salt: no prefix-cache reuse at all.
         """
+        mode = check_mode(mode)
         ctx = self.context
         question = (ctx.prompt_format.query_ids(ctx.tokenizer, query) if isinstance(query, str)
                     else ctx.prompt_format.chat_ids(ctx.tokenizer, query))
@@ -138,6 +154,7 @@ class GenerationAPI:
         params = make_params(user_id, order, recompute_tokens, key_scale, epoch, len(segment))
         return PromptRequest({"prompt_token_ids": ids, "cache_salt": salt}, params, order, len(segment))
 
+    @user_call
     def generate(self, user_id: str, query: str, k: int | None = None, mode: Mode = "kv",
                  max_tokens: int = 64, fresh_cache: bool = False, recompute_tokens: int | None = None,
                  key_scale: float | None = None) -> Answer:
@@ -149,6 +166,7 @@ class GenerationAPI:
         """
         from inferscale.connector.compat import first_token_latency, greedy_sampling
 
+        k, mode = top_k(k), check_mode(mode)
         start = time.perf_counter()
         composed = self.compose(user_id, query, k, mode, fresh_cache=fresh_cache, recompute_tokens=recompute_tokens,
                                 key_scale=key_scale)
@@ -168,6 +186,13 @@ class GenerationAPI:
         return Answer(out.outputs[0].text, mode, request.fact_ids, request.num_tokens, request.memory_tokens,
                       report.get("injected_tokens", 0), report.get("fallback"),
                       report.get("recomputed_tokens", 0), timings)
+
+    def _drop_cached_memory(self, user_id: str) -> None:
+        """Something of a user's memory is gone: empty the in-process engine's prefix cache, which
+        may hold blocks computed from it under a salt of theirs (running requests are computed
+        again), so that no request, even one holding that salt, reads them back."""
+        if self._llm is not None:
+            self._llm.reset_prefix_cache(reset_running_requests=True)
 
     def close(self) -> None:
         """Shut the engine down (frees its memory and worker processes)."""

@@ -14,7 +14,8 @@ from dataclasses import dataclass
 from functools import cached_property
 from typing import Any
 
-from inferscale.api.context import Context
+from inferscale.api.checks import fact_inputs, fact_text, top_k, user_call
+from inferscale.api.context import Context, erases
 from inferscale.compose.prompt import fact_token_ids
 from inferscale.compose.segment import PREFIX_FACT, SYSTEM_USER
 from inferscale.config import Config, build
@@ -69,6 +70,7 @@ class MemoryAPI:
 
     # ------------------------------------------------------------ writing
 
+    @user_call
     def add_conversation(self, user_id: str, turns: Sequence[Turn], facts: Sequence[FactInput] | None = None, *,
                          llm_base_url: str | None = None, progress: bool = True) -> list[Fact]:
         """Extract → encode → store: the offline step for one user's conversation.
@@ -78,34 +80,44 @@ class MemoryAPI:
         ``turns`` against the OpenAI-compatible LLM at ``llm_base_url``. At most
         ``config.max_facts_per_turn`` facts are kept per turn.
         """
+        facts = fact_inputs(facts) if facts is not None else None
         if facts is None:
             if llm_base_url is None:
                 raise ValueError("add_conversation needs either facts or llm_base_url (to extract them with Mem0)")
             facts = self.extract_facts(user_id, turns, llm_base_url, progress=progress)
         return self.add_facts(user_id, facts, turns, progress=progress)
 
+    @user_call
     def add_facts(self, user_id: str, facts: Sequence[FactInput], turns: Sequence[Turn] = (),
                   progress: bool = False) -> list[Fact]:
         """Store facts for a user, encoded behind the facts already stored; a fact
-        given again (same id) is encoded and stored again, whole."""
-        records = self._new_facts(user_id, facts)
+        given again (same id) is encoded and stored again, whole. ``facts`` is a list of
+        strings or ``(text, turn_id)`` pairs, each with some text (checked first)."""
+        records = self._new_facts(user_id, fact_inputs(facts))
         if records:
             self._store(user_id, records, turns, progress)
         return records
 
+    @user_call
+    @erases
     def update_fact(self, user_id: str, fact_id: str, text: str) -> Fact:
         """Replace a fact's text: a new fact, encoded again under a new id, stored and the old
         one removed in one write (a crash leaves the one or the other, never both)."""
+        fact_text(text)
         old = self._require(user_id, fact_id)
         (new,) = self._new_facts(user_id, [(text, old.source_turn)])
         self._store(user_id, [new], (), False, replaced=[fact_id] if new.fact_id != fact_id else [])
         return new
 
+    @user_call
+    @erases
     def delete_fact(self, user_id: str, fact_id: str) -> None:
         self._require(user_id, fact_id)
         self.context.disk.delete(user_id, [fact_id])
         self.context.retriever.delete(user_id, [fact_id])
 
+    @user_call
+    @erases
     def delete_user(self, user_id: str) -> Forgotten:
         """Forget a user: every fact with its K/V and embedding, and what Mem0's
         extraction kept (its memories, their history, the session's messages), also where
@@ -123,6 +135,7 @@ class MemoryAPI:
         mem0 = forget_user(self.config.mem0_path, user_id)
         return Forgotten(user_id, facts, mem0, found or mem0 > 0)
 
+    @user_call
     def extract_facts(self, user_id: str, turns: Sequence[Turn], llm_base_url: str, progress: bool = True,
                       **options: Any) -> list[tuple[str, str]]:
         """Mem0's extraction, turn by turn, as ``(fact, source turn_id)``."""
@@ -135,6 +148,7 @@ class MemoryAPI:
 
     # ------------------------------------------------------------ reading
 
+    @user_call
     def list_facts(self, user_id: str) -> list[Fact]:
         """The user's facts in the order they were stored; :class:`UnknownUserError` for a user
         with none (as :meth:`search` and generation answer)."""
@@ -143,8 +157,10 @@ class MemoryAPI:
             raise UnknownUserError(user_id)
         return list(facts.values())
 
+    @user_call
     def search(self, user_id: str, query: str, k: int | None = None) -> list[FoundFact]:
-        """The user's k facts most relevant to ``query``, best first."""
+        """The user's k facts most relevant to ``query``, best first (``k``: 1..1024, None: the config's)."""
+        k = top_k(k)
         facts = self.context.disk.facts(user_id)
         if not facts:
             raise UnknownUserError(user_id)

@@ -13,7 +13,10 @@ LOG_FORMAT = "%(levelname)s %(asctime)s [%(name)s] %(message)s"
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from inferscale import __version__
+
     parser = argparse.ArgumentParser(prog="inferscale", description="InferScale's command line.")
+    parser.add_argument("--version", action="version", version=f"inferscale {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
 
     def common(p):
@@ -46,11 +49,17 @@ def main(argv=None) -> int:
 
     try:
         return args.func(args)
-    except (InferScaleError, ServerError) as exc:
-        print(f"inferscale: error: {exc}", file=sys.stderr)
+    except (InferScaleError, ServerError, OSError, ValueError) as exc:  # a file, a value: said, not traced
+        print(f"inferscale: error: {_message(exc)}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         return 130
+
+
+def _message(exc: BaseException) -> str:
+    if isinstance(exc, OSError) and exc.filename is not None:  # "Permission denied: /srv/memory/kv"
+        return f"{exc.strerror or exc}: {exc.filename}"
+    return str(exc)
 
 
 def setup_logging(level: int = logging.INFO) -> None:

@@ -3,6 +3,7 @@ Python API over it, and the memory side (the data directory's, or a running serv
 
 from __future__ import annotations
 
+import argparse
 import os
 
 
@@ -37,3 +38,24 @@ def memory_of(args):
     from inferscale.api import Context, MemoryAPI
 
     return MemoryAPI(Context(config_of(args)))
+
+
+def positive_int(text: str) -> int:
+    """An argparse type: an integer of at least 1 (``-k 0`` is an error, not the default)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def top_k(text: str) -> int:
+    """An argparse type: facts to retrieve, 1..1024."""
+    from inferscale.api.checks import top_k as checked
+
+    try:
+        return checked(positive_int(text))
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None

@@ -18,7 +18,8 @@ def cmd_convert(args) -> int:
 
 def add_parsers(sub) -> None:
     convert = sub.add_parser("convert", help=cmd_convert.__doc__)
-    convert.add_argument("model")
+    convert.add_argument("model", help="a known model name (e.g. qwen2.5-coder-0.5b-instruct) or a .gguf file")
     convert.add_argument("--out", help="output directory (for a GGUF file)")
-    convert.add_argument("--dtype", default="bfloat16")
+    convert.add_argument("--dtype", default="bfloat16", help="dtype of the converted weights: bfloat16 "
+                                                             "(default), float16, or float32 (what the default config serves)")
     convert.set_defaults(func=cmd_convert)

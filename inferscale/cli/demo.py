@@ -5,13 +5,24 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import sys
+import tempfile
 
-from inferscale.cli.common import api_of
+from inferscale.cli.common import api_of, positive_int, top_k
 
 
 def cmd_demo(args) -> int:
     """Build memory for a small conversation, answer questions both ways, compare."""
+    if args.data_dir or args.config or os.environ.get("INFERSCALE_DATA_DIR") or os.environ.get("INFERSCALE_CONFIG"):
+        return _demo(args)
+    with tempfile.TemporaryDirectory(prefix="inferscale-demo-") as scratch:  # not into the home data dir
+        print(f"the demo's memory goes to {scratch} (removed at the end; --data-dir keeps it)", flush=True)
+        args.data_dir = scratch
+        return _demo(args)
+
+
+def _demo(args) -> int:
     from inferscale.datasets import demo as demo_data
 
     mem = api_of(args, in_process=True)
@@ -82,7 +93,14 @@ def cmd_add(args) -> int:
     return 0
 
 
+def _user_id(value: str) -> str:
+    from inferscale.cli.memory import _user_id as checked
+
+    return checked(value)
+
+
 def cmd_ask(args) -> int:
+    """Answer a question for a user from memory."""
     mem = api_of(args, in_process=True)
     answer = mem.generate(args.user, args.question, k=args.k, mode=args.mode, max_tokens=args.max_tokens)
     print(answer.text.strip())
@@ -95,21 +113,24 @@ def cmd_ask(args) -> int:
 def add_parsers(sub, common) -> None:
     demo = common(sub.add_parser("demo", help=cmd_demo.__doc__))
     demo.add_argument("--locomo", help="a LoCoMo conversation file instead of the built-in one")
-    demo.add_argument("--sessions", type=int, default=2)
-    demo.add_argument("--questions", type=int, default=4)
-    demo.add_argument("-k", type=int, default=None, help="facts per question (default: the config's top_k)")
-    demo.add_argument("--max-tokens", type=int, default=32)
+    demo.add_argument("--sessions", type=positive_int, default=2,
+                      help="with --locomo: the conversation's first N sessions (default 2)")
+    demo.add_argument("--questions", type=positive_int, default=4, help="with --locomo: questions asked (default 4)")
+    demo.add_argument("-k", type=top_k, default=None, help="facts per question, 1..1024 (default: the config's top_k)")
+    demo.add_argument("--max-tokens", type=positive_int, default=32, help="tokens per answer (default 32)")
     demo.set_defaults(func=cmd_demo)
 
     add = common(sub.add_parser("encode", aliases=["add"], help=cmd_add.__doc__))
     add.add_argument("locomo", help="a LoCoMo conversation file")
-    add.add_argument("--sessions", type=int, default=None)
+    add.add_argument("--sessions", type=positive_int, default=None,
+                     help="the conversation's first N sessions (default: all)")
     add.set_defaults(func=cmd_add)
 
     ask = common(sub.add_parser("ask", help="answer a question for a user from memory"))
-    ask.add_argument("user")
-    ask.add_argument("question")
-    ask.add_argument("-k", type=int, default=None, help="facts to retrieve (default: the config's top_k)")
-    ask.add_argument("--mode", choices=("kv", "prompt", "none"), default="kv")
-    ask.add_argument("--max-tokens", type=int, default=64)
+    ask.add_argument("user", type=_user_id, help="whose memory answers (a user id, e.g. alice@example.com)")
+    ask.add_argument("question", help="the question, in quotes")
+    ask.add_argument("-k", type=top_k, default=None, help="facts to retrieve, 1..1024 (default: the config's top_k)")
+    ask.add_argument("--mode", choices=("kv", "prompt", "none"), default="kv",
+                     help="kv: the facts' K/V injected (default); prompt: the same facts as text; none: no memory")
+    ask.add_argument("--max-tokens", type=positive_int, default=64, help="tokens of the answer (default 64)")
     ask.set_defaults(func=cmd_ask)

@@ -62,7 +62,7 @@ def add_parsers(sub) -> None:
     def memory_cmd(name, func, user: bool = True):
         p = sub.add_parser(name, help=func.__doc__)
         if user:
-            p.add_argument("user", type=_user_id)
+            p.add_argument("user", type=_user_id, help="a user id, e.g. alice@example.com")
         p.add_argument("--config", help="TOML config file (default: INFERSCALE_* environment)")
         p.add_argument("--data-dir", help="where memory is stored")
         p.add_argument("--server", help="a running `inferscale serve` (e.g. http://127.0.0.1:8000) instead of "

@@ -62,10 +62,12 @@ def add_parsers(sub) -> None:
     serve.add_argument("--encoder-device", default="cpu",
                        help="where the fact encoder runs: cpu (default) or cuda[:N], which lowers the engine's "
                             "--gpu-memory-utilization to leave it room")
-    serve.add_argument("--engine-timeout", type=float, default=1200.0, help="seconds to wait for the engine")
+    serve.add_argument("--engine-timeout", type=float, default=1200.0,
+                       help="seconds to wait for the engine to start (default 1200)")
     serve.add_argument("--forget-resets-prefix-cache", action="store_true",
-                       help="forgetting a user also empties vLLM's prefix cache, so none of their K/V can be served "
-                            "from it again (every user's cached prefixes go; see docs/server.md)")
+                       help="forgetting a user, deleting or changing a fact also empties vLLM's prefix cache, so the "
+                            "blocks go too (every user's cached prefixes go; the engine port's lock already keeps "
+                            "them from being read: docs/server.md)")
     serve.add_argument("--engine-url", help="an engine not started here: a router in front of `inferscale engine` "
                                             "replicas, e.g. http://127.0.0.1:30000 (docs/cluster.md)")
     serve.add_argument("--engine-retry", type=float, default=30.0,
@@ -84,5 +86,5 @@ def add_parsers(sub) -> None:
     engine.set_defaults(func=cmd_engine, vllm_args=[])
 
     config_cmd = sub.add_parser("serve-config", help=cmd_serve_config.__doc__)
-    config_cmd.add_argument("--config")
+    config_cmd.add_argument("--config", help="TOML config file (default: INFERSCALE_* environment)")
     config_cmd.set_defaults(func=cmd_serve_config)

@@ -83,7 +83,7 @@ def parse_params(params: Any) -> SegmentRequest | None:
         raise InvalidParams(f"unknown key(s) {sorted(str(k)[:40] for k in unknown)[:5]}")
     user_id, fact_ids = body.get("user_id"), body.get("fact_ids")
     try:
-        check_request_user_id(user_id)
+        user_id = check_request_user_id(user_id)  # in NFC, as the server made the salt with it
     except ValueError as exc:
         raise InvalidParams(str(exc)) from None
     if not isinstance(fact_ids, (list, tuple)):

@@ -169,6 +169,8 @@ class Config:
                 data = tomllib.load(fh)
         except tomllib.TOMLDecodeError as exc:
             raise ConfigError(f"{path}: {exc}") from exc
+        except OSError as exc:
+            raise ConfigError(f"config file {path}: {exc.strerror or exc}") from None
         return cls.from_dict(split_flat_tuning(data, f"{path}: top-level key(s)", stacklevel=2))
 
     @classmethod

@@ -73,8 +73,14 @@ def _latest(ids: Sequence[str], order: dict[str, int]) -> str | None:
 def load_conversation(path: str | os.PathLike, max_sessions: int | None = None) -> Conversation:
     """Read one LoCoMo file; ``max_sessions`` keeps the first sessions only (and
     the questions whose evidence lies in them). Category-5 questions have no
-    gold answer and are dropped."""
-    data = json.loads(Path(path).read_text())
+    gold answer and are dropped. A file that is not one is a ValueError naming it."""
+    try:
+        return _conversation(path, json.loads(Path(path).read_text()), max_sessions)
+    except (KeyError, TypeError, AttributeError, IndexError, json.JSONDecodeError) as exc:
+        raise ValueError(f"{path}: not a LoCoMo conversation file ({type(exc).__name__}: {exc})") from None
+
+
+def _conversation(path: str | os.PathLike, data: dict, max_sessions: int | None) -> Conversation:
     conv = data.get("conversation", data)  # the released files nest it; some copies are flat
     sessions = _sessions(conv)[:max_sessions]
     turns = [Turn(t["dia_id"], t["speaker"], t["text"]) for s in sessions for t in conv[f"session_{s}"]]

@@ -9,11 +9,14 @@ token is left to compute. It claims the segment's head: the whole facts at
 the tail that fit in the recompute budget are left to vLLM
 (:mod:`inferscale.compose.blend`); an adaptive budget is spent only when the
 caller says the engine has room (``room``, :mod:`inferscale.inject.load_signal`).
-Planning is side-effect free: vLLM may ask twice. Each refusal carries a reason for the server log; the client is told
-less (:mod:`inferscale.inject.report`). A request that carries its epoch and
-segment length (every request the server makes) has its salt checked against
-the prompt's head first, before the user or a fact is looked up: a forged one is
-refused the same way whether the user, the facts or neither exist.
+Planning is side-effect free: vLLM may ask twice. Each refusal carries a reason for
+the server log; the client is told less (:mod:`inferscale.inject.report`). Every
+request has its salt checked against the prompt's head first, before the user or a
+fact is told apart: a forged one is refused the same way, at the same cost, whether
+the user, the facts or neither exist. A request that carries its epoch and segment
+length (every request the server makes) is checked with no store read; one built by
+hand without them, with the store's current epoch and fact lengths, read alike for
+stored and unknown ids.
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from inferscale.compose.blend import Blend, injected_length
-from inferscale.compose.segment import segment_parts
+from inferscale.compose.segment import PREFIX_FACT, SYSTEM_USER, segment_parts
 from inferscale.compose.request import InvalidParams, SegmentRequest, parse_params
 from inferscale.compose.salt import CacheSalts
 from inferscale.inject.stats import Fallback
@@ -63,6 +66,9 @@ class Plan:
 
 
 NO_MEMORY = Plan(request=None)
+#: the epoch a hand-built request's salt is checked with when its user has none (no real epoch:
+#: those are 32 hex digits)
+NO_EPOCH = "none"
 
 
 def plan_request(
@@ -86,8 +92,7 @@ def plan_request(
     if request is None:
         return NO_MEMORY
     prompt = prompt_token_ids if isinstance(prompt_token_ids, list) else list(prompt_token_ids)
-    head = request.salt_of_head(salts, prompt)
-    if head is not None and not salt_matches(cache_salt, head):  # before any lookup: nothing to tell apart
+    if not salt_matches(cache_salt, _head_salt(store, salts, request, prompt)):  # nothing told apart before
         return Plan(request, fallback=Fallback.MISSING_CACHE_SALT,
                     detail="request lacks the cache_salt of its prompt's head (not made by this server)")
     try:
@@ -107,6 +112,22 @@ def plan_request(
     if plan.fallback is not None:
         return plan
     return with_tail(plan, parts, num_computed_tokens, room() if blend.adaptive else None)
+
+
+def _head_salt(store: KVStore, salts: CacheSalts, request: SegmentRequest, prompt: list[int]) -> str:
+    """The salt the prompt's head must carry. A server-made request names its epoch and segment
+    length: no store read. A hand-built one is checked against the store's current version of
+    its segment, read at one cost whether the user and its facts exist or not (a stand-in epoch,
+    a length of 0), so that neither the answer nor the time it took tells them apart."""
+    head = request.salt_of_head(salts, prompt)
+    if head is not None:
+        return head
+    try:
+        _, (prefix,) = store.stored_lengths(SYSTEM_USER, [PREFIX_FACT])
+        epoch, lengths = store.stored_lengths(request.user_id, request.fact_ids)
+    except (CorruptDataError, OSError, ValueError):
+        epoch, prefix, lengths = None, 0, []
+    return request.salt(salts, epoch or NO_EPOCH, prompt[: prefix + sum(lengths)])
 
 
 def _match(request: SegmentRequest, segment: list[int], prompt: list[int], cache_salt: str | None, salt: str,

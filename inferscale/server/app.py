@@ -22,7 +22,7 @@ OPEN_PATHS = ("/health", "/metrics")
 def create_app(state: ServerState) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI):
-        state.client = forward.engine_client(state.engine_url)
+        state.client = forward.engine_client(state.engine_url, state.engine_key)
         try:
             yield
         finally:

@@ -118,10 +118,14 @@ def _options(body: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def _user(body: Mapping[str, Any], options: Mapping[str, Any]) -> str | None:
-    named, user = options.get("user_id"), body.get("user")
+    named, user = _checked_user(options.get("user_id")), _checked_user(body.get("user"))
     if named is not None and user is not None and named != user:
         raise APIError(400, f"'user' ({shown(user)}) and inferscale.user_id ({shown(named)}) differ", "user")
-    user_id = named if named is not None else user
+    return named if named is not None else user
+
+
+def _checked_user(user_id: Any) -> str | None:
+    """The id in NFC (:func:`check_request_user_id`), or None when not given."""
     if user_id is None:
         return None
     try:

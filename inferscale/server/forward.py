@@ -7,7 +7,6 @@ around leaves this file alone.
 
 from __future__ import annotations
 
-import asyncio
 import json
 import logging
 from collections.abc import AsyncIterator
@@ -18,18 +17,21 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.background import BackgroundTask
 
+from inferscale.server.engine_guard import RESET_PATH
 from inferscale.server.errors import APIError
 
 logger = logging.getLogger(__name__)
 
-#: request headers the engine sees (no client credentials: the engine is on loopback)
+#: request headers the engine sees (no client credentials: the front adds the engine key itself)
 REQUEST_HEADERS = ("content-type", "accept", "x-request-id")
 RESPONSE_HEADERS = ("content-type", "x-request-id")
 
 
-def engine_client(base_url: str) -> httpx.AsyncClient:
-    """No read timeout (answers stream for as long as they take); a short connect timeout."""
-    return httpx.AsyncClient(base_url=base_url, timeout=httpx.Timeout(None, connect=10.0))
+def engine_client(base_url: str, key: str | None = None) -> httpx.AsyncClient:
+    """No read timeout (answers stream for as long as they take); a short connect timeout; every
+    request carries the engine key (:mod:`inferscale.server.engine_guard`)."""
+    headers = {"Authorization": f"Bearer {key}"} if key else None
+    return httpx.AsyncClient(base_url=base_url, timeout=httpx.Timeout(None, connect=10.0), headers=headers)
 
 
 async def post_json(client: httpx.AsyncClient, path: str, body: dict[str, Any],
@@ -89,25 +91,18 @@ async def relay(client: httpx.AsyncClient, upstream: httpx.Request) -> Response:
                              background=BackgroundTask(response.aclose))
 
 
-async def reset_prefix_cache(client: httpx.AsyncClient, attempts: int = 25, pause_s: float = 0.2) -> bool:
-    """Empty the engine's prefix cache (vLLM's ``POST /reset_prefix_cache``, on loopback); True once
-    it did. vLLM refuses while running requests hold cached blocks, so this asks again a few
-    times (``attempts`` × ``pause_s``, 5 s by default)."""
-    for _ in range(attempts):
-        try:
-            response = await client.post("/reset_prefix_cache", timeout=10.0)
-        except httpx.HTTPError as exc:
-            logger.warning("the engine's prefix cache could not be reset: %s", type(exc).__name__)
-            return False
-        if response.status_code == 200 and _json(response.content).get("success", True) is not False:
-            return True
-        if response.status_code == 404:
-            logger.warning("the engine serves no /reset_prefix_cache (vLLM's dev routes are off)")
-            return False
-        await asyncio.sleep(pause_s)
-    logger.warning("the engine's prefix cache was not reset: requests held its blocks for %.0f s",
-                   attempts * pause_s)
-    return False
+async def reset_prefix_cache(client: httpx.AsyncClient) -> bool:
+    """Empty the engine's prefix cache (the engine lock's own route, :mod:`engine_guard`: running
+    requests are preempted and computed again, so it succeeds); True once it did."""
+    try:
+        response = await client.post(RESET_PATH, timeout=60.0)
+    except httpx.HTTPError as exc:
+        logger.warning("the engine's prefix cache could not be reset: %s", type(exc).__name__)
+        return False
+    done = response.status_code == 200 and _json(response.content).get("success") is True
+    if not done:
+        logger.warning("the engine's prefix cache was not reset (HTTP %d)", response.status_code)
+    return done
 
 
 #: the error type of an answer whose body was not JSON (vLLM answers JSON; a router may not)

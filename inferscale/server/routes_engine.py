@@ -1,7 +1,11 @@
 """Health, metrics, and the rest of vLLM's OpenAI API, passed through to the engine.
 
-``GET /health``: 200 when the engine answers its own ``/health``, else 503.
+``GET /health``: 200 while the front can serve: its engine answers its own ``/health``, or,
+behind a router (``--engine-url``), at least one replica is healthy — the body lists each
+replica's state (``vllm-router`` answers its own ``/health`` 503 while any one worker is down,
+which would take every front out of a load balancer though chats still succeed); else 503.
 ``GET /metrics``: the front's metrics, then the engine's (vLLM's and the connector's).
+``GET /v1/models``: the engine's list with no path in it (vLLM shows the model's directory as ``root``).
 The engine routes of :data:`engine_routes.ALLOWED` (``/v1/models``, ``/v1/completions``,
 ``/v1/embeddings``, ``/tokenize``, ``/detokenize``, ``/version``), matched after the path is
 decoded and its dot-segments resolved: passed to the engine, except that a client may not send
@@ -13,7 +17,7 @@ from __future__ import annotations
 
 import httpx
 from fastapi import APIRouter, Request
-from fastapi.responses import PlainTextResponse, Response
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
 from inferscale.server import forward
 from inferscale.server.chat import refuse_reserved
@@ -28,13 +32,56 @@ PROMETHEUS_TEXT = "text/plain; version=0.0.4; charset=utf-8"
 @router.get("/health")
 async def health(request: Request) -> Response:
     state: ServerState = request.app.state.inferscale
+    replicas = await _replicas(state) if state.engine_retry_s else None
+    if replicas is not None:
+        up = sum(r["healthy"] for r in replicas)
+        return JSONResponse({"status": "ok" if up else "unavailable", "replicas_healthy": up, "replicas": replicas},
+                            status_code=200 if up else 503)
     try:
         response = await state.client.get("/health", timeout=5.0)
     except httpx.HTTPError:
         raise APIError(503, "the engine is not answering") from None
     if response.status_code != 200:
         raise APIError(503, f"the engine answers /health with {response.status_code}")
-    return Response(status_code=200)
+    return JSONResponse({"status": "ok"})
+
+
+async def _replicas(state: ServerState) -> list[dict] | None:
+    """Each replica's state as the router has it (``vllm-router``'s ``GET /workers``), in its order
+    and without its address (``/health`` is open); None when the engine URL is no such router."""
+    try:
+        response = await state.client.get("/workers", timeout=5.0)
+        workers = response.json()["workers"] if response.status_code == 200 else None
+        return None if workers is None else [{"replica": i, "healthy": w["is_healthy"] is True}
+                                             for i, w in enumerate(workers)]
+    except (httpx.HTTPError, ValueError, KeyError, TypeError):
+        return None
+
+
+@router.get("/v1/models")
+async def models(request: Request) -> Response:
+    """vLLM's list, with no path in it: vLLM names the directory a model was loaded from as its
+    ``root`` (and a LoRA's base as its ``parent``); the front shows the served name instead."""
+    state: ServerState = request.app.state.inferscale
+    try:
+        response = await state.client.get("/v1/models", timeout=10.0)
+    except httpx.HTTPError:
+        raise APIError(503, "the engine is not answering") from None
+    return JSONResponse(without_paths(forward.parsed(response.content)), status_code=response.status_code)
+
+
+def without_paths(answer: object) -> object:
+    """A ``/v1/models`` answer whose cards carry no file system path (``root``, ``parent``)."""
+    cards = answer.get("data") if isinstance(answer, dict) else None
+    for card in cards if isinstance(cards, list) else []:
+        for field in ("root", "parent"):
+            if isinstance(card, dict) and _is_path(card.get(field)):
+                card[field] = card.get("id")
+    return answer
+
+
+def _is_path(value: object) -> bool:
+    return isinstance(value, str) and ("/" in value or "\\" in value)
 
 
 @router.get("/metrics")

@@ -21,6 +21,7 @@ import logging
 import time
 from typing import Any
 
+import anyio.from_thread
 from fastapi import APIRouter, Depends, Query, Request
 from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import JSONResponse
@@ -118,8 +119,9 @@ def update_memory(fact_id: str, request: Request,
     with state.user_locks.hold(body.user_id), state.write_lock, \
             state.metrics.timed(state.metrics.memory.labels("update")):
         new = state.memory.update_fact(body.user_id, fact_id, body.text)
-    logger.info("%s: fact %s replaced by %s", body.user_id, fact_id, new.fact_id)
-    return {"user_id": body.user_id, "result": fact_json(new), "replaced": fact_id}
+    reset = _reset_prefix_cache(state)
+    logger.info("%s: fact %s replaced by %s; prefix cache reset: %s", body.user_id, fact_id, new.fact_id, reset)
+    return {"user_id": body.user_id, "result": fact_json(new), "replaced": fact_id, **_reset_shown(reset)}
 
 
 @router.delete("/v1/memories/{fact_id}")
@@ -127,8 +129,9 @@ def delete_memory(fact_id: str, request: Request, user_id: str = USER_QUERY) -> 
     state, user_id = _state(request), _user(user_id)
     with state.user_locks.hold(user_id), state.write_lock, state.metrics.timed(state.metrics.memory.labels("delete")):
         state.memory.delete_fact(user_id, fact_id)
-    logger.info("%s: fact %s deleted", user_id, fact_id)
-    return {"user_id": user_id, "deleted": fact_id}
+    reset = _reset_prefix_cache(state)
+    logger.info("%s: fact %s deleted; prefix cache reset: %s", user_id, fact_id, reset)
+    return {"user_id": user_id, "deleted": fact_id, **_reset_shown(reset)}
 
 
 @router.delete("/v1/memories")
@@ -137,11 +140,29 @@ async def forget_user(request: Request, user_id: str = USER_QUERY) -> JSONRespon
     gone = await run_in_threadpool(_forget, state, user_id)
     if not gone.found:
         raise UnknownUserError(user_id)
-    reset = await forward.reset_prefix_cache(state.client) if state.forget_resets_prefix_cache else None
+    reset = await _reset_prefix_cache_async(state)
     logger.info("%s forgotten: %d fact(s), %d Mem0 memorie(s); prefix cache reset: %s", user_id, gone.facts,
                 gone.mem0_memories, reset)
     return JSONResponse({"user_id": user_id, "facts_deleted": gone.facts, "mem0_memories_deleted": gone.mem0_memories,
                          "prefix_cache_reset": reset})
+
+
+async def _reset_prefix_cache_async(state: ServerState) -> bool | None:
+    """With ``--forget-resets-prefix-cache``, empty the engine's prefix cache after an erasure
+    (None without the flag: the engine's lock already keeps every old salt out)."""
+    return await forward.reset_prefix_cache(state.client) if state.forget_resets_prefix_cache else None
+
+
+def _reset_prefix_cache(state: ServerState) -> bool | None:
+    """:func:`_reset_prefix_cache_async` from a route that runs in a worker thread."""
+    if not state.forget_resets_prefix_cache:
+        return None
+    return anyio.from_thread.run(forward.reset_prefix_cache, state.client)
+
+
+def _reset_shown(reset: bool | None) -> dict[str, bool]:
+    """A fact's answer says whether the prefix cache was reset only when the server resets it."""
+    return {} if reset is None else {"prefix_cache_reset": reset}
 
 
 def _forget(state: ServerState, user_id: str):
@@ -183,7 +204,8 @@ def _extract(state: ServerState, user_id: str, turns: list[Turn]) -> list[tuple[
     """Mem0's extraction of the conversation, by the served model."""
     try:
         return state.memory.extract_facts(user_id, turns, state.engine_v1, progress=False, user_speaker="user",
-                                          name_speakers=False, llm_model=state.served_model)
+                                          name_speakers=False, llm_model=state.served_model,
+                                          api_key=state.engine_key)
     except (ExtractionError, ConfigError) as exc:
         raise APIError(503, f"fact extraction failed: {exc}") from None
 

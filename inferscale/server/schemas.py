@@ -20,6 +20,8 @@ MAX_FACTS_PER_CALL = 256
 MAX_FACT_CHARS_PER_CALL = 100_000
 MAX_MESSAGES = 200
 MAX_MESSAGE_CHARS = 20_000
+#: the characters of one call's messages together (with the facts', what bounds the body: server/limits.py)
+MAX_MESSAGE_CHARS_PER_CALL = 200_000
 MAX_QUERY_CHARS = 4_000
 
 
@@ -46,9 +48,17 @@ class _UserBody(_Body):
         return check_request_user_id(value)
 
 
+def _some_text(value: str) -> str:
+    if not value.strip():
+        raise ValueError("a fact must hold some text, not only whitespace")
+    return value
+
+
 class FactIn(_Body):
     text: str = Field(min_length=1, max_length=MAX_FACT_CHARS)
     source_turn: str | None = Field(None, max_length=128)
+
+    _text = field_validator("text")(_some_text)
 
 
 class MessageIn(_Body):
@@ -76,11 +86,23 @@ class AddMemories(_UserBody):
         for item in value:
             if isinstance(item, str) and not 0 < len(item) <= MAX_FACT_CHARS:
                 raise ValueError(f"a fact must have 1..{MAX_FACT_CHARS} characters")
+            if isinstance(item, str):
+                _some_text(item)
             if isinstance(item, str) and not item.isascii():
                 try:
                     item.encode()
                 except UnicodeEncodeError:  # pydantic lets a lone surrogate through a str in a union
                     raise ValueError("a fact holds a lone UTF-16 surrogate, which is not text") from None
+        return value
+
+
+    @field_validator("messages")
+    @classmethod
+    def _messages(cls, value):
+        total = sum(len(m.content) for m in value or ())
+        if total > MAX_MESSAGE_CHARS_PER_CALL:
+            raise ValueError(f"the messages hold {total:,} characters together (at most "
+                             f"{MAX_MESSAGE_CHARS_PER_CALL:,} per call: send more calls)")
         return value
 
 
@@ -96,6 +118,8 @@ class SearchMemories(_UserBody):
 
 class UpdateMemory(_UserBody):
     text: str = Field(min_length=1, max_length=MAX_FACT_CHARS)
+
+    _text = field_validator("text")(_some_text)
 
 
 def fact_json(fact: Fact, score: float | None = None) -> dict:

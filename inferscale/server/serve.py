@@ -26,7 +26,6 @@ from inferscale.server import gpu, launch
 from inferscale.server.state import ServerState
 
 logger = logging.getLogger(__name__)
-DEV_MODE = "VLLM_SERVER_DEV_MODE"
 
 ENGINE_START_TIMEOUT_S = 1200.0
 
@@ -41,7 +40,7 @@ class ServeOptions:
     api_key: str | None = None
     encoder_device: str = "cpu"
     engine_timeout_s: float = ENGINE_START_TIMEOUT_S
-    #: forgetting a user empties vLLM's prefix cache (the engine then runs vLLM's dev routes, on loopback)
+    #: forgetting a user or deleting a fact also empties vLLM's prefix cache (engine_guard's own route)
     forget_resets_prefix_cache: bool = False
     vllm_args: Sequence[str] = field(default_factory=tuple)
     #: an engine not started here: a router in front of ``inferscale engine`` replicas (docs/cluster.md)
@@ -102,9 +101,7 @@ def _engine(options: ServeOptions, context: Context, device_type: str) -> tuple[
         launch.context_length(options.config, max_positions(str(context.model_dir)))
     port = options.engine_port or launch.free_port()
     cmd = launch.engine_command(context.model_dir, served, options.config, port, max_len, args, device_type)
-    environment = _engine_environment(device_type)
-    if options.forget_resets_prefix_cache:
-        environment[DEV_MODE] = "1"  # vLLM serves /reset_prefix_cache only then (on the loopback port)
+    environment = launch.locked_environment(options.config, _engine_environment(device_type))
     return launch.EngineProcess(cmd, port, environment), served
 
 

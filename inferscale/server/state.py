@@ -31,12 +31,18 @@ class ServerState:
     #: one user's writes stay in order while a large add of theirs takes several turns
     user_locks: UserLocks = field(default_factory=UserLocks)
     client: httpx.AsyncClient | None = None
-    #: forgetting a user empties the engine's prefix cache (``--forget-resets-prefix-cache``)
+    #: forgetting a user, deleting or changing a fact also empties the engine's prefix cache
+    #: (``--forget-resets-prefix-cache``)
     forget_resets_prefix_cache: bool = False
     #: other names a chat may give the served model (the model as named on the command line)
     model_aliases: frozenset[str] = frozenset()
     #: seconds a chat is sent again while no replica answers (a router's replica died: :mod:`failover`)
     engine_retry_s: float = 0.0
+
+    @property
+    def engine_key(self) -> str:
+        """What the engine's port answers (:mod:`inferscale.server.engine_guard`)."""
+        return self.memory.context.engine_key
 
     def engine_model(self, named: object) -> object:
         """The model name to send the engine for the one a chat named."""

@@ -8,7 +8,7 @@ from typing import ClassVar
 
 import torch
 
-from inferscale.errors import UnknownUserError
+from inferscale.errors import MissingFactError, UnknownUserError
 from inferscale.kv import FactKV, KVBatch
 
 
@@ -72,6 +72,20 @@ class KVStore(ABC):
         if epoch is None:  # deleted since its token ids were read
             raise UnknownUserError(user_id)
         return epoch, token_ids
+
+    def stored_lengths(self, user_id: str, fact_ids: Sequence[str]) -> tuple[str | None, list[int]]:
+        """(the user's epoch, each fact's length in tokens), None and 0 standing in for a user or
+        a fact not stored, never raising for either: what the planner checks a hand-built
+        request's salt against before it tells them apart. The stores of record read both from
+        one version of the index, at the same cost whether the user and the facts exist or not
+        (:class:`~inferscale.storage.index_reads.IndexReads`); this default goes fact by fact."""
+        lengths = []
+        for fact_id in fact_ids:
+            try:
+                lengths.append(len(self.token_ids(user_id, [fact_id])[0]))
+            except (UnknownUserError, MissingFactError):
+                lengths.append(0)
+        return self.epoch(user_id), lengths
 
     def has_user(self, user_id: str) -> bool:
         return bool(self.list(user_id))

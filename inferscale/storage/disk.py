@@ -42,22 +42,21 @@ from inferscale.errors import CorruptDataError, UnknownUserError
 from inferscale.facts import Fact, user_file_stem, user_from_file_stem
 from inferscale.kv import FactKV, KVBatch
 from inferscale.kv_fp8 import Fp8KV
-from inferscale.storage import kvfile, legacy
+from inferscale.storage import kvfile, legacy, nfc_names
 from inferscale.storage.base import KVStore
 from inferscale.storage.blocks import empty_batch
 from inferscale.storage.disk_writes import LOCK_NAME, SUFFIX, DiskWrites
 from inferscale.storage.index import INDEX_NAME, UserIndex
-from inferscale.storage.index_cache import IndexCache
+from inferscale.storage.index_cache import DEFAULT_MIB, IndexCache, cache_bytes
 from inferscale.storage.index_reads import IndexReads, batch_of, fresh_user_file
 from inferscale.storage.layout import check_ids, check_layout, require_facts
 from inferscale.storage.segments import read_segments
 
-__all__ = ["CACHE_BYTES", "CACHE_SIZE", "LOCK_NAME", "READ_ATTEMPTS", "SUFFIX", "USERS_DIR", "DiskStore"]
+__all__ = ["CACHE_BYTES", "LOCK_NAME", "READ_ATTEMPTS", "SUFFIX", "USERS_DIR", "DiskStore"]
 
 USERS_DIR = "users"
-CACHE_SIZE = 256
-#: the cached indexes' files together, at most (an index holds every fact's token ids)
-CACHE_BYTES = 64 << 20
+#: the parsed indexes cached, at most, by default (an index holds every fact's token ids)
+CACHE_BYTES = DEFAULT_MIB << 20
 #: reads that find a segment gone (a writer replaced it) retry with the new index this often
 READ_ATTEMPTS = 3
 
@@ -72,20 +71,24 @@ class DiskStore(DiskWrites, IndexReads, KVStore):
     class Options:
         #: directory of the users' files (created if missing; ``~`` expanded)
         root: str
+        #: MiB of parsed indexes kept in memory (each counted at 5× its file), least recently used dropped
+        index_cache_mib: int = DEFAULT_MIB
 
         def __post_init__(self):
             if not isinstance(self.root, str) or not self.root:
                 raise ValueError(f"root must be a non-empty path string, got {self.root!r}")
+            cache_bytes(self.index_cache_mib)
 
     def __init__(self, options: Options, **runtime: Any):
         """Runtime keywords are accepted and ignored (the root comes from the options)."""
         self.root = Path(os.path.expanduser(options.root))
         self.root.mkdir(parents=True, exist_ok=True)
         #: the users' parsed indexes while their files are unchanged
-        self._indexes = IndexCache(CACHE_SIZE, CACHE_BYTES)
+        self._indexes = IndexCache(cache_bytes(options.index_cache_mib))
         #: user -> (their index file, their format 1/2 file), as strings: every request stats
         #: the index a few times, and checking the id and building the paths cost more than the stat
         self._remembered_paths = lru_cache(maxsize=4096)(self._paths_of_index)
+        nfc_names.migrate_disk(self.root, self.root / USERS_DIR, SUFFIX, self._writer)
 
     # -- the KVStore interface -------------------------------------------------
 
@@ -135,7 +138,8 @@ class DiskStore(DiskWrites, IndexReads, KVStore):
         users_dir = self.root / USERS_DIR
         found = {d.name for d in users_dir.iterdir() if (d / INDEX_NAME).is_file()} if users_dir.is_dir() else set()
         found |= {p.name[: -len(SUFFIX)] for p in self.root.iterdir() if p.name.endswith(SUFFIX) and p.is_file()}
-        return sorted(user_from_file_stem(stem) for stem in found)
+        names = (user_from_file_stem(stem) for stem in found)
+        return sorted(name for name in names if nfc_names.renamed(name) is None)  # another form: not reachable
 
     def epoch(self, user_id: str) -> str | None:
         """The user's epoch: a random id renewed on every write (None: no such user)."""

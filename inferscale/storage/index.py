@@ -24,7 +24,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from inferscale.errors import CorruptDataError
-from inferscale.facts import check_id
+from inferscale.facts import check_id, same_user
 from inferscale.kv import token_ids_valid
 from inferscale.storage.layout import KVLayout
 
@@ -179,7 +179,7 @@ def _check_header(body: Mapping, user_id: str, where: str) -> None:
     missing = {"user_id", EPOCH_KEY, "layout", "segments", "facts", CHECKSUM_KEY} - set(body)
     if missing:
         raise CorruptDataError(f"{where}: index lacks {sorted(missing)}")
-    if body["user_id"] != user_id:
+    if not same_user(body["user_id"], user_id):
         raise CorruptDataError(f"{where}: holds user {body['user_id']!r}, expected {user_id!r}")
 
 

@@ -50,6 +50,13 @@ class IndexReads:
         require_facts(user_id, fact_ids, index.facts)
         return index.epoch, [index.facts[f].token_ids for f in fact_ids]
 
+    def stored_lengths(self, user_id: str, fact_ids: Sequence[str]) -> tuple[str | None, list[int]]:
+        """(the user's epoch, each fact's length in tokens) from one version of the index: None and
+        0 for a user or a fact not stored, read at the same cost as when they are."""
+        index = self._index(user_id)
+        facts = index.facts if index is not None else {}
+        return (index.epoch if index is not None else None), [len(_entry(facts, f)) for f in fact_ids]
+
     def load_user(self, user_id: str) -> dict[str, FactKV | Fp8KV]:
         """All of the user's facts on the CPU, verified, as they are kept (Fp8KV in fp8)."""
         return self.read_user(user_id)[1]
@@ -77,6 +84,14 @@ class IndexReads:
         if index is None:
             raise UnknownUserError(user_id)
         return index
+
+
+_NO_TOKENS: tuple[int, ...] = ()
+
+
+def _entry(facts: Mapping, fact_id: str) -> tuple[int, ...]:
+    entry = facts.get(fact_id)
+    return entry.token_ids if entry is not None else _NO_TOKENS
 
 
 def batch_of(fact_ids: Sequence[str], kvs: Sequence[FactKV | Fp8KV], device: torch.device) -> KVBatch:

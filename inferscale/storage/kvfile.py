@@ -27,6 +27,7 @@ from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
 from inferscale.errors import CorruptDataError
+from inferscale.facts import same_user
 from inferscale.kv import FactKV
 from inferscale.kv_fp8 import Fp8KV, check_dequant
 from inferscale.storage.layout import KVLayout
@@ -173,7 +174,7 @@ def check_header(metadata: Mapping[str, str], user_id: str, where: str) -> None:
     missing = {"user_id", "layout", "fact_ids", CHECKSUM_KEY} - set(metadata)
     if missing:
         raise CorruptDataError(f"{where}: metadata lacks {sorted(missing)}")
-    if metadata["user_id"] != user_id:
+    if not same_user(metadata["user_id"], user_id):
         raise CorruptDataError(f"{where}: holds user {metadata['user_id']!r}, expected {user_id!r}")
 
 

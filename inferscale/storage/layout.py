@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from inferscale.errors import MissingFactError, ModelMismatchError
-from inferscale.facts import INTERNAL_PREFIX, check_id_list, check_user_id, is_internal
+from inferscale.facts import INTERNAL_PREFIX, check_id_list, check_stored_user_id, is_internal
 from inferscale.kv import FactKV
 from inferscale.kv_fp8 import DEQUANT_DTYPE, FP8, FP8_E4M3, MODEL, Fp8KV, check_at_rest
 
@@ -109,9 +109,9 @@ __all__ = ["INTERNAL_PREFIX", "KVLayout", "check_ids", "check_layout", "is_inter
 
 
 def check_ids(user_id: str, fact_ids: Iterable[str]) -> None:
-    """User ids as Mem0 takes them (directory and file names escape them); fact ids short
+    """User ids as Mem0 takes them, in NFC (directory and file names escape them); fact ids short
     ASCII names (they become file and tensor names)."""
-    check_user_id(user_id)
+    check_stored_user_id(user_id)
     check_id_list(list(fact_ids), "fact_id")
 
 

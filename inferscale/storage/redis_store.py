@@ -21,7 +21,7 @@ then answers by plain prefill (``fallback: "store_unavailable"``), a write fails
 
 from __future__ import annotations
 
-import threading
+import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -31,10 +31,11 @@ import torch
 from inferscale.devices import resolve_device
 from inferscale.errors import CorruptDataError, StoreUnavailableError, UnknownUserError
 from inferscale.kv import KVBatch
-from inferscale.storage import kvfile
+from inferscale.storage import kvfile, nfc_names
 from inferscale.storage.base import KVStore
 from inferscale.storage.blocks import empty_batch
 from inferscale.storage.index import UserIndex
+from inferscale.storage.index_cache import DEFAULT_MIB, IndexCache, cache_bytes
 from inferscale.storage.index_reads import IndexReads, batch_of
 from inferscale.storage.layout import check_ids, require_facts
 from inferscale.storage.redis_writes import EPOCH_FIELD, INDEX_FIELD, RedisWrites, redis_errors
@@ -42,6 +43,9 @@ from inferscale.storage.segments import decode_segment, join_segments
 
 #: reads that find a segment gone (a writer replaced it) retry with the new index this often
 READ_ATTEMPTS = 3
+
+
+logger = logging.getLogger(__name__)
 
 
 class RedisStore(RedisWrites, IndexReads, KVStore):
@@ -58,6 +62,8 @@ class RedisStore(RedisWrites, IndexReads, KVStore):
         prefix: str = "inferscale"
         #: seconds a call waits for the server before the store counts it unavailable
         timeout_s: float = 5.0
+        #: MiB of parsed indexes kept in memory (each counted at 5× its value), least recently used dropped
+        index_cache_mib: int = DEFAULT_MIB
 
         def __post_init__(self):
             if not isinstance(self.url, str) or not self.url.startswith(("redis://", "rediss://", "unix://")):
@@ -66,14 +72,14 @@ class RedisStore(RedisWrites, IndexReads, KVStore):
                 raise ValueError(f"prefix must be a non-empty string without ':', got {self.prefix!r}")
             if isinstance(self.timeout_s, bool) or not isinstance(self.timeout_s, (int, float)) or self.timeout_s <= 0:
                 raise ValueError(f"timeout_s must be a positive number, got {self.timeout_s!r}")
+            cache_bytes(self.index_cache_mib)
 
     def __init__(self, options: Options | None = None, **runtime: Any):
         """Runtime keywords are accepted and ignored."""
         self.options = options or self.Options()
         self.client = _client(self.options)
         #: user -> their parsed index, while the server's epoch is the index's
-        self._indexes: dict[str, UserIndex] = {}
-        self._lock = threading.Lock()
+        self._indexes = IndexCache(cache_bytes(self.options.index_cache_mib))
 
     def describe(self) -> str:
         """Where the facts are (for logs): the server without its password, and the prefix."""
@@ -95,7 +101,8 @@ class RedisStore(RedisWrites, IndexReads, KVStore):
     def users(self) -> list[str]:
         with redis_errors(self):
             members = self.client.smembers(self.users_key)
-        return sorted(m.decode() for m in members)
+        names = (m.decode() for m in members)
+        return sorted(name for name in names if nfc_names.renamed(name) is None)  # another form: until swept
 
     def epoch(self, user_id: str) -> str | None:
         """The user's epoch as the server holds it now (one small read; None: no such user)."""
@@ -115,8 +122,23 @@ class RedisStore(RedisWrites, IndexReads, KVStore):
         return (ids, torch.stack([user.embeddings[f] for f in ids])) if ids else ([], torch.empty(0, 0))
 
     def sweep(self) -> list[str]:
-        """Nothing to sweep: a write is one transaction, so an interrupted one left nothing."""
-        return []
+        """Nothing interrupted to sweep (a write is one transaction); users stored under an id
+        not in NFC are renamed to its NFC form (:mod:`inferscale.storage.nfc_names`). Returns
+        the users renamed."""
+        with redis_errors(self):
+            members = [m.decode() for m in self.client.smembers(self.users_key)]
+            return [new for old, new in nfc_names.to_rename(members) if self._rename_user(old, new)]
+
+    def _rename_user(self, old: str, new: str) -> bool:
+        source, target = self.user_key(old), self.user_key(new)
+        if self.client.exists(source) and not self.client.renamenx(source, target):
+            logger.error("%s: user %r is stored in two Unicode forms; %r is left as it is", self.describe(), new, old)
+            return False
+        pipe = self.client.pipeline(transaction=True).srem(self.users_key, old)
+        if self.client.exists(target):
+            pipe.sadd(self.users_key, new)
+        pipe.execute()
+        return True
 
     # -- reading ---------------------------------------------------------------
 
@@ -141,21 +163,19 @@ class RedisStore(RedisWrites, IndexReads, KVStore):
         if epoch is None:
             self._forget_index(user_id)
             return None
-        cached = self._indexes.get(user_id)
-        if cached is not None and cached.epoch == epoch:
+        cached = self._indexes.get(user_id, epoch)
+        if cached is not None:
             return cached
         with redis_errors(self):
             data = self.client.hget(self.user_key(user_id), INDEX_FIELD)
         if data is None:  # deleted since
             return None
         index = UserIndex.decode(data, user_id, f"{self.describe()} user {user_id!r} index")
-        with self._lock:
-            self._indexes[user_id] = index
+        self._indexes.put(user_id, index.epoch, index, len(data))
         return index
 
     def _forget_index(self, user_id: str) -> None:
-        with self._lock:
-            self._indexes.pop(user_id, None)
+        self._indexes.pop(user_id)
 
 
 def _client(options: RedisStore.Options):

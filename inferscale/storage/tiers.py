@@ -29,7 +29,7 @@ def disk_tier(config: Config) -> DiskStore:
     """The store of record ``config.store`` names: the disk store under ``config.kv_path`` unless
     its options name another ``root``, or a durable plugin store (checked against its contract)."""
     if config.store.name == DiskStore.name and "root" not in config.store.options:
-        return DiskStore(DiskStore.Options(root=str(config.kv_path)))
+        return DiskStore(DiskStore.Options(root=str(config.kv_path), **config.store.options))
     return check_record_store(build("kv_store", config.store))
 
 
