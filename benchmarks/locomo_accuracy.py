@@ -562,6 +562,12 @@ def usable(methods: list[Method]) -> list[Method]:
     return [m for m in methods if m.calibration not in bad]
 
 
+def kv_encodings(methods: list[Method]) -> list[tuple[int, str, int, float | str]]:
+    """Every encoding the K/V methods read, each once, in one order whatever the methods' order (a
+    transform is a scale or a calibration file's path, which do not compare: sorted by repr)."""
+    return sorted({e for m in methods if m.mode == "kv" for e in m.encodings}, key=repr)
+
+
 def needed_facts(items: list[Item], k: int) -> dict[str, list[int]]:
     """The facts any question retrieves in its top k, per conversation."""
     out: dict = defaultdict(set)
@@ -849,7 +855,7 @@ def main(argv=None) -> None:
     prompts = Prompts(AutoTokenizer.from_pretrained(model), convs)
     data_dir = Path(tempfile.mkdtemp(prefix="locomo-"))
     start = time.perf_counter()
-    encodings = sorted({e for m in methods if m.mode == "kv" for e in m.encodings}, key=repr)
+    encodings = kv_encodings(methods)
     needed = needed_facts(items, max(ks))
     ranks = related_ranks(convs, Path(args.related) if args.related else None, args.embedder) \
         if any(e[2] for e in encodings) else {}

@@ -105,8 +105,11 @@ def test_memory_side_lists_searches_updates_and_deletes(mem):
 
     mem0_files = CollectionFiles(memory.config.mem0_path / "vectors" / "mem0")
     mem0_files.save(UserMemories("ivy", ["m1"], torch.zeros(1, 4), [{"data": "Ivy has a cat."}]))
+    kv = memory.config.kv_path / "users" / "ivy"  # the user's index and K/V segments
+    assert (kv / "index.json").is_file()
     gone = memory.delete_user("ivy")
     assert "ivy" not in memory.users() and not mem0_files.path("ivy").exists() and gone.mem0_memories == 1
+    assert not kv.exists()
     with pytest.raises(UnknownUserError):
         memory.list_facts("ivy")  # as search and generate answer
     with pytest.raises(UnknownUserError):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -15,6 +17,7 @@ from inferscale.inject.loader import LoadSpec, SegmentLoader, kv_head_range, loa
 from inferscale.compose.request import SegmentRequest, make_params
 from inferscale.compose.salt import CacheSalts
 from inferscale.inject.planner import plan_request
+from inferscale.inject.stats import Fallback
 from inferscale.errors import ConfigError
 from inferscale.kv import FactKV
 from inferscale.storage.disk import DiskStore
@@ -131,6 +134,49 @@ def test_planner_refuses_salts_it_did_not_key(disk):
     disk.put("ann", {"d": _fact(2, 4)})  # any write renews the user's epoch
     plan = plan_request(disk, SALTS, prompt, params, stale, 0)
     assert plan.fallback == "missing_cache_salt" and plan.num_external == 0
+
+
+#: the segment of ``a, b, c`` (18 tokens): the prefix's 4, then a's 6, b's 5 and c's 3
+SEGMENT_LEN, BOUNDARIES = 18, (4, 10, 15)
+
+
+@pytest.mark.parametrize("at", range(SEGMENT_LEN))
+def test_a_prompt_that_differs_from_the_segment_at_any_token_is_refused(disk, at):
+    """With the segment's own salt: one token changed anywhere (the first, either side of a fact
+    boundary, the last) and nothing is claimed; the log says where."""
+    order = ["a", "b", "c"]
+    segment = _segment(disk, order)
+    (prefix,) = disk.token_ids(SYSTEM_USER, [PREFIX_FACT])
+    parts = [len(prefix), *(len(ids) for ids in disk.token_ids("ann", order))]
+    assert list(itertools.accumulate(parts)) == [*BOUNDARIES, SEGMENT_LEN] == [*BOUNDARIES, len(segment)]
+    prompt = [*segment, 7, 8, 9]
+    prompt[at] += 1
+    plan = plan_request(disk, SALTS, prompt, make_params("ann", order), _salt(disk, segment), 0, Blend(8))
+    assert (plan.fallback, plan.claim_len, plan.num_external) == (Fallback.TOKEN_MISMATCH, 0, 0)
+    assert plan.detail == f"prompt differs from the memory segment at token {at} of {SEGMENT_LEN}"
+
+
+@pytest.mark.parametrize("boundary", BOUNDARIES)
+@pytest.mark.parametrize("shift", ["dropped", "doubled"])
+def test_a_token_dropped_or_doubled_at_a_fact_boundary_is_refused(disk, boundary, shift):
+    order = ["a", "b", "c"]
+    segment = _segment(disk, order)
+    head, tail = segment[:boundary], segment[boundary:]
+    prompt = head + (tail[1:] if shift == "dropped" else [head[-1], *tail]) + [7, 8, 9]
+    plan = plan_request(disk, SALTS, prompt, make_params("ann", order), _salt(disk, segment), 0, Blend(8))
+    assert (plan.fallback, plan.num_external) == (Fallback.TOKEN_MISMATCH, 0)
+
+
+def test_a_prompt_needs_one_token_past_the_segment(disk):
+    """The segment whole and nothing after it: vLLM must compute at least one token itself."""
+    order = ["a", "b", "c"]
+    segment = _segment(disk, order)
+    params, salt = make_params("ann", order), _salt(disk, segment)
+    for prompt in (segment[:-1], segment):
+        plan = plan_request(disk, SALTS, prompt, params, salt, 0, Blend(0))
+        assert (plan.fallback, plan.num_external) == (Fallback.PROMPT_TOO_SHORT, 0), len(prompt)
+    plan = plan_request(disk, SALTS, [*segment, 7], params, salt, 0, Blend(0))
+    assert (plan.fallback, plan.claim_len, plan.num_external) == (None, SEGMENT_LEN, SEGMENT_LEN)
 
 
 # ---------------------------------------------------------------- the worker's loader

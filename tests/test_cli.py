@@ -127,9 +127,11 @@ def test_users_facts_forget_on_a_data_directory(tmp_path):
     assert out.returncode == 0 and out.stdout.count("\n") == 2 and "D1:2  Ann has a cat named Miso." in out.stdout
     facts = json.loads(run("facts", "ann@example.com", "--json", *where).stdout)
     assert [f["text"] for f in facts] == ["Ann has a cat named Miso.", "Ann runs on Sundays."]
+    kv = memory.config.kv_path / "users" / "ann@example.com"  # the user's index and K/V segments
+    assert (kv / "index.json").is_file()
     out = run("forget", "ann@example.com", *where)
     assert out.returncode == 0 and "forgot ann@example.com: 2 fact(s)" in out.stdout
-    assert run("users", *where).stdout == ""
+    assert run("users", *where).stdout == "" and not kv.exists()
     out = run("facts", "ann@example.com", *where)
     assert out.returncode == 2 and "no memory stored for user 'ann@example.com'" in out.stderr
     out = run("facts", "ann\n", *where)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -71,7 +72,7 @@ def test_format_3_layout(disk):
     assert sorted(p.name for p in disk.user_dir("alice").iterdir()) == ["index.json", segment.name]
     index = index_of(disk)
     assert (index["format"], index["format_version"], index["user_id"]) == ("inferscale-kv-index", "3", "alice")
-    assert len(index["generation"]) == 32 and int(index["generation"], 16) >= 0
+    assert re.fullmatch("[0-9a-f]{32}", index["generation"]) and index["generation"] == disk.epoch("alice")
     assert index["layout"] == {"num_layers": 3, "num_kv_heads": 2, "head_size": 8, "dtype": "bfloat16"}
     assert index["facts"] == [
         {"id": "f0", "segment": segment.name, "token_ids": list(facts["f0"].token_ids), "text": "Alice has a cat.",

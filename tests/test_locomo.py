@@ -171,7 +171,10 @@ def test_a_calibration_is_an_encoding_of_its_own(tmp_path):
     path = tmp_path / "calibration.json"
     cal = harness.Method("kv", window=-10, calibration=str(path))
     assert cal.encoding[3] == str(path) and harness.user_of("c", cal.encoding) != harness.user_of("c", harness.Method("kv", window=-10).encoding)
-    assert sorted({cal.encoding, harness.Method("kv", window=-10).encoding}, key=repr)  # mixed transforms sort
+    plain, prompt = harness.Method("kv", window=-10), harness.Method("prompt", mode="prompt")
+    encodings = harness.kv_encodings([cal, plain, prompt, plain])  # a scale and a path in one list
+    assert sorted(encodings, key=str) == sorted([cal.encoding, plain.encoding], key=str)
+    assert harness.kv_encodings([plain, cal]) == encodings  # whatever the methods' order
 
 
 @needs_data

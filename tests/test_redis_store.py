@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from inferscale.config import BackendSpec, Config, build
-from inferscale.errors import ConfigError, CorruptDataError, StoreUnavailableError, UnknownUserError
+from inferscale.errors import ConfigError, CorruptDataError, MissingFactError, StoreUnavailableError, UnknownUserError
 from inferscale.facts import Fact
 from inferscale.storage.redis_store import RedisStore
 from inferscale.storage.record_store import check_record_store
@@ -67,7 +67,7 @@ def test_every_write_renews_the_epoch_and_another_replica_sees_it(store):
     assert store.epoch("bob") not in (None, first) and store.list("bob") == ["f0", "f1", "f2"]
     store.delete("bob", ["f1"])
     assert other.list("bob") == ["f0", "f2"]
-    with pytest.raises(Exception):
+    with pytest.raises(MissingFactError, match="user 'bob' has no fact.* f1"):
         other.get("bob", ["f1"])
     other.delete("bob")
     assert store.epoch("bob") is None and store.users() == []

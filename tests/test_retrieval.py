@@ -833,12 +833,27 @@ def fresh_plugins(monkeypatch):
     return pm
 
 
+def _installed(module: str) -> bool:
+    """Whether ``module`` can be imported here (looking up a submodule imports its parent,
+    which raises when that is not installed)."""
+    try:
+        return importlib.util.find_spec(module) is not None
+    except ImportError:
+        return False
+
+
+def _retrievers_here() -> set[str]:
+    """The retrievers this machine registers: the built-in ones, and Jasper and CAGRA where
+    their libraries are installed."""
+    return {"exact", "faiss"} | {name for name, module in (("jasper", "jasper"), ("cagra", "cuvs.neighbors"))
+                                 if _installed(module)}
+
+
 def test_backends_are_selected_by_name(fresh_plugins):
     r = build("retriever", BackendSpec("faiss", {"kind": "hnsw", "ef_search": 64}))
     assert isinstance(r, FaissRetriever) and r.options.kind == "hnsw" and r.options.ef_search == 64
     assert isinstance(build("retriever", BackendSpec("exact", {"device": "cpu"})), ExactRetriever)
-    names = set(inferscale.plugins.backends("retriever"))
-    assert names == {"exact", "faiss"} | ({"jasper"} if importlib.util.find_spec("jasper") else set())
+    assert set(inferscale.plugins.backends("retriever")) == _retrievers_here()
     assert set(inferscale.plugins.backends("embedder")) == {"minilm", "openai"}
 
 
@@ -851,13 +866,27 @@ def test_bad_options_are_config_errors(fresh_plugins):
         build("retriever", BackendSpec("exact", {"device": "tpu:0:x"}))
     with pytest.raises(ConfigError, match="model"):
         build("embedder", BackendSpec("openai", {"base_url": "http://127.0.0.1:9/v1"}))
-    with pytest.raises(UnknownBackendError, match="known: exact, faiss"):
+    known = ", ".join(sorted(_retrievers_here()))
+    with pytest.raises(UnknownBackendError, match=f"retriever 'jaspr' is not registered — known: {known}$"):
         build("retriever", BackendSpec("jaspr"))
 
 
 def test_jasper_is_registered_only_when_importable(fresh_plugins, jasper_stand_in, monkeypatch):
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: object() if name == "jasper" else None)
-    assert "jasper" in inferscale.plugins.backends("retriever")
+    assert set(inferscale.plugins.backends("retriever")) == {"exact", "faiss", "jasper"}
+
+
+@pytest.mark.parametrize("installed", [True, False])
+def test_cagra_is_registered_only_when_cuvs_is_importable(fresh_plugins, monkeypatch, installed):
+    """cuVS is looked up, not imported: registering CAGRA loads no GPU library."""
+
+    def find_spec(name, *args):
+        if name.split(".")[0] == "cuvs" and not installed:
+            raise ModuleNotFoundError(f"No module named {name.split('.')[0]!r}")  # as for a submodule's parent
+        return object() if name == "cuvs.neighbors" else None
+
+    monkeypatch.setattr(importlib.util, "find_spec", find_spec)
+    assert set(inferscale.plugins.backends("retriever")) == {"exact", "faiss"} | ({"cagra"} if installed else set())
 
 
 def test_importing_the_retrieval_package_loads_no_backend_library():

@@ -9,7 +9,9 @@ YaRN (mscale) variants:
     from the model's ``*RotaryEmbedding`` built from the same config;
 (b) ``<R_a q, R_b k> = <q, R_{b-a} k> * scaling**2`` (scores depend only on b - a);
 (c) relocating from p to p + delta equals rotating at p + delta;
-(d) ``inverse`` undoes ``rotate``.
+(d) ``inverse`` undoes ``rotate``;
+(e) ``rotate_range`` (the serving path: a cos/sin table grown by doubling) is ``rotate`` at
+    consecutive positions, bit for bit.
 """
 
 from __future__ import annotations
@@ -224,6 +226,46 @@ def test_both_styles_match_a_complex_number_reference(case, head_dim, style, pos
     slack = TOLERANCE[torch.float32] + ANGLE_ROUNDING * max(positions) * rope.inv_freq.max().item()
     error = (rope.rotate(x, pos).double() - expected).abs().max().item()
     assert error <= slack * rope.attention_scaling * expected.abs().max().item()
+
+
+#: where a range starts: inside the first table (1,024 positions), across its end, further (the
+#: table is as long as the farthest range: the far ends are in the test of its growth below)
+range_starts = st.one_of(st.integers(0, 1023), st.integers(960, 1100), st.integers(0, 1 << 14))
+
+
+@settings(max_examples=200, deadline=None)
+@given(case=st.sampled_from(CASES), head_dim=st.sampled_from(HEAD_DIMS), heads=st.integers(1, 4),
+       layers=st.integers(0, 2), dtype=st.sampled_from(DTYPES), style=st.sampled_from(["neox", "gptj"]),
+       ranges=st.lists(st.tuples(range_starts, st.integers(1, 48)), min_size=1, max_size=4),
+       seed=st.integers(0, 2**32 - 1))
+def test_e_rotate_range_is_rotate_at_consecutive_positions_bit_for_bit(case, head_dim, heads, layers, dtype,
+                                                                      style, ranges, seed):
+    """One embedding for all the ranges, so its table is built by the first and grown by those
+    that end past it; ``layers`` 0 is keys ``[T, H, D]``, else all layers ``[L, T, H, D]``."""
+    rope = _with_style(RotaryEmbedding.from_hf_config(case.config(head_dim)), style)
+    for i, (start, length) in enumerate(ranges):
+        x = _random(seed + i, (layers, length, heads, head_dim)[0 if layers else 1:], dtype)
+        got = rope.rotate_range(x, start)
+        assert got.dtype == torch.float32
+        assert torch.equal(got, rope.rotate(x.float(), torch.arange(start, start + length))), (start, length)
+
+
+@pytest.mark.parametrize("style", ["neox", "gptj"])
+def test_the_rotation_table_grows_past_1024_positions_with_the_same_rows(style):
+    """Built for 1,024 positions, doubled when a range ends past them: every row is the model's
+    cos/sin at its position (``[cos, cos]`` and ``[-sin, sin]`` per pair), before and after."""
+    rope = _with_style(RotaryEmbedding.from_hf_config(CASES[3].config(64)), style)  # qwen3
+    cpu = torch.device("cpu")
+    x = _random(1, (3, 2, 64), torch.float32)
+    for start, rows in ((0, 1024), (1021, 1024), (1022, 2048), (2046, 4096), (MAX_POSITION, 2 * MAX_POSITION)):
+        rotated = rope.rotate_range(x, start)
+        cos, sin = rope.table(cpu, 1)  # the table as it is now
+        assert cos.shape == sin.shape == (rows, rope.rotary_dim)
+        unit_cos, unit_sin = rope.cos_sin(torch.arange(rows))
+        pairs = (lambda a, b: torch.cat((a, b), -1)) if style == "neox" else \
+            (lambda a, b: torch.stack((a, b), -1).flatten(-2))
+        assert torch.equal(cos, pairs(unit_cos, unit_cos)) and torch.equal(sin, pairs(-unit_sin, unit_sin))
+        assert torch.equal(rotated, rope.rotate(x, torch.arange(start, start + 3)))
 
 
 def test_partial_rotary_passes_the_rest_through():

@@ -52,8 +52,8 @@ def test_vllm_serve_injects_memory_from_request_params(tmp_path):
     assert metrics['vllm:inferscale_store_hits_total{tier="disk"}'] == 1  # the first load of alice
     # host time on the request path: the scheduler planned both requests with memory, the worker loaded one
     assert metrics["vllm:inferscale_plan_calls_total"] >= 2
-    assert 0 < metrics['vllm:inferscale_host_seconds_total{step="plan"}'] < 1
-    assert 0 < metrics['vllm:inferscale_host_seconds_total{step="load"}'] < 5
+    assert metrics['vllm:inferscale_host_seconds_total{step="plan"}'] > 0  # counted; how much is for benchmarks
+    assert metrics['vllm:inferscale_host_seconds_total{step="load"}'] > 0
     # the recompute budget each matched request got (this engine's is fixed at 0): a histogram
     assert metrics["vllm:inferscale_recompute_budget_tokens_count"] == 1
     assert metrics['vllm:inferscale_recompute_budget_tokens_bucket{le="0.0"}'] == 1

@@ -94,6 +94,8 @@ def test_memory_endpoints_round_trip(front):
 
 
 def test_forgetting_a_user_removes_everything(front, chat):
+    from openai import NotFoundError
+
     user = "ivy"
     with MemoryClient(front.url) as memory:
         extracted = memory.add(user, messages=[{"role": "user", "content": "I have a grey cat called Pixel and "
@@ -101,14 +103,17 @@ def test_forgetting_a_user_removes_everything(front, chat):
         assert extracted and all(f["source_turn"] for f in extracted)  # Mem0 on the served model
         memory.add(user, facts=["Ivy plays the cello."])
         assert ask(chat, "What instrument do I play?", user=user).model_extra["inferscale"]["fact_ids"]
+        kv = front.data / "kv" / "users" / user  # format 3: the user's index and K/V segments
+        assert (kv / "index.json").is_file() and list(kv.glob("seg-*.safetensors"))
         gone = memory.forget(user)
         assert gone["facts_deleted"] == len(extracted) + 1 and gone["mem0_memories_deleted"] >= len(extracted)
         assert user not in memory.users()
         with pytest.raises(ServerError) as unknown:
             memory.list(user)
         assert unknown.value.status == 404
-    assert not (front.data / "kv" / f"{user}.safetensors").exists()
-    with pytest.raises(Exception, match="no memory stored for user 'ivy'"):
+    assert not kv.exists()
+    assert not [p for p in (front.data / "kv").rglob("*") if user in p.name]  # nor a format 1/2 file
+    with pytest.raises(NotFoundError, match="no memory stored for user 'ivy'"):
         ask(chat, "What instrument do I play?", user=user)
     db = sqlite3.connect(front.data / "mem0" / "history.db")
     assert db.execute("SELECT COUNT(*) FROM messages WHERE session_scope = 'user_id=ivy'").fetchone() == (0,)

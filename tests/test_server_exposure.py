@@ -3,7 +3,7 @@
 One server for the module: vLLM's admin routes stay out of reach through the front however
 the path is encoded; ``/metrics`` tells a forged request's outcomes apart by nothing and
 shows no path; reserved fields are refused wherever they hide, duplicate keys too, and no
-fuzzed body gets a 5xx; a huge id is refused at once; one large add does not hold other
+fuzzed body gets a 5xx; a huge id is refused for its length; one large add does not hold other
 users' writes; a corrupt index costs its user alone; a forgotten user's K/V leaves vLLM's
 prefix cache.
 """
@@ -92,6 +92,29 @@ def test_the_engines_admin_routes_are_not_reachable_through_the_front(front):
     assert raw_request(front, "GET", "/v1/models")[0] == 200  # the OpenAI API still passes
     assert raw_request(front, "GET", "/v1/./models")[0] == 200  # normalized, then matched
     assert httpx.get(f"{engine_url(front)}/load").status_code == 200  # the route exists, on the engine
+
+
+def test_the_engines_openai_routes_pass_through_the_front_with_their_method_only(front):
+    """The allow side: each listed route gets the engine's own answer through the front (the
+    same status as asked of the engine directly, never the front's "no route"), and the same
+    route with another method is the front's 404."""
+    engine = engine_url(front)
+    tokens = httpx.post(f"{front.url}/tokenize", json={"model": MODEL, "prompt": "Hello there"}, timeout=60)
+    assert tokens.status_code == 200 and tokens.json()["tokens"], tokens.text[:200]
+    text = httpx.post(f"{front.url}/detokenize", json={"model": MODEL, "tokens": tokens.json()["tokens"]}, timeout=60)
+    assert text.status_code == 200 and text.json()["prompt"] == "Hello there", text.text[:200]
+    calls = [("GET", "/version", None), ("GET", "/v1/models", None),
+             ("POST", "/v1/completions", {"model": MODEL, "prompt": "Hi", "max_tokens": 1, "temperature": 0}),
+             ("POST", "/v1/embeddings", {"model": MODEL, "input": "Hi"})]
+    for method, path, body in calls:
+        through = httpx.request(method, f"{front.url}{path}", json=body, timeout=60)
+        direct = httpx.request(method, f"{engine}{path}", json=body, timeout=60)
+        assert through.status_code == direct.status_code and b"no route" not in through.content, (path, through.text)
+    assert httpx.get(f"{front.url}/version").json() == httpx.get(f"{engine}/version").json()
+    for method, path in (("GET", "/tokenize"), ("GET", "/detokenize"), ("GET", "/v1/completions"),
+                         ("GET", "/v1/embeddings"), ("POST", "/version"), ("DELETE", "/v1/models")):
+        status, answer = raw_request(front, method, path, b"{}" if method == "POST" else b"")
+        assert status == 404 and b"no route" in answer, (method, path, status, answer[:100])
 
 
 # ---------------------------------------------------------------- 2. /metrics
@@ -216,54 +239,62 @@ def test_no_fuzzed_memory_request_gets_a_5xx(front, body, path):
 # ---------------------------------------------------------------- 4. limits that protect bystanders
 
 
-def test_a_huge_user_id_is_refused_at_once_and_others_are_not_held(front):
+def test_a_huge_user_id_is_refused_for_its_size_and_others_are_answered_meanwhile(front):
+    """A 30 MB id is refused by the route's body cap, before the body is parsed (the answer names
+    the cap and does not echo the id); another client's requests keep being answered, 200, while
+    each huge one is in flight. How long either takes is measured by benchmarks, not here."""
     huge = "u" * (30 << 20)
-    slowest, stop = [0.0], threading.Event()
+    statuses, in_flight, answered_in_flight, stop = [], [None], [], threading.Event()
 
     def bystander():
         while not stop.is_set():
-            start = time.perf_counter()
-            assert httpx.get(f"{front.url}/v1/users", timeout=30).status_code == 200
-            slowest[0] = max(slowest[0], time.perf_counter() - start)
+            statuses.append(httpx.get(f"{front.url}/v1/users", timeout=60).status_code)
+            if in_flight[0] is not None:
+                answered_in_flight.append(in_flight[0])
 
     watcher = threading.Thread(target=bystander)
     watcher.start()
     try:
-        times = {}
         for path, body in (("memories", {"user_id": huge, "facts": ["x"]}), ("chat/completions", chat_body(huge)),
                            ("memories/search", {"user_id": huge, "query": "x"})):
-            start = time.perf_counter()
-            answer = httpx.post(f"{front.url}/v1/{path}", json=body, timeout=60)
-            times[path] = time.perf_counter() - start
+            content = json.dumps(body).encode()  # encoded before: what is in flight is the front's work
+            in_flight[0] = path
+            answer = httpx.post(f"{front.url}/v1/{path}", content=content, timeout=120,
+                                headers={"Content-Type": "application/json"})
+            in_flight[0] = None
             assert answer.status_code == 413 and len(answer.content) < 2000, (path, answer.text[:200])  # over the cap
+            assert "MiB" in answer.json()["error"]["message"], (path, answer.text[:200])  # names the route's cap
     finally:
         stop.set()
         watcher.join()
-    assert max(times.values()) < 3.0, times  # 30 MB on the wire and parsed, nothing walked
-    assert slowest[0] < 1.0, slowest  # the event loop kept answering others
+    assert statuses and set(statuses) == {200}, statuses
 
 
 def test_one_large_add_does_not_hold_another_users_small_add(front):
+    """A small add asked while a large one is being written (its first chunk stored) is stored
+    between two of the large add's chunks: it ends first, with the large add still partly written."""
     big = [f"Fact {i} of the long list: " + "a long memory of many words " * 70 for i in range(12)]
-    done: dict[str, float] = {}
+    finished: list[str] = []
 
     def add(user: str, facts: list[str]) -> None:
         answer = httpx.post(f"{front.url}/v1/memories", json={"user_id": user, "facts": facts}, timeout=600)
         assert answer.status_code == 201, answer.text[:300]
-        done[user] = time.perf_counter()
+        finished.append(user)
 
-    start = time.perf_counter()
+    def stored(user: str) -> list[str]:
+        answer = httpx.get(f"{front.url}/v1/memories", params={"user_id": user}, timeout=60)
+        return [f["text"] for f in answer.json()["results"]] if answer.status_code == 200 else []
+
     large = threading.Thread(target=add, args=("big-writer", big))
     large.start()
-    time.sleep(1.0)  # the large add is under way
-    asked = time.perf_counter()
+    while large.is_alive() and not stored("big-writer"):  # until the large add is under way
+        time.sleep(0.05)
     add("small-writer", ["Sam likes tea."])
+    partly = stored("big-writer")
     large.join()
-    assert "big-writer" not in done or done["big-writer"] > done["small-writer"], "the large add ended first"
-    assert done["small-writer"] - asked < 5.0, done["small-writer"] - asked
-    assert done["big-writer"] - start > 2 * (done["small-writer"] - asked)  # the large add was the long one
-    listed = httpx.get(f"{front.url}/v1/memories", params={"user_id": "big-writer"}).json()["results"]
-    assert [f["text"] for f in listed] == big  # in its order, whole
+    assert finished == ["small-writer", "big-writer"], finished
+    assert 0 < len(partly) < len(big) and partly == big[: len(partly)], len(partly)  # chunks, in order
+    assert stored("big-writer") == big  # in its order, whole
 
 
 def test_a_call_over_the_fact_limits_is_refused(front):

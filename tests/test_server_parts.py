@@ -4,6 +4,7 @@ settings, chat parsing and reshaping."""
 from __future__ import annotations
 
 import argparse
+import ctypes
 import json
 import platform
 import socket
@@ -115,8 +116,20 @@ def test_the_trim_interval_comes_from_the_environment():
 
 @pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="mallopt and malloc_trim are glibc's")
 def test_glibc_is_found_and_trims():
+    """32 MiB freed inside the heap, below a block still in use: ``malloc_trim(0)`` hands the
+    pages back (1), where a trim that did nothing answers 0."""
     libc = host_memory._glibc()
-    assert libc is not None and libc.malloc_trim(0) in (0, 1)
+    assert libc is not None
+    libc.malloc.argtypes, libc.malloc.restype = [ctypes.c_size_t], ctypes.c_void_p
+    libc.free.argtypes, libc.free.restype = [ctypes.c_void_p], None
+    blocks = [libc.malloc(16 << 10) for _ in range(2049)]  # below the mmap threshold: from the heap
+    try:
+        assert all(blocks)
+        for block in blocks[:-1]:
+            libc.free(block)
+        assert libc.malloc_trim(0) == 1
+    finally:
+        libc.free(blocks[-1])
 
 
 @pytest.mark.parametrize("arg", ["--host", "--port=9", "--kv-transfer-config", "--api-key=x", "--uds"])

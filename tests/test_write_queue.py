@@ -2,37 +2,62 @@
 
 from __future__ import annotations
 
+import contextlib
+import sys
 import threading
-import time
+from collections.abc import Iterator
 
 from inferscale.server.write_queue import FairLock, UserLocks, chunks
 
 
+@contextlib.contextmanager
+def switches_only_where_a_thread_blocks() -> Iterator[None]:
+    """No time slicing: the running thread keeps the GIL until it blocks. A thread started here
+    runs until it waits for the lock (so it has asked before ``start()`` returns), and a thread
+    that lets go asks again before a waiter it woke can run: the order seen is the lock's, not
+    the scheduler's, and a lock that lets the thread letting go take it again shows it every time."""
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1000.0)
+    try:
+        yield
+    finally:
+        sys.setswitchinterval(interval)
+
+
 def test_the_lock_is_handed_over_in_the_order_it_was_asked_for():
+    """Five threads, each taking the lock 50 times: every turn goes to the thread that asked first,
+    so they take it in the order they started, round after round."""
     lock, order = FairLock(), []
-    lock.__enter__()  # held: the others queue up
-    waiters = []
-    for i in range(5):
-        waiters.append(threading.Thread(target=lambda i=i: (lock.__enter__(), order.append(i), lock.__exit__())))
-        waiters[-1].start()
-        time.sleep(0.05)  # asked in this order
-    lock.__exit__()
-    for thread in waiters:
-        thread.join(timeout=5)
-    assert order == [0, 1, 2, 3, 4]
+
+    def turns(i: int) -> None:
+        for _ in range(50):
+            with lock:
+                order.append(i)
+
+    with switches_only_where_a_thread_blocks():
+        lock.__enter__()  # held: the others queue up as they start
+        waiters = [threading.Thread(target=turns, args=(i,)) for i in range(5)]
+        for thread in waiters:
+            thread.start()
+        lock.__exit__()
+        for thread in waiters:
+            thread.join(timeout=30)
+    assert order == [0, 1, 2, 3, 4] * 50
 
 
 def test_a_thread_that_lets_go_does_not_take_the_lock_again_before_a_waiter():
+    """Twenty times over: a thread lets go of the lock with a waiter queued and asks again at once."""
     lock, taken = FairLock(), []
-    lock.__enter__()
-    waiter = threading.Thread(target=lambda: (lock.__enter__(), taken.append("waiter"), lock.__exit__()))
-    waiter.start()
-    time.sleep(0.05)
-    lock.__exit__()
-    with lock:
-        taken.append("again")
-    waiter.join(timeout=5)
-    assert taken == ["waiter", "again"]
+    with switches_only_where_a_thread_blocks():
+        for _ in range(20):
+            lock.__enter__()
+            waiter = threading.Thread(target=lambda: (lock.__enter__(), taken.append("waiter"), lock.__exit__()))
+            waiter.start()  # and is waiting
+            lock.__exit__()
+            with lock:
+                taken.append("again")
+            waiter.join(timeout=5)
+    assert taken == ["waiter", "again"] * 20
 
 
 def test_chunks_keep_order_and_bound_their_characters():

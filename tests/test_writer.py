@@ -147,8 +147,9 @@ def check_fused_step(tmp_path: str) -> None:
     cache = FlashAttentionCache(200, 2, 4, SIZE)
     writer.write_step([first, second], cache)
     assert writer.take_load_errors() == set()
-    assert stats.snapshot() == {"store_hit.disk": 1, "store_hit.pinned": 1, "host_seconds.load": pytest.approx(
-        stats.snapshot()["host_seconds.load"])}  # the first loaded the user into the memory tier
+    counted = stats.snapshot()
+    assert counted.pop("host_seconds.load") > 0  # the step's loads were timed
+    assert counted == {"store_hit.disk": 1, "store_hit.pinned": 1}  # the first loaded the user into the memory tier
     for spec in (first, second):
         expected = writer.loader.load(spec, LAYERS, SIZE)
         for layer, (_, key, value) in enumerate(cache.layers):
