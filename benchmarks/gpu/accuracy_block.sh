@@ -49,8 +49,9 @@ if has wrappers; then
 fi
 
 F10="kv[window=-10,closing=answer]"
-methods="prompt[closing=answer];prompt[closing=answer,order=stored];$F10;kv[window=-10,closing=answer,recompute_tokens=256]"
+methods="prompt[closing=answer];$F10"  # the most telling first: a run cut short keeps them
 for w in $T15 $H15; do [[ -f $w ]] && methods="$methods;kv[window=-10,closing=answer,wrappers=$w]"; done
+methods="$methods;kv[window=-10,closing=answer,recompute_tokens=256];prompt[closing=answer,order=stored]"
 export VLLM_ENABLE_V1_MULTIPROCESSING=0
 if has screen; then
   stamp "LoCoMo screen, every question, k = 5/10/20/50 (in the background: $RUN/screen15.log)"
