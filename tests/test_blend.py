@@ -17,7 +17,7 @@ from inferscale.inject.loader import LoadSpec, SegmentLoader, kv_head_range, loa
 from inferscale.compose.request import SegmentRequest, make_params
 from inferscale.compose.salt import CacheSalts
 from inferscale.inject.planner import plan_request
-from inferscale.inject.stats import Fallback
+from inferscale.inject.report import Fallback
 from inferscale.errors import ConfigError
 from inferscale.kv import FactKV
 from inferscale.storage.disk import DiskStore

@@ -8,7 +8,7 @@ import pytest
 from inferscale.compose.request import make_params, parse_params
 from inferscale.compose.salt import CacheSalts
 from inferscale.inject.planner import plan_request
-from inferscale.inject.stats import Fallback
+from inferscale.inject.report import Fallback
 
 SALTS = CacheSalts(b"k" * 32)
 

@@ -11,7 +11,7 @@ from inferscale.compose.request import make_params
 from inferscale.compose.salt import CacheSalts
 from inferscale.compose.segment import PREFIX_FACT, SYSTEM_USER
 from inferscale.inject.planner import plan_request
-from inferscale.inject.stats import Fallback
+from inferscale.inject.report import Fallback
 from inferscale.kv import FactKV
 from inferscale.storage.disk import DiskStore
 

@@ -2,22 +2,32 @@
 
 The instruction prefix is encoded once (at position 0) and stored like a fact,
 under the reserved user :data:`SYSTEM_USER`. Facts' keys are stored before
-RoPE; composing rotates them to their positions in the segment.
+RoPE; composing rotates them to their positions in the segment. The K/V are read from any
+:class:`SegmentSource` (every :class:`~inferscale.storage.base.KVStore` is one): composing sits
+below the stores and never imports them.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
 from inferscale.compose.rope import RotaryEmbedding
 from inferscale.kv import KVBatch
-from inferscale.storage.base import KVStore
 
 SYSTEM_USER = "_system"
 PREFIX_FACT = "prefix"
+
+
+class SegmentSource(Protocol):
+    """What a segment is read from: the two reads of a K/V store it needs."""
+
+    def get(self, user_id: str, fact_ids: Sequence[str], device=None) -> KVBatch: ...
+
+    def epoch_token_ids(self, user_id: str, fact_ids: Sequence[str]) -> tuple[str, list[tuple[int, ...]]]: ...
 
 
 @dataclass
@@ -32,7 +42,7 @@ class Segment:
     values: torch.Tensor
 
 
-def segment_parts(store: KVStore, user_id: str, fact_ids: Sequence[str]
+def segment_parts(store: SegmentSource, user_id: str, fact_ids: Sequence[str]
                   ) -> tuple[tuple[str, str], list[tuple[int, ...]]]:
     """The epochs of the instruction prefix and of the user's memory, and the token
     ids of the segment's parts (the prefix, then each fact) in those epochs; read without
@@ -42,7 +52,7 @@ def segment_parts(store: KVStore, user_id: str, fact_ids: Sequence[str]
     return (prefix_epoch, epoch), [tuple(prefix), *facts]
 
 
-def gather_segment(store: KVStore, user_id: str, fact_ids: Sequence[str], device=None) -> KVBatch:
+def gather_segment(store: SegmentSource, user_id: str, fact_ids: Sequence[str], device=None) -> KVBatch:
     """Prefix and facts' pre-RoPE K/V, concatenated in segment order on ``device``."""
     prefix = store.get(SYSTEM_USER, [PREFIX_FACT], device)
     facts = store.get(user_id, list(fact_ids), device)
@@ -66,6 +76,6 @@ def rotate_segment(batch: KVBatch, rope: RotaryEmbedding, start: int = 0, end: i
     return Segment(batch.fact_ids, start, batch.flat_token_ids()[start:end], keys, batch.values[:, start:end])
 
 
-def compose_segment(store: KVStore, rope: RotaryEmbedding, user_id: str, fact_ids: Sequence[str], device=None) -> Segment:
+def compose_segment(store: SegmentSource, rope: RotaryEmbedding, user_id: str, fact_ids: Sequence[str], device=None) -> Segment:
     """The whole segment with RoPE applied at positions 0..m-1."""
     return rotate_segment(gather_segment(store, user_id, fact_ids, device), rope)

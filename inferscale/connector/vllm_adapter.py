@@ -46,8 +46,8 @@ from inferscale.inject.load_mode import loads_in_background
 from inferscale.inject.load_signal import EngineLoad
 from inferscale.inject.loader import LoadSpec, kv_head_range, load_blocks
 from inferscale.inject.planner import NO_MEMORY, Plan, plan_request
-from inferscale.inject.report import client_report
-from inferscale.inject.stats import ConnectorStats, Fallback
+from inferscale.inject.report import Fallback, client_report
+from inferscale.inject.stats import ConnectorStats
 from inferscale.inject.writer import KVWriter
 from inferscale.storage.tiers import build_tiers, disk_tier
 

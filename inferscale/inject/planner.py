@@ -31,7 +31,7 @@ from inferscale.compose.blend import Blend, injected_length
 from inferscale.compose.segment import PREFIX_FACT, SYSTEM_USER, segment_parts
 from inferscale.compose.request import InvalidParams, SegmentRequest, parse_params
 from inferscale.compose.salt import CacheSalts
-from inferscale.inject.stats import Fallback
+from inferscale.inject.report import Fallback
 from inferscale.errors import CorruptDataError, MissingFactError, UnknownUserError
 from inferscale.storage.base import KVStore
 

@@ -16,7 +16,7 @@ is told one coarse code, whatever the reason:
   what every request is told when the engine's cache layout was not understood at
   start and nothing is injected (a property of the engine, not of any memory).
 
-The precise reason (:class:`~inferscale.inject.stats.Fallback`) and its
+The precise reason (:class:`Fallback`) and its
 detail go to the server log only; the connector's counters count the coarse code.
 
 A request whose memory was matched is also told the recompute budget it got
@@ -28,12 +28,28 @@ are about the request and the engine's load, nothing about stored memory.
 
 from __future__ import annotations
 
-from inferscale.inject.stats import Fallback
+from enum import Enum
 
 INVALID_PARAMS = "invalid_params"
 REFUSED = "refused"
 LOAD_ERROR = "load_error"
 CLIENT_CODES = (INVALID_PARAMS, REFUSED, LOAD_ERROR)
+
+
+class Fallback(str, Enum):
+    """Reasons a request's memory tokens are prefilled normally instead of injected."""
+
+    INVALID_PARAMS = "invalid_params"
+    UNKNOWN_USER = "unknown_user"
+    UNKNOWN_FACT = "unknown_fact"
+    CORRUPT = "corrupt"
+    TOKEN_MISMATCH = "token_mismatch"
+    MISSING_CACHE_SALT = "missing_cache_salt"
+    PROMPT_TOO_SHORT = "prompt_too_short"
+    STORE_ERROR = "store_error"
+    LOAD_ERROR = "load_error"
+    #: the engine's KV cache layout was not understood at start: nothing is injected
+    INJECTION_OFF = "injection_off"
 
 
 def client_code(fallback: Fallback) -> str:

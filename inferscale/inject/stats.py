@@ -14,7 +14,8 @@ from __future__ import annotations
 import threading
 from collections import Counter
 from collections.abc import Mapping
-from enum import Enum
+
+from inferscale.inject.report import Fallback, client_code
 
 INJECTED_REQUESTS = "injected_requests"
 INJECTED_TOKENS = "injected_tokens"
@@ -26,22 +27,6 @@ HOST_PREFIX = "host_seconds."
 PLAN_CALLS = "plan_calls"
 #: requests whose memory was matched, by the recompute budget they got: "recompute_budget.<tokens>"
 BUDGET_PREFIX = "recompute_budget."
-
-
-class Fallback(str, Enum):
-    """Reasons a request's memory tokens are prefilled normally instead of injected."""
-
-    INVALID_PARAMS = "invalid_params"
-    UNKNOWN_USER = "unknown_user"
-    UNKNOWN_FACT = "unknown_fact"
-    CORRUPT = "corrupt"
-    TOKEN_MISMATCH = "token_mismatch"
-    MISSING_CACHE_SALT = "missing_cache_salt"
-    PROMPT_TOO_SHORT = "prompt_too_short"
-    STORE_ERROR = "store_error"
-    LOAD_ERROR = "load_error"
-    #: the engine's KV cache layout was not understood at start: nothing is injected
-    INJECTION_OFF = "injection_off"
 
 
 class ConnectorStats:
@@ -59,8 +44,6 @@ class ConnectorStats:
         """Counted under the coarse code a client is told (:func:`report.client_code`), never the
         precise reason: a forged request must not learn from ``/metrics`` whether a user or a
         fact exists (the reason goes to the server log)."""
-        from inferscale.inject.report import client_code
-
         self._add({FALLBACK_PREFIX + client_code(reason): 1})
 
     def record_hit(self, tier: str) -> None:
