@@ -72,7 +72,7 @@ if has tests; then
       INFERSCALE_TEST_PINNED_READ_PROGRAMS=${PINNED_READ_PROGRAMS:-} INFERSCALE_TEST_PINNED_READ_GRAPHS=${PINNED_READ_GRAPHS:-} \
       INFERSCALE_TEST_PINNED_COPY_BELOW_MIB=${PINNED_COPY_BELOW_MIB:-0} INFERSCALE_TEST_ASYNC_LOADS=${ASYNC_LOADS:-} \
       timeout 420 python3 -m pytest \
-      tests/test_connector.py tests/test_sources.py tests/test_layout.py tests/test_connector_layout.py \
+      tests/test_connector.py tests/test_sources.py tests/test_cache_layout.py tests/test_connector_layout.py \
       tests/test_background_writer.py $(has kernel || echo tests/test_fused_write.py) -q -p no:cacheprovider -k "not fuzz" > "$log" 2>&1
     status=$?
     grep -v " INFO \| DEBUG " "$log" | tail -30

@@ -53,7 +53,7 @@ STEPS = [
     ("inferscale.inject.loader", "SegmentLoader.slot_mapping", "worker: slot tensor"),
     ("inferscale.compose.rope", "RotaryEmbedding.rotate", "worker: RoPE"),
     ("inferscale.compose.rope", "RotaryEmbedding.rotate_range", "worker: RoPE"),
-    ("inferscale.inject.layout", "KVLayout.write", "worker: cache writes"),
+    ("inferscale.inject.cache_layout", "CacheLayout.write", "worker: cache writes"),
     ("inferscale.inject.loader", "SegmentLoader.sources", "worker: sources + version check"),
     ("inferscale.inject.fused_write", "write_tokens", "worker: fused cache write"),
     ("inferscale.inject.write_graphs", "WriteGraphs.write", "worker: fused cache write (graph replay)"),

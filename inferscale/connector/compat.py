@@ -8,7 +8,7 @@ release outside the tested range runs with a warning naming the range when it ha
 what the connector needs, and is refused, naming what is missing, when it has not
 (:func:`check_release`). The KV cache layout is not taken from the release at all:
 it is read from the caches vLLM registers and confirmed by a self-test
-(:mod:`inferscale.inject.layout`, :func:`backend_cache_write`).
+(:mod:`inferscale.inject.cache_layout`, :func:`backend_cache_write`).
 """
 
 from __future__ import annotations

@@ -17,7 +17,7 @@ engine has room: :mod:`inferscale.inject.load_signal`); only a picklable
 tiers live here (:func:`~inferscale.storage.tiers.build_tiers`) and
 :class:`~inferscale.inject.writer.KVWriter` writes each step's loads into vLLM's
 paged cache through the layout read from the caches vLLM registers
-(:class:`~inferscale.inject.layout.PagedLayers`), confirmed at engine start by a
+(:class:`~inferscale.inject.cache_layout.PagedLayers`), confirmed at engine start by a
 one-block self-test per layer. If a layer's layout is not understood, the worker
 says so in one log line, writes nothing, and tells the scheduler side
 (:class:`InjectionReadiness`, at engine start), which then claims no tokens: every
@@ -41,7 +41,7 @@ from inferscale.connector import compat
 from inferscale.connector.metrics import InferScalePromMetrics, InferScaleStats, stats_or_none
 from inferscale.inject.background import BackgroundWriter
 from inferscale.inject.background_requests import BackgroundRequests
-from inferscale.inject.layout import LayoutError, PagedLayers
+from inferscale.inject.cache_layout import LayoutError, PagedLayers
 from inferscale.inject.load_mode import loads_in_background
 from inferscale.inject.load_signal import EngineLoad
 from inferscale.inject.loader import LoadSpec, kv_head_range, load_blocks

@@ -20,7 +20,7 @@ first, which is faster when the whole read must come before the forward
 :class:`CacheViews`: each layer's K and V views of its cache
 (``[num_blocks, block_size, heads, head_size]`` with any strides, as the layout
 read from the registered caches and confirmed at engine start gives them:
-:mod:`inferscale.inject.layout`).
+:mod:`inferscale.inject.cache_layout`).
 
 The arithmetic matches :meth:`RotaryEmbedding.rotate_range`: float32
 ``x * cos + partner(x) * sin`` from the same table (whose rows hold a pair's

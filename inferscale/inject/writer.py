@@ -9,7 +9,7 @@ gathered and rotated (:meth:`SegmentLoader.load`) and written through the cache'
 layer by layer, overlapping the forward pass (:mod:`~inferscale.inject.layer_loads`).
 
 The engine's cache is handed in as a :class:`PagedCache` (the adapter's
-:class:`~inferscale.inject.layout.PagedLayers`: vLLM's registered caches with the layout the
+:class:`~inferscale.inject.cache_layout.PagedLayers`: vLLM's registered caches with the layout the
 engine-start self-test confirmed; nothing is written where none was); a load that fails is never raised into the engine: its blocks are reported
 (:meth:`KVWriter.take_load_errors`) and vLLM recomputes them.
 """
@@ -48,7 +48,7 @@ class PagedCache(Protocol):
 
     def write(self, layer: int, key: torch.Tensor, value: torch.Tensor, slots: torch.Tensor) -> None:
         """Write K/V ``[tokens, kv_heads, head_size]`` into ``layer``'s cache at ``slots``
-        through the layout confirmed for it (:mod:`~inferscale.inject.layout`)."""
+        through the layout confirmed for it (:mod:`~inferscale.inject.cache_layout`)."""
 
 
 def by_stored_kind(ready: list) -> list[list]:

@@ -2,9 +2,9 @@
 
 vLLM picks the cache layout (its attention backend, its release, a layout setting) and
 hands the connector one tensor per layer, often a strided view into a buffer shared by
-every layer. A :class:`KVLayout` says how K and V lie in such a tensor: which
+every layer. A :class:`CacheLayout` says how K and V lie in such a tensor: which
 arrangement, the block size, the KV heads and head size, the tensor's shape and strides;
-:meth:`KVLayout.views` gives the K and V views ``[num_blocks, block_size, kv_heads,
+:meth:`CacheLayout.views` gives the K and V views ``[num_blocks, block_size, kv_heads,
 head_size]`` that both write paths address (the per-layer write indexes them, the fused
 kernel takes their strides). Views only: nothing is copied, whatever the strides.
 
@@ -38,7 +38,7 @@ class LayoutError(ValueError):
 
 
 @dataclass(frozen=True)
-class KVLayout:
+class CacheLayout:
     """How K and V lie in one layer's paged cache tensor (see the module)."""
 
     arrangement: str
@@ -52,7 +52,7 @@ class KVLayout:
     dims: tuple[int, ...] = ()
 
     @classmethod
-    def from_tensor(cls, cache: torch.Tensor, num_kv_heads: int, head_size: int, arrangement: str) -> KVLayout:
+    def from_tensor(cls, cache: torch.Tensor, num_kv_heads: int, head_size: int, arrangement: str) -> CacheLayout:
         """The layout of ``cache`` under ``arrangement``; a LayoutError when its shape does not fit."""
         fitting = [layout for layout in candidates(cache, num_kv_heads, head_size) if layout.arrangement == arrangement]
         if not fitting:
@@ -95,12 +95,12 @@ def write_views(views: tuple[torch.Tensor, torch.Tensor], key: torch.Tensor, val
     value_view[where] = value.to(value_view.dtype)
 
 
-def candidates(cache: torch.Tensor, num_kv_heads: int, head_size: int) -> list[KVLayout]:
+def candidates(cache: torch.Tensor, num_kv_heads: int, head_size: int) -> list[CacheLayout]:
     """Every arrangement the tensor's shape allows, for these heads and head size."""
     shape, strides = tuple(cache.shape), tuple(cache.stride())
 
-    def layout(arrangement: str, block_size: int, dims: tuple[int, ...] = ()) -> KVLayout:
-        return KVLayout(arrangement, shape, strides, cache.dtype, block_size, num_kv_heads, head_size, dims)
+    def layout(arrangement: str, block_size: int, dims: tuple[int, ...] = ()) -> CacheLayout:
+        return CacheLayout(arrangement, shape, strides, cache.dtype, block_size, num_kv_heads, head_size, dims)
 
     if len(shape) == 4 and shape[1] == num_kv_heads and shape[3] == 2 * head_size:
         return [layout(arrangement, shape[2]) for arrangement in PACKED]
@@ -116,7 +116,7 @@ def candidates(cache: torch.Tensor, num_kv_heads: int, head_size: int) -> list[K
     return found
 
 
-def _views(layout: KVLayout, cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _views(layout: CacheLayout, cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The arrangement's K and V views (``.view`` never copies: a tensor whose strides do
     not allow one raises, and that arrangement does not fit)."""
     blocks, size, heads, dim = layout.shape[layout.block_dim], layout.block_size, layout.num_kv_heads, layout.head_size
@@ -142,7 +142,7 @@ def _views(layout: KVLayout, cache: torch.Tensor) -> tuple[torch.Tensor, torch.T
 
 
 def identify(cache: torch.Tensor, backend_write: CacheWrite | None, num_kv_heads: int, head_size: int,
-             block: int = 0) -> KVLayout:
+             block: int = 0) -> CacheLayout:
     """The layout of ``cache``: the arrangement whose views read back exactly what the
     backend's own write put into ``block`` (its old contents restored afterwards).
     A LayoutError says why none is confirmed."""
@@ -171,7 +171,7 @@ def identify(cache: torch.Tensor, backend_write: CacheWrite | None, num_kv_heads
                       f"reads back what the backend wrote (tried {', '.join(l.arrangement for l in found)})")
 
 
-def _pattern(layout: KVLayout, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+def _pattern(layout: CacheLayout, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """A block of distinct random K and V, ``[block_size, kv_heads, head_size]`` in the cache dtype."""
     gen = torch.Generator().manual_seed(20261201)
     shape = (layout.block_size, layout.num_kv_heads, layout.head_size)
@@ -179,7 +179,7 @@ def _pattern(layout: KVLayout, device: torch.device) -> tuple[torch.Tensor, torc
     return key, value
 
 
-def _reads_back(layout: KVLayout, cache: torch.Tensor, block: int, key: torch.Tensor, value: torch.Tensor) -> bool:
+def _reads_back(layout: CacheLayout, cache: torch.Tensor, block: int, key: torch.Tensor, value: torch.Tensor) -> bool:
     try:
         key_view, value_view = layout.views(cache)
     except LayoutError:
@@ -191,7 +191,7 @@ class PagedLayers:
     """Every decoder layer's cache tensor with its confirmed layout (a
     :class:`~inferscale.inject.writer.PagedCache`): K/V are written through the layout's views."""
 
-    def __init__(self, caches: Sequence[torch.Tensor], layouts: Sequence[KVLayout]):
+    def __init__(self, caches: Sequence[torch.Tensor], layouts: Sequence[CacheLayout]):
         self.caches, self.layouts = list(caches), list(layouts)
         # the caches stay put for the engine's life: their views, checked once
         self._views = [layout.views(cache) for cache, layout in zip(self.caches, self.layouts, strict=True)]

@@ -1,4 +1,4 @@
-"""The cache layout read from vLLM's registered caches (inject/layout.py): every arrangement it
+"""The cache layout read from vLLM's registered caches (inject/cache_layout.py): every arrangement it
 describes is found by the self-test against the backend's own write, writes land where the
 backend's would, and a layout it cannot read is refused with nothing left written in it."""
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from inferscale.inject.layout import (KV_HALVES_DIM_MAJOR, KV_LAST, KV_PLANES, KVLayout, LayoutError, PagedLayers,
+from inferscale.inject.cache_layout import (KV_HALVES_DIM_MAJOR, KV_LAST, KV_PLANES, CacheLayout, LayoutError, PagedLayers,
                                       identify)
 
 BLOCKS, HEADS, SLOTS, SIZE = 6, 2, 16, 8
@@ -104,7 +104,7 @@ def test_a_shape_no_arrangement_fits_is_refused():
     with pytest.raises(LayoutError, match=r"fits no known arrangement"):
         identify(cache, flash_attention_write(cache.transpose(1, 2)), HEADS, SIZE)
     with pytest.raises(LayoutError, match="is not kv-last"):
-        KVLayout.from_tensor(cache, HEADS, SIZE, KV_LAST)
+        CacheLayout.from_tensor(cache, HEADS, SIZE, KV_LAST)
     assert not cache.any()
 
 
