@@ -10,7 +10,7 @@ import tiny_models
 from inferscale.api import InferScale
 from inferscale.encode import Turn
 from inferscale.errors import ConfigError
-from inferscale.server.schemas import AddMemories, UpdateMemory
+from inferscale.server.memory.schemas import AddMemories, UpdateMemory
 
 
 @pytest.fixture

@@ -13,8 +13,8 @@ from starlette.routing import Route
 from starlette.testclient import TestClient
 
 from inferscale.server import limits
-from inferscale.server.chat import MAX_CHAT_CHARS
-from inferscale.server.schemas import (MAX_FACT_CHARS, MAX_FACT_CHARS_PER_CALL, MAX_FACTS_PER_CALL,
+from inferscale.server.chat.request import MAX_CHAT_CHARS
+from inferscale.server.memory.schemas import (MAX_FACT_CHARS, MAX_FACT_CHARS_PER_CALL, MAX_FACTS_PER_CALL,
                                        MAX_MESSAGE_CHARS, MAX_MESSAGE_CHARS_PER_CALL, MAX_MESSAGES,
                                        MAX_QUERY_CHARS, AddMemories)
 

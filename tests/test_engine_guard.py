@@ -84,7 +84,7 @@ def test_the_locks_reset_route_empties_the_prefix_cache_running_requests_include
 def test_the_key_comes_from_the_secret_the_launcher_names(tmp_path, monkeypatch):
     from inferscale.config import Config
     from inferscale.secret import load_secret
-    from inferscale.server.launch import engine_command, locked_environment
+    from inferscale.server.engine.launch import engine_command, locked_environment
 
     config = Config.from_dict({"data_dir": str(tmp_path)})
     environment = locked_environment(config, {})

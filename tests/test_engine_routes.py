@@ -1,4 +1,4 @@
-"""The front's allow-list of engine routes (:mod:`inferscale.server.engine_routes`), both sides:
+"""The front's allow-list of engine routes (:mod:`inferscale.server.engine.allowed_routes`), both sides:
 what it passes on (each route with its method, however the path is written) and what it refuses.
 The live front is probed in tests/test_server_exposure.py."""
 
@@ -8,7 +8,7 @@ from urllib.parse import quote
 
 import pytest
 
-from inferscale.server.engine_routes import allowed_route, normalized
+from inferscale.server.engine.allowed_routes import allowed_route, normalized
 
 #: the engine's routes a client reaches through the front, with the one method each takes
 PASSED = [("/v1/models", "GET"), ("/v1/completions", "POST"), ("/v1/embeddings", "POST"), ("/tokenize", "POST"),

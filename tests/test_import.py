@@ -26,7 +26,7 @@ def test_the_front_and_the_client_speak_http_to_vllm():
     """The server reaches vLLM over HTTP only (its internals move between releases: docs/server.md)."""
     code = (
         "import sys\n"
-        "import inferscale.server.app, inferscale.server.launch, inferscale.server.serve, inferscale.client\n"
+        "import inferscale.server.app, inferscale.server.engine.launch, inferscale.server.serve, inferscale.client\n"
         "assert 'vllm' not in sys.modules, 'the front imported vllm'\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True)

@@ -13,7 +13,7 @@ from pathlib import Path
 import tiny_models
 from inferscale.cli import build_parser
 from inferscale.cli import demo as demo_cli
-from inferscale.server.routes_engine import without_paths
+from inferscale.server.engine.routes import without_paths
 
 
 def test_the_model_list_names_no_path():

@@ -16,7 +16,7 @@ import tiny_models
 from inferscale.api import Context
 from inferscale.config import Config
 from inferscale.server.app import create_app
-from inferscale.server.launch import free_port
+from inferscale.server.engine.launch import free_port
 from inferscale.server.state import ServerState
 
 pytestmark = pytest.mark.slow  # loads a (tiny) model and the embedder

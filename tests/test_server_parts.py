@@ -18,12 +18,13 @@ import tiny_models
 from inferscale.config import Config
 from inferscale.errors import ConfigError
 from inferscale import host_memory
-from inferscale.server import gpu, launch, serve
-from inferscale.server.chat import completion_body, parse_chat
-from inferscale.server.convert import chat_chunk, chat_completion
-from inferscale.server.engine_log import EngineLog
+from inferscale.server import serve
+from inferscale.server.engine import gpu, launch
+from inferscale.server.chat.request import completion_body, parse_chat
+from inferscale.server.chat.answers import chat_chunk, chat_completion
+from inferscale.server.engine.log import EngineLog
 from inferscale.server.errors import APIError, validation_message
-from inferscale.server.schemas import SearchMemories
+from inferscale.server.memory.schemas import SearchMemories
 
 GiB = 1 << 30
 

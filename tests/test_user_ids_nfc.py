@@ -16,8 +16,8 @@ from inferscale.cli import build_parser
 from inferscale.compose.request import make_params, parse_params
 from inferscale.config import BackendSpec, Config, build
 from inferscale.facts import check_request_user_id, check_stored_user_id, check_user_id
-from inferscale.server.chat import parse_chat
-from inferscale.server.schemas import AddMemories, SearchMemories
+from inferscale.server.chat.request import parse_chat
+from inferscale.server.memory.schemas import AddMemories, SearchMemories
 from inferscale.storage.disk import DiskStore
 from inferscale.storage.index import INDEX_NAME, UserIndex
 from redis_server import RedisServer

@@ -7,7 +7,7 @@ import sys
 import threading
 from collections.abc import Iterator
 
-from inferscale.server.write_queue import FairLock, UserLocks, chunks
+from inferscale.server.memory.write_queue import FairLock, UserLocks, chunks
 
 
 @contextlib.contextmanager

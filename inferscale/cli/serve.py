@@ -37,7 +37,7 @@ def cmd_serve(args) -> int:
 
 def cmd_engine(args) -> int:
     """One replica for a router: vLLM's OpenAI server with the connector, no front (docs/cluster.md)."""
-    from inferscale.server.replica import run_replica
+    from inferscale.server.cluster.replica import run_replica
 
     config = config_of(args)
     return run_replica(config, args.model or config.model.path, args.host, args.port, tuple(args.vllm_args))

@@ -13,7 +13,11 @@ from contextlib import asynccontextmanager
 
 from fastapi import FastAPI, Request
 
-from inferscale.server import errors, forward, limits, routes_chat, routes_engine, routes_memory
+from inferscale.server import errors, limits
+from inferscale.server.chat.routes import router as chat_router
+from inferscale.server.engine import forward
+from inferscale.server.engine.routes import router as engine_router
+from inferscale.server.memory.routes import router as memory_router
 from inferscale.server.state import ServerState
 
 OPEN_PATHS = ("/health", "/metrics")
@@ -34,9 +38,9 @@ def create_app(state: ServerState) -> FastAPI:
     errors.install(app)
     app.add_middleware(limits.BodyLimit)  # inside the guard: its 413s are counted too
     _install_guards(app, state)
-    app.include_router(routes_chat.router)
-    app.include_router(routes_memory.router)
-    app.include_router(routes_engine.router)  # last: it passes every other /v1 path to the engine
+    app.include_router(chat_router)
+    app.include_router(memory_router)
+    app.include_router(engine_router)  # last: it passes every other /v1 path to the engine
     return app
 
 

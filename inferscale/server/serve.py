@@ -22,7 +22,7 @@ from inferscale.api import Context
 from inferscale.config import Config
 from inferscale.errors import ConfigError
 from inferscale import host_memory
-from inferscale.server import gpu, launch
+from inferscale.server.engine import gpu, launch
 from inferscale.server.state import ServerState
 
 logger = logging.getLogger(__name__)
@@ -106,7 +106,7 @@ def _engine(options: ServeOptions, context: Context, device_type: str) -> tuple[
 
 
 def _remote(options: ServeOptions, served: str):
-    from inferscale.server.remote_engine import RemoteEngine
+    from inferscale.server.cluster.remote import RemoteEngine
 
     if options.forget_resets_prefix_cache or options.vllm_args:
         raise ConfigError("with --engine-url the replicas are started on their own (inferscale engine): vLLM's "

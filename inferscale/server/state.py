@@ -10,7 +10,7 @@ import httpx
 
 from inferscale.api import Context, GenerationAPI, MemoryAPI
 from inferscale.server.metrics import FrontMetrics
-from inferscale.server.write_queue import FairLock, UserLocks
+from inferscale.server.memory.write_queue import FairLock, UserLocks
 
 logger = logging.getLogger(__name__)
 

@@ -30,7 +30,7 @@ from pathlib import Path
 from inferscale.config import Config
 from inferscale.errors import ConfigError, InferScaleError
 from inferscale.server import engine_guard
-from inferscale.server.engine_log import EngineLog
+from inferscale.server.engine.log import EngineLog
 
 logger = logging.getLogger(__name__)
 

@@ -10,7 +10,7 @@
 ``GET /v1/users``                   every user with memory
 
 Writes take turns on the encoder in arrival order, a large add a chunk per turn
-(:mod:`inferscale.server.write_queue`); reads run beside them.
+(:mod:`inferscale.server.memory.write_queue`); reads run beside them.
 """
 
 from __future__ import annotations
@@ -29,12 +29,12 @@ from fastapi.responses import JSONResponse
 from inferscale.api import ExtractionError, Turn
 from inferscale.errors import ConfigError, MissingFactError, UnknownUserError
 from inferscale.facts import MAX_USER_ID_CHARS, check_request_user_id
-from inferscale.server import forward
+from inferscale.server.engine import forward
 from inferscale.server.bodies import model_body
 from inferscale.server.errors import APIError
-from inferscale.server.schemas import AddMemories, MessageIn, SearchMemories, UpdateMemory, fact_json
+from inferscale.server.memory.schemas import AddMemories, MessageIn, SearchMemories, UpdateMemory, fact_json
 from inferscale.server.state import ServerState
-from inferscale.server.write_queue import chunks
+from inferscale.server.memory.write_queue import chunks
 
 logger = logging.getLogger(__name__)
 router = APIRouter()

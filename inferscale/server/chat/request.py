@@ -18,7 +18,7 @@ from typing import Any
 
 from inferscale.facts import check_request_user_id, shown
 from inferscale.server.errors import APIError
-from inferscale.server.schemas import k_of
+from inferscale.server.memory.schemas import k_of
 
 #: ``inferscale.mode`` → the generation mode (``text``: the facts as text in the prompt; ``prompt``,
 #: the Python API's name for it, is taken as an alias). Answers name the mode as it was asked.

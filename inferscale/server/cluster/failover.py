@@ -20,7 +20,7 @@ from typing import Any
 
 import httpx
 
-from inferscale.server import forward
+from inferscale.server.engine import forward
 from inferscale.server.errors import APIError
 
 logger = logging.getLogger(__name__)

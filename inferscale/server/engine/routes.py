@@ -6,7 +6,7 @@ replica's state (``vllm-router`` answers its own ``/health`` 503 while any one w
 which would take every front out of a load balancer though chats still succeed); else 503.
 ``GET /metrics``: the front's metrics, then the engine's (vLLM's and the connector's).
 ``GET /v1/models``: the engine's list with no path in it (vLLM shows the model's directory as ``root``).
-The engine routes of :data:`engine_routes.ALLOWED` (``/v1/models``, ``/v1/completions``,
+The engine routes of :data:`allowed_routes.ALLOWED` (``/v1/models``, ``/v1/completions``,
 ``/v1/embeddings``, ``/tokenize``, ``/detokenize``, ``/version``), matched after the path is
 decoded and its dot-segments resolved: passed to the engine, except that a client may not send
 ``kv_transfer_params`` or a ``cache_salt`` (memory is only ever asked for by the server, for the
@@ -19,9 +19,9 @@ import httpx
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
-from inferscale.server import forward
-from inferscale.server.chat import refuse_reserved
-from inferscale.server.engine_routes import allowed_route
+from inferscale.server.engine import forward
+from inferscale.server.chat.request import refuse_reserved
+from inferscale.server.engine.allowed_routes import allowed_route
 from inferscale.server.errors import APIError, json_body
 from inferscale.server.state import ServerState
 

@@ -20,7 +20,7 @@ from inferscale import host_memory
 from inferscale.api import Context
 from inferscale.config import Config
 from inferscale.errors import ConfigError
-from inferscale.server import launch
+from inferscale.server.engine import launch
 
 logger = logging.getLogger(__name__)
 

@@ -26,10 +26,11 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from inferscale.api import MAX_FACTS, SESSION_HEADER, PromptRequest
 from inferscale.errors import CorruptDataError, MissingFactError, StoreUnavailableError
-from inferscale.server import failover, forward
+from inferscale.server.cluster import failover
+from inferscale.server.engine import forward
 from inferscale.server.bodies import read_json
-from inferscale.server.chat import ChatCall, completion_body, parse_chat, refuse_reserved
-from inferscale.server.convert import chat_chunk, chat_completion
+from inferscale.server.chat.request import ChatCall, completion_body, parse_chat, refuse_reserved
+from inferscale.server.chat.answers import chat_chunk, chat_completion
 from inferscale.server.state import ServerState
 
 logger = logging.getLogger(__name__)

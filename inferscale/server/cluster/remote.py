@@ -11,13 +11,13 @@ import logging
 import time
 import urllib.request
 
-from inferscale.server.launch import EngineError
+from inferscale.server.engine.launch import EngineError
 
 logger = logging.getLogger(__name__)
 
 
 class RemoteEngine:
-    """The :class:`~inferscale.server.launch.EngineProcess` calls the front makes, for a URL."""
+    """The :class:`~inferscale.server.engine.launch.EngineProcess` calls the front makes, for a URL."""
 
     def __init__(self, url: str):
         self.url = url.rstrip("/")
