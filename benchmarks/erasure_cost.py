@@ -111,7 +111,7 @@ def _engine_request(server: Server, mode: str):
 
     context = Context(Config.from_dict({"model": server.model, "data_dir": str(server.data_dir)}))
     generation = GenerationAPI(context)
-    ids = [f.fact_id for f in context.disk.facts("ana").values()]
+    ids = [f.fact_id for f in context.record.facts("ana").values()]
     request = generation.prompt("ana", "What is my locker code?", ids, mode=mode)
     engine = f"http://127.0.0.1:{server.engine_port()}"
     model = httpx.get(f"{engine}/v1/models").json()["data"][0]["id"]

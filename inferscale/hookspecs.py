@@ -29,7 +29,7 @@ def register_retrievers(register):
 def register_kv_stores(register):
     """Register :class:`inferscale.storage.KVStore` subclasses (where facts' K/V live). One
     meant as the worker's memory tier (``Config.kv_store``) also fulfils
-    :class:`inferscale.storage.memory_tier.MemoryTier` (checked when the tiers are built;
+    :class:`inferscale.storage.tiers.memory.MemoryTier` (checked when the tiers are built;
     ``plugins/inferscale-mmap`` is an example)."""
 
 

@@ -154,7 +154,7 @@ def test_facts_stored_without_text_are_stored_again_whole(mem, tmp_path):
     config = Config.from_dict({**mem.config.to_dict(), "data_dir": str(tmp_path)})
     memory = MemoryAPI(Context(config))
     stored = memory.add_facts("old", FACTS[:3])
-    disk = memory.context.disk
+    disk = memory.context.record
     disk.put("old", disk.load_user("old"))  # K/V and token ids only, as format 1 kept them
     assert [f.text for f in disk.facts("old").values()] == ["", "", ""] and disk.embeddings("old")[0] == []
     again = MemoryAPI(Context(config)).add_facts("old", FACTS[:3])

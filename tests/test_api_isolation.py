@@ -44,7 +44,7 @@ def add_user(mem, user: str, facts=FACTS, noisy: bool = False) -> list[str]:
     with wrong K/V (same tokens), so output computed from the injected blocks is recognisable."""
     ids = [f.fact_id for f in mem.memory.add_facts(user, [f.format(name=user.title()) for f in facts])]
     if noisy:
-        disk = mem.context.disk
+        disk = mem.context.record
         disk.put(user, {f: vh.noisy(kv) for f, kv in disk.load_user(user).items()})
     return ids
 

@@ -27,7 +27,7 @@ from inferscale.inject.writer import KVWriter
 from inferscale.storage.disk import DiskStore
 from inferscale.storage.hbm import HBMStore
 from inferscale.storage.pinned import PinnedHostStore
-from inferscale.storage.tiered import ensure_user
+from inferscale.storage.tiers.fill import ensure_user
 from inferscale.storage.tiers import Tiers
 from test_storage import make_fact, make_facts
 from test_writer import LAYERS, SIZE, RecordingCache, spec_for
@@ -125,8 +125,8 @@ def start(writer: BackgroundWriter, loads: list[LoadSpec], cache) -> None:
 def test_a_background_load_is_reported_once_and_its_failure_with_it(tiers):
     writer, _ = writers_for(tiers)
     assert writer.config.tuning.pinned_reads == "copy" and not writer.loader.host_in_place  # the bus is DMA's
-    good = spec_for(tiers.disk, "ann", "good")
-    stale = spec_for(tiers.disk, "ann", "stale", epochs=("old", "old"))  # not the memory it was scheduled with
+    good = spec_for(tiers.record, "ann", "good")
+    stale = spec_for(tiers.record, "ann", "stale", epochs=("old", "old"))  # not the memory it was scheduled with
     cache = RecordingCache()
     start(writer, [stale, good], cache)
     assert writer.loading == {"stale", "good"}
@@ -197,7 +197,7 @@ def test_a_load_whose_request_finished_while_its_user_is_read_is_reported_unwrit
 
 def test_a_refused_background_load_is_reported_with_every_block_failed(tiers):
     writer, _ = writers_for(tiers)
-    spec = spec_for(tiers.disk, "ann", "refused")
+    spec = spec_for(tiers.record, "ann", "refused")
     writer.refuse([spec])
     assert writer.loading == {"refused"}
     assert writer.finished() == {"refused"} and writer.take_load_errors() == set(spec.blocks)
@@ -205,7 +205,7 @@ def test_a_refused_background_load_is_reported_with_every_block_failed(tiers):
 
 def test_a_background_load_writes_what_a_synchronous_one_writes(tiers):
     background, synchronous = writers_for(tiers)
-    spec = spec_for(tiers.disk, "ann")
+    spec = spec_for(tiers.record, "ann")
     caches = RecordingCache(), RecordingCache()
     start(background, [spec], caches[0])
     synchronous.write_step([spec], caches[1])
@@ -223,7 +223,7 @@ def check_background_fused(tmp_path: str) -> None:
     assert fused_write.available() and sources.ready()
     tiers = make_tiers(Path(tmp_path), PinnedHostStore(PinnedHostStore.Options(device="cpu")))
     writer, _ = writers_for(tiers)
-    first = spec_for(tiers.disk, "ann")
+    first = spec_for(tiers.record, "ann")
     length = first.end
     specs = [LoadSpec("r", first.request, 0, length, length, load_blocks(range(length), 4, 0, length), 4, first.epochs),
              LoadSpec("s", first.request, 3, length, length, load_blocks(range(100, 200), 4, 3, length), 4,
@@ -274,7 +274,7 @@ class CudaCache:
 
 
 def gpu_specs(tiers: Tiers) -> list[LoadSpec]:
-    first = spec_for(tiers.disk, "ann")
+    first = spec_for(tiers.record, "ann")
     length = first.end
     return [LoadSpec("r", first.request, 0, length, length, load_blocks(range(length), 4, 0, length), 4, first.epochs),
             LoadSpec("s", first.request, 2, length, length, load_blocks(range(30, 64), 4, 2, length), 4, first.epochs)]

@@ -15,7 +15,7 @@ from inferscale.errors import CapacityError, ConfigError
 from inferscale.storage.disk import DiskStore
 from inferscale.storage.hbm import HBMStore
 from inferscale.storage.pinned import PinnedHostStore
-from inferscale.storage.tiered import ensure_user
+from inferscale.storage.tiers.fill import ensure_user
 from test_storage import make_fact, make_facts
 
 FACTS_PER_USER = 4

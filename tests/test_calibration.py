@@ -183,7 +183,7 @@ def test_the_memory_side_reads_the_configured_file_at_start(tiny_model_dirs, tmp
     facts = ["Ann has a cat named Miso.", "Ann runs on Sundays."]
     plain.add_facts("ann", facts, progress=False)
     fixed.add_facts("ann", facts, progress=False)
-    a, b = ({f.text: memory.context.disk.load_user("ann")[f.fact_id] for f in memory.list_facts("ann")}
+    a, b = ({f.text: memory.context.record.load_user("ann")[f.fact_id] for f in memory.list_facts("ann")}
             for memory in (plain, fixed))
     assert sorted(a) == sorted(b) == sorted(facts)
     for text in facts:

@@ -68,7 +68,7 @@ def test_a_replica_answers_only_the_engine_key_which_the_front_sends_through_the
     from inferscale.config import Config
 
     generation = GenerationAPI(Context(Config.from_toml(cluster.config_path)))
-    request = generation.prompt(USER, "Where was I born?", [f.fact_id for f in generation.context.disk.facts(USER).values()])
+    request = generation.prompt(USER, "Where was I born?", [f.fact_id for f in generation.context.record.facts(USER).values()])
     leaked = {"model": cluster.model_name, "prompt": request.prompt["prompt_token_ids"], "max_tokens": 1,
               "cache_salt": request.prompt["cache_salt"], "kv_transfer_params": request.kv_transfer_params}
     for replica in cluster.replica_urls:

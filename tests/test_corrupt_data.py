@@ -8,10 +8,10 @@ import pytest
 from inferscale.config import Config
 from inferscale.errors import ConfigError, CorruptDataError
 from inferscale.secret import load_secret
-from inferscale.storage import disk as disk_module
+from inferscale.storage.disk import store as disk_module
 from inferscale.storage.disk import DiskStore
-from inferscale.storage.index import INDEX_NAME
-from inferscale.storage.index_cache import PARSED_BYTES_PER_BYTE
+from inferscale.storage.format.index import INDEX_NAME
+from inferscale.storage.format.index_cache import PARSED_BYTES_PER_BYTE
 from test_storage import make_facts
 
 

@@ -20,8 +20,8 @@ from safetensors.torch import save_file
 from inferscale.errors import CorruptDataError, UnknownUserError
 from inferscale.facts import Fact
 from inferscale.kv import FactKV
-from inferscale.storage import index as index_format
-from inferscale.storage import kvfile
+from inferscale.storage.format import index as index_format
+from inferscale.storage.format import kvfile
 from inferscale.storage.disk import DiskStore
 from test_storage import assert_batch, make_fact, make_facts
 

@@ -544,7 +544,7 @@ def test_memory_encodes_new_facts_behind_their_nearest_stored_and_new_facts(tiny
     memory.add_facts("maya", first)
     memory.add_facts("maya", ["Maya's cat Pixel likes tuna.", "Maya's sister Ana is a nurse."])
     facts = memory.list_facts("maya")
-    ids, vectors = memory.context.disk.embeddings("maya")
+    ids, vectors = memory.context.record.embeddings("maya")
     assert len(ids) == 5
     last = facts[-1]
     related = nearest(ids, vectors, {last.fact_id}, 2)[last.fact_id]
@@ -552,7 +552,7 @@ def test_memory_encodes_new_facts_behind_their_nearest_stored_and_new_facts(tiny
     encoder = memory.encoder
     context = memory.context.prefix_ids + [t for fid in related for t in encoder.fact_token_ids(by_id[fid])]
     alone = encoder.encode_ids(list(last.token_ids), context)
-    kv = memory.context.disk.load_user("maya")[last.fact_id]
+    kv = memory.context.record.load_user("maya")[last.fact_id]
     assert max_err(alone.keys, kv.keys) <= TOL and max_err(alone.values, kv.values) <= TOL
     behind_previous = encoder.encode_ids(list(last.token_ids), memory.context.prefix_ids + [
         t for f in facts[-3:-1] for t in encoder.fact_token_ids(f)])

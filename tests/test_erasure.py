@@ -43,7 +43,7 @@ class Leaked:
     def __init__(self, front, user: str):
         generation = GenerationAPI(Context(Config.from_dict({"model": str(tiny_models.tiny_model_dir("qwen2", "float32")),
                                                              "data_dir": str(front.data_dir)})))
-        ids = [f.fact_id for f in generation.context.disk.facts(user).values()]
+        ids = [f.fact_id for f in generation.context.record.facts(user).values()]
         request = generation.prompt(user, "What is my locker code?", ids)
         self.front, self.ids = front, ids
         self.engine = f"http://127.0.0.1:{front.engine_port()}"

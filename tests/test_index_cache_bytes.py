@@ -14,10 +14,10 @@ import torch
 
 from inferscale.config import BackendSpec, Config, build
 from inferscale.storage.disk import DiskStore
-from inferscale.storage.index import FactEntry, SegmentInfo, UserIndex, new_epoch
-from inferscale.storage.index_cache import PARSED_BYTES_PER_BYTE, IndexCache
+from inferscale.storage.format.index import FactEntry, SegmentInfo, UserIndex, new_epoch
+from inferscale.storage.format.index_cache import PARSED_BYTES_PER_BYTE, IndexCache
 from inferscale.storage.layout import KVLayout
-from inferscale.storage.tiers import disk_tier
+from inferscale.storage.tiers import store_of_record
 from redis_server import RedisServer
 from test_storage import make_facts
 
@@ -76,7 +76,7 @@ def test_a_rewritten_index_replaces_its_old_entry(tmp_path):
 
 def test_the_bound_is_the_stores_option_and_is_checked(tmp_path):
     config = Config.from_dict({"data_dir": str(tmp_path), "store": {"name": "disk", "options": {"index_cache_mib": 8}}})
-    assert disk_tier(config)._indexes.max_bytes == 8 << 20
+    assert store_of_record(config)._indexes.max_bytes == 8 << 20
     assert DiskStore(DiskStore.Options(root=str(tmp_path / "x")))._indexes.max_bytes == 256 << 20
     for bad in (0, -1, 1.5, True, "8"):
         with pytest.raises(ValueError, match="index_cache_mib"):

@@ -14,10 +14,10 @@ from safetensors.torch import load_file, save
 from inferscale.config import BackendSpec, Config, build
 from inferscale.errors import ConfigError, CorruptDataError, ModelMismatchError
 from inferscale.kv_fp8 import FP8, FP8_E4M3, MODEL, Fp8KV, all_at_rest, fp8_round_trip, quantize
-from inferscale.storage import kvfile
+from inferscale.storage.format import kvfile
 from inferscale.storage.disk import DiskStore
 from inferscale.storage.layout import KVLayout
-from inferscale.storage.tiered import ensure_user
+from inferscale.storage.tiers.fill import ensure_user
 from inferscale.storage.tiers import build_tiers
 from test_disk import checksum_as_documented, index_checksum_as_documented, index_of, read_header, segments
 from test_storage import MEMORY_TIERS, assert_batch, make_fact, make_facts
@@ -171,14 +171,14 @@ def test_the_memory_tier_follows_the_config_and_not_the_disk(tmp_path):
     tiers = build_tiers(config)
     assert tiers.memory.kv_dtype_at_rest == FP8_E4M3
     facts = make_facts(3, torch.bfloat16)
-    tiers.disk.put("plain", facts)
-    tiers.disk.put("small", all_at_rest(facts, FP8_E4M3))
+    tiers.record.put("plain", facts)
+    tiers.record.put("small", all_at_rest(facts, FP8_E4M3))
     for user in ("plain", "small"):
-        assert ensure_user(tiers.memory, tiers.disk, user)
+        assert ensure_user(tiers.memory, tiers.record, user)
         assert tiers.memory.held_rows(user, ["f0"], "cpu")[0].layout.fp8
         assert_batch(tiers.memory.get(user, list(facts)), round_tripped(facts), list(facts))
     plain = build_tiers(Config(data_dir=str(tmp_path)))
-    assert ensure_user(plain.memory, plain.disk, "small")
+    assert ensure_user(plain.memory, plain.record, "small")
     assert not plain.memory.held_rows("small", ["f0"], "cpu")[0].layout.fp8
 
 
@@ -199,7 +199,7 @@ def test_bytes_halve_on_a_realistic_fact():
 
 @pytest.mark.parametrize("form, version", [(FP8_E4M3, "3"), (MODEL, "4")])
 def test_an_index_whose_version_contradicts_its_layout_is_corrupt(disk, form, version):
-    from inferscale.storage.index import canonical, checksum
+    from inferscale.storage.format.index import canonical, checksum
 
     disk.put("alice", all_at_rest(make_facts(1), form))
     path = disk.user_dir("alice") / "index.json"
@@ -224,7 +224,7 @@ def test_the_memory_side_writes_in_the_configured_form(tiny_model_dirs, tmp_path
         memory = MemoryAPI(Context(Config.from_dict({"model": model, "data_dir": str(tmp_path / form),
                                                      "kv_dtype_at_rest": form})))
         memory.add_facts("ann", facts, progress=False)
-        disk = memory.context.disk
+        disk = memory.context.record
         assert isinstance(disk.load_user(SYSTEM_USER)[PREFIX_FACT], Fp8KV) == (form == FP8_E4M3)
         stored[form] = {f.text: disk.load_user("ann")[f.fact_id] for f in memory.list_facts("ann")}
         memory.close()

@@ -10,10 +10,10 @@ import torch
 from inferscale.config import BackendSpec, Config, build
 from inferscale.errors import ConfigError, CorruptDataError, MissingFactError, StoreUnavailableError, UnknownUserError
 from inferscale.facts import Fact
-from inferscale.storage.redis_store import RedisStore
-from inferscale.storage.record_store import check_record_store
-from inferscale.storage.tiered import ensure_user
-from inferscale.storage.tiers import disk_tier
+from inferscale.storage.redis.store import RedisStore
+from inferscale.storage.tiers.record import check_record_store
+from inferscale.storage.tiers.fill import ensure_user
+from inferscale.storage.tiers import store_of_record
 from redis_server import RedisServer
 from test_storage import assert_batch, make_facts
 
@@ -144,7 +144,7 @@ def test_a_damaged_segment_is_never_returned(store):
 
 def test_the_config_selects_it_as_the_store_of_record(server, tmp_path):
     config = Config.from_dict({"data_dir": str(tmp_path), "store": {"name": "redis", "options": {"url": server.url}}})
-    assert isinstance(disk_tier(config), RedisStore)
+    assert isinstance(store_of_record(config), RedisStore)
     assert Config.from_dict(config.to_dict()).store == config.store
     with pytest.raises(ConfigError, match="durable"):
         check_record_store(build("kv_store", BackendSpec("hbm", {"device": "cpu"})))

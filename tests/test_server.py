@@ -207,7 +207,7 @@ def test_the_engine_port_injects_nothing_for_a_forged_request(front):
 
     engine = f"http://127.0.0.1:{front.engine_port()}"
     generation = GenerationAPI(Context(Config.from_dict({"model": QWEN05, "data_dir": str(front.data)})))
-    facts = [f.fact_id for f in generation.context.disk.facts(MAYA).values()]
+    facts = [f.fact_id for f in generation.context.record.facts(MAYA).values()]
     question = "What is the name of my cat?"
     request = generation.prompt(MAYA, question, facts)
     exact, params = request.prompt["prompt_token_ids"], request.kv_transfer_params

@@ -341,7 +341,7 @@ def test_a_forgotten_users_kv_is_not_served_from_vllms_prefix_cache(front):
     added = httpx.post(f"{front.url}/v1/memories", json={"user_id": user, "facts": facts}, timeout=300)
     assert added.status_code == 201, added.text
     generation = GenerationAPI(Context(Config.from_dict({"model": str(front.model), "data_dir": str(front.data)})))
-    ids = [f.fact_id for f in generation.context.disk.facts(user).values()]
+    ids = [f.fact_id for f in generation.context.record.facts(user).values()]
     request = generation.prompt(user, "What is my locker code?", ids)
     engine = engine_url(front)
     model = httpx.get(f"{engine}/v1/models").json()["data"][0]["id"]

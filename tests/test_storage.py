@@ -28,8 +28,8 @@ from inferscale.errors import (
 from inferscale.kv import FactKV
 from inferscale.plugins import backends, pm
 from inferscale.storage import DiskStore, HBMStore, KVStore, PinnedHostStore
-from inferscale.storage.memory_tier import MemoryTier, check_memory_tier, missing_from_contract
-from inferscale.storage.tiered import ensure_user
+from inferscale.storage.tiers.memory import MemoryTier, check_memory_tier, missing_from_contract
+from inferscale.storage.tiers.fill import ensure_user
 from inferscale.storage.tiers import build_tiers
 
 REPO = Path(__file__).resolve().parents[1]
@@ -289,7 +289,7 @@ def test_pinned_copies_in_flight_survive_a_repack():
     assert_batch(batch, facts, list(facts), "cuda")
 
 
-# -- the memory tier's contract (inferscale.storage.memory_tier) -------------------------
+# -- the memory tier's contract (inferscale.storage.tiers.memory) -------------------------
 
 
 @pytest.mark.parametrize("name", MEMORY_TIERS)
@@ -300,7 +300,7 @@ def test_every_memory_tier_fulfils_the_contract(name, tmp_path):
 
 
 def test_the_disk_tier_is_no_memory_tier(tmp_path):
-    with pytest.raises(ConfigError, match=r"kv_store 'disk' \(inferscale.storage.disk.DiskStore\) cannot be the "
+    with pytest.raises(ConfigError, match=r"kv_store 'disk' \(inferscale.storage.disk.store.DiskStore\) cannot be the "
                                           r"worker's memory tier: it lacks pinned, load, blocks, held_rows"):
         check_memory_tier(make_store("disk", tmp_path))
 
@@ -318,12 +318,12 @@ def test_a_tier_that_lacks_a_method_is_refused_when_the_tiers_are_built(tmp_path
     try:
         config = Config(data_dir=str(tmp_path), kv_store=BackendSpec("no-rows"))
         with pytest.raises(ConfigError, match=r"'no-rows' .* it lacks held_rows \(the contract: "
-                                              r"inferscale.storage.memory_tier.MemoryTier\)"):
+                                              r"inferscale.storage.tiers.memory.MemoryTier\)"):
             build_tiers(config)
     finally:
         pm.unregister(plugin)
     tiers = build_tiers(Config(data_dir=str(tmp_path), kv_store=BackendSpec("pinned", {"device": "cpu"})))
-    assert isinstance(tiers.memory, PinnedHostStore) and tiers.disk.root == Config(data_dir=str(tmp_path)).kv_path
+    assert isinstance(tiers.memory, PinnedHostStore) and tiers.record.root == Config(data_dir=str(tmp_path)).kv_path
 
 
 # -- selection by name, and tiering ----------------------------------------------------

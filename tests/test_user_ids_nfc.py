@@ -19,7 +19,7 @@ from inferscale.facts import check_request_user_id, check_stored_user_id, check_
 from inferscale.server.chat.request import parse_chat
 from inferscale.server.memory.schemas import AddMemories, SearchMemories
 from inferscale.storage.disk import DiskStore
-from inferscale.storage.index import INDEX_NAME, UserIndex
+from inferscale.storage.format.index import INDEX_NAME, UserIndex
 from redis_server import RedisServer
 from test_storage import make_facts
 

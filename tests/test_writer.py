@@ -65,10 +65,10 @@ def writer_for(tiers: Tiers, **tuning) -> tuple[KVWriter, ConnectorStats]:
 
 def test_each_layer_is_written_through_the_backend_op(tiers):
     writer, stats = writer_for(tiers)
-    spec = spec_for(tiers.disk, "ann")
+    spec = spec_for(tiers.record, "ann")
     cache = RecordingCache()
     writer.write_step([spec], cache, waits_per_layer=False)
-    expected = SegmentLoader(tiers.memory, tiers.disk, writer.rope, writer.heads, "cpu", torch.float32).load(
+    expected = SegmentLoader(tiers.memory, tiers.record, writer.rope, writer.heads, "cpu", torch.float32).load(
         spec, LAYERS, SIZE)
     assert [layer for layer, *_ in cache.writes] == list(range(LAYERS))
     for layer, key, value, slots in cache.writes:
@@ -82,8 +82,8 @@ def test_each_layer_is_written_through_the_backend_op(tiers):
 
 def test_a_failed_load_reports_its_blocks_and_the_others_are_written(tiers):
     writer, _ = writer_for(tiers)
-    good = spec_for(tiers.disk, "ann")
-    stale = spec_for(tiers.disk, "ann", "stale", epochs=("old", "old"))
+    good = spec_for(tiers.record, "ann")
+    stale = spec_for(tiers.record, "ann", "stale", epochs=("old", "old"))
     cache = RecordingCache()
     writer.write_step([stale, good], cache)
     assert writer.take_load_errors() == set(stale.blocks)
@@ -97,7 +97,7 @@ def test_a_fused_write_that_cannot_run_says_why_once(tiers, monkeypatch, caplog)
     cache = RecordingCache()
     with caplog.at_level(logging.WARNING, logger="vllm.inferscale.connector"):
         for _ in range(3):
-            writer.write_step([spec_for(tiers.disk, "ann")], cache)
+            writer.write_step([spec_for(tiers.record, "ann")], cache)
     off = [r.getMessage() for r in caplog.records if "fused cache write is off" in r.getMessage()]
     assert len(off) == 1 and "TorchSDPABackendImpl" in off[0] and cache.asked == 1
     assert len(cache.writes) == 3 * LAYERS  # each step written layer by layer instead
@@ -109,7 +109,7 @@ def test_a_fused_write_turned_off_in_the_config_stays_quiet(tiers, monkeypatch, 
     writer, _ = writer_for(tiers, fused_write=False)
     cache = RecordingCache()
     with caplog.at_level(logging.WARNING):
-        writer.write_step([spec_for(tiers.disk, "ann")], cache)
+        writer.write_step([spec_for(tiers.record, "ann")], cache)
     assert cache.asked == 0 and "fused cache write" not in caplog.text
 
 

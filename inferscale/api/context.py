@@ -1,7 +1,8 @@
 """What both sides of the API share: the config and the pieces built from it, lazily.
 
 A :class:`Context` builds nothing until asked: the tokenizer, the prompt layout,
-the disk store (the one home of every fact), the cache salts (keyed with the
+the store of record (the one home of every fact: the disk store, or a shared one
+such as Redis), the cache salts (keyed with the
 server secret), the embedder and the retrieval index (rebuilt from the stored
 embeddings). The memory side and the generation
 side each take one, so a server can run either alone or both over one context.
@@ -24,8 +25,7 @@ from inferscale.errors import CorruptDataError
 from inferscale.facts import fact_id_key
 from inferscale.secret import engine_key, load_secret
 from inferscale.session import session_key
-from inferscale.storage.disk import DiskStore
-from inferscale.storage.tiers import disk_tier
+from inferscale.storage.tiers import StoreOfRecord, store_of_record
 
 logger = logging.getLogger(__name__)
 
@@ -86,8 +86,9 @@ class Context:
         return self.prompt_format.prefix_ids(self.tokenizer)
 
     @cached_property
-    def disk(self) -> DiskStore:
-        return disk_tier(self.config)
+    def record(self) -> StoreOfRecord:
+        """The store of record (``config.store``: the disk store, or a shared one such as Redis)."""
+        return store_of_record(self.config)
 
     @cached_property
     def salts(self) -> CacheSalts:
@@ -121,11 +122,11 @@ class Context:
     def retriever(self):
         """The index, rebuilt from the stored embeddings of every user."""
         retriever = build("retriever", self.config.retriever)
-        self.indexed = IndexedEpochs(self.disk, retriever)
-        for user_id in self.disk.users():
+        self.indexed = IndexedEpochs(self.record, retriever)
+        for user_id in self.record.users():
             try:
-                epoch = self.disk.epoch(user_id)
-                ids, vectors = self.disk.embeddings(user_id)
+                epoch = self.record.epoch(user_id)
+                ids, vectors = self.record.embeddings(user_id)
             except (CorruptDataError, ValueError) as exc:  # that user's memory is unreadable; everyone else's serves
                 logger.error("memory of %r left out of the index: %s", user_id, exc)
                 continue

@@ -140,9 +140,9 @@ class GenerationAPI:
         if mode == "none":
             return PromptRequest({"prompt_token_ids": ctx.prefix_ids + question}, None, [], 0)
         segment = list(ctx.prefix_ids)
-        for ids in ctx.disk.token_ids(user_id, list(fact_order)):
+        for ids in ctx.record.token_ids(user_id, list(fact_order)):
             segment.extend(ctx.text_ids(ids) if mode == "prompt" else ids)
-        epoch = ctx.disk.epoch(user_id)
+        epoch = ctx.record.epoch(user_id)
         if epoch is None:  # deleted since its token ids were read
             raise UnknownUserError(user_id)
         ids, order = segment + question, list(fact_order)

@@ -113,7 +113,7 @@ class MemoryAPI:
     @erases
     def delete_fact(self, user_id: str, fact_id: str) -> None:
         self._require(user_id, fact_id)
-        self.context.disk.delete(user_id, [fact_id])
+        self.context.record.delete(user_id, [fact_id])
         self.context.retriever.delete(user_id, [fact_id])
 
     @user_call
@@ -124,13 +124,13 @@ class MemoryAPI:
         InferScale is Mem0's vector store (``<data_dir>/mem0/vectors``)."""
         from inferscale.mem0 import forget_user
 
-        disk = self.context.disk
-        found = user_id in disk.users()
+        record = self.context.record
+        found = user_id in record.users()
         try:
-            facts = len(disk.list(user_id))
+            facts = len(record.list(user_id))
         except CorruptDataError:  # unreadable: removed all the same
             facts = 0
-        disk.delete(user_id)
+        record.delete(user_id)
         self.context.retriever.delete(user_id)
         mem0 = forget_user(self.config.mem0_path, user_id)
         return Forgotten(user_id, facts, mem0, found or mem0 > 0)
@@ -152,7 +152,7 @@ class MemoryAPI:
     def list_facts(self, user_id: str) -> list[Fact]:
         """The user's facts in the order they were stored; :class:`UnknownUserError` for a user
         with none (as :meth:`search` and generation answer)."""
-        facts = self.context.disk.facts(user_id)
+        facts = self.context.record.facts(user_id)
         if not facts:
             raise UnknownUserError(user_id)
         return list(facts.values())
@@ -161,7 +161,7 @@ class MemoryAPI:
     def search(self, user_id: str, query: str, k: int | None = None) -> list[FoundFact]:
         """The user's k facts most relevant to ``query``, best first (``k``: 1..1024, None: the config's)."""
         k = top_k(k)
-        facts = self.context.disk.facts(user_id)
+        facts = self.context.record.facts(user_id)
         if not facts:
             raise UnknownUserError(user_id)
         retriever = self.context.retriever_for(user_id)
@@ -169,13 +169,13 @@ class MemoryAPI:
         return [FoundFact(facts[h.fact_id], h.score) for h in hits if h.fact_id in facts]
 
     def users(self) -> list[str]:
-        return [u for u in self.context.disk.users() if u != SYSTEM_USER]
+        return [u for u in self.context.record.users() if u != SYSTEM_USER]
 
     @property
     def store_description(self) -> str:
         """Where the facts are kept (for logs)."""
-        describe = getattr(self.context.disk, "describe", None)
-        return describe() if describe else str(getattr(self.context.disk, "root", self.config.kv_path))
+        describe = getattr(self.context.record, "describe", None)
+        return describe() if describe else str(getattr(self.context.record, "root", self.config.kv_path))
 
     # ------------------------------------------------------------ internals
 
@@ -199,14 +199,14 @@ class MemoryAPI:
         with the ``replaced`` facts removed in the same write."""
         given = {f.fact_id for f in fresh}
         # stored facts readable as text serve as context (files of format 1 have no text)
-        known = [f for f in self.context.disk.facts(user_id).values() if f.text and f.fact_id not in given]
+        known = [f for f in self.context.record.facts(user_id).values() if f.text and f.fact_id not in given]
         prefix = self._ensure_prefix()
         vectors = self.context.embedder.embed([f.text for f in fresh])
         related = self._related(user_id, known, fresh, vectors)
         kvs = self.encoder.encode(known + fresh, turns, progress=progress, prefix_ids=prefix, only=given,
                                   related=related)
         kvs = all_at_rest(kvs, self.config.kv_dtype_at_rest)
-        self.context.disk.put(user_id, kvs, {f.fact_id: f for f in fresh},
+        self.context.record.put(user_id, kvs, {f.fact_id: f for f in fresh},
                               {f.fact_id: v for f, v in zip(fresh, vectors)}, drop=replaced)
         self.context.retriever.add(user_id, [f.fact_id for f in fresh], vectors)
         if replaced:
@@ -223,7 +223,7 @@ class MemoryAPI:
         from inferscale.encode.related import nearest
 
         readable = {f.fact_id for f in known}
-        stored_ids, stored = self.context.disk.embeddings(user_id) if known else ([], None)
+        stored_ids, stored = self.context.record.embeddings(user_id) if known else ([], None)
         keep = [i for i, fid in enumerate(stored_ids) if fid in readable]
         ids = [stored_ids[i] for i in keep] + [f.fact_id for f in fresh]
         matrix = torch.cat([stored[keep].float(), vectors.float().cpu()]) if keep else vectors.float().cpu()
@@ -244,16 +244,16 @@ class MemoryAPI:
 
     def _ensure_prefix(self) -> list[int]:
         """Encode the instruction prefix once (position 0) and store it like a fact."""
-        ids, disk = self.context.prefix_ids, self.context.disk
-        if PREFIX_FACT in disk.list(SYSTEM_USER):
-            (stored,) = disk.token_ids(SYSTEM_USER, [PREFIX_FACT])
+        ids, record = self.context.prefix_ids, self.context.record
+        if PREFIX_FACT in record.list(SYSTEM_USER):
+            (stored,) = record.token_ids(SYSTEM_USER, [PREFIX_FACT])
             if list(stored) == ids:
                 return ids
-        disk.put(SYSTEM_USER, all_at_rest({PREFIX_FACT: self.encoder.encode_ids(ids)}, self.config.kv_dtype_at_rest))
+        record.put(SYSTEM_USER, all_at_rest({PREFIX_FACT: self.encoder.encode_ids(ids)}, self.config.kv_dtype_at_rest))
         return ids
 
     def _require(self, user_id: str, fact_id: str) -> Fact:
-        facts = self.context.disk.facts(user_id)
+        facts = self.context.record.facts(user_id)
         if not facts:
             raise UnknownUserError(user_id)
         if fact_id not in facts:

@@ -49,7 +49,7 @@ from inferscale.inject.planner import NO_MEMORY, Plan, plan_request
 from inferscale.inject.report import Fallback, client_report
 from inferscale.inject.stats import ConnectorStats
 from inferscale.inject.writer import KVWriter
-from inferscale.storage.tiers import build_tiers, disk_tier
+from inferscale.storage.tiers import build_tiers, store_of_record
 
 logger = compat.init_logger("vllm.inferscale.connector")
 
@@ -109,7 +109,7 @@ class InferScaleConnector(compat.KVConnectorBase_V1):
             #: whether requests load their memory in the background (the worker follows the metadata)
             self.loads_in_background = loads_in_background(self.config.tuning.async_loads,
                                                            self.config.kv_store.name, compat.device_type(vllm_config))
-            self.disk = disk_tier(self.config)  # the scheduler matches prompts against the disk's index
+            self.record = store_of_record(self.config)  # the scheduler matches prompts against its indexes
             self.salts = CacheSalts.from_file(self.config.secret_path)  # the worker never needs the secret
             self.blend = self.config.blend(compat.device_type(vllm_config))
             self._plans: dict[str, Plan] = {}
@@ -131,7 +131,7 @@ class InferScaleConnector(compat.KVConnectorBase_V1):
         if request.request_id in self._failed:  # its load failed: from here on it is prefilled normally
             return 0, False
         began = time.perf_counter()
-        plan = plan_request(self.disk, self.salts, request.prompt_token_ids or [], request.kv_transfer_params,
+        plan = plan_request(self.record, self.salts, request.prompt_token_ids or [], request.kv_transfer_params,
                             request.cache_salt, num_computed_tokens, self.blend,
                             partial(self.load.has_room, request.request_id))
         plan = claim_nothing(plan, self.off_reason) if self.off_reason else plan

@@ -1,7 +1,7 @@
 """Worker side, vLLM-free: turn a load request into post-RoPE K/V for this rank.
 
 The KV store lives in the worker process. A user's facts are loaded from the
-disk tier on first use and then kept by the store (pinned host or HBM).
+store of record on first use and then kept by the store (pinned host or HBM).
 """
 
 from __future__ import annotations
@@ -20,10 +20,10 @@ from inferscale.compose.request import SegmentRequest
 from inferscale.errors import MissingFactError, ModelMismatchError
 from inferscale.kv import KVBatch
 from inferscale.kv_fp8 import FP8_E4M3, MODEL
-from inferscale.storage.disk import DiskStore
 from inferscale.storage.blocks import HeldBlocks
-from inferscale.storage.memory_tier import MemoryTier
-from inferscale.storage.tiered import ensure_user
+from inferscale.storage.tiers.fill import ensure_user
+from inferscale.storage.tiers.memory import MemoryTier
+from inferscale.storage.tiers.record import StoreOfRecord
 
 
 @dataclass(frozen=True)
@@ -78,9 +78,9 @@ _HOST = torch.device("cpu")
 
 
 class SegmentLoader:
-    def __init__(self, store: MemoryTier, disk: DiskStore, rope: RotaryEmbedding, heads: slice,
+    def __init__(self, store: MemoryTier, record: StoreOfRecord, rope: RotaryEmbedding, heads: slice,
                  device: torch.device | str, dtype: torch.dtype, host_in_place: bool = False, in_place_from: int = 0):
-        self.store, self.disk, self.rope = store, disk, rope
+        self.store, self.record, self.rope = store, record, rope
         self.heads, self.device, self.dtype = heads, torch.device(device), dtype
         #: the fused write's sources may point into pinned host blocks where they lie (no copy), for a
         #: step that loads at least ``in_place_from`` bytes (Config.tuning.pinned_copy_below_mib)
@@ -135,7 +135,7 @@ class SegmentLoader:
 
     def _read(self, read, spec: LoadSpec):
         """``read(spec)``, once more after reloading the user when the memory tier turns out
-        stale (another process wrote to disk since); an error when it is still not the memory
+        stale (another process wrote to the store of record since); an error when it is still not the memory
         the request was scheduled with."""
         found = read(spec)
         if found is None:
@@ -201,17 +201,17 @@ class SegmentLoader:
 
     def _hold(self, user_id: str) -> None:
         """Load the user and the instruction prefix into the memory tier where it holds no copy.
-        A copy it holds is not compared with the disk on every request (a stat per user): the
+        A copy it holds is not compared with the store of record on every request (a stat per user): the
         version check does that, and a stale copy fails it and is reloaded (:meth:`_read`)."""
         for user in (SYSTEM_USER, user_id):
             if self.store.epoch(user) is None:
-                ensure_user(self.store, self.disk, user)
+                ensure_user(self.store, self.record, user)
 
     def _refresh(self, user_id: str) -> None:
         self._prefix_held.clear()
         for user in (SYSTEM_USER, user_id):
             self.store.delete(user)
-            ensure_user(self.store, self.disk, user)
+            ensure_user(self.store, self.record, user)
 
 
 def reads_in_place(num_tokens: int, token_bytes: int, in_place_from: int) -> bool:

@@ -4,7 +4,7 @@ their own, for background loads (:mod:`~inferscale.inject.background`).
 A load written before the forward pass reads a user its memory tier does not hold from disk right
 there, on the engine's thread: every request of the step waits for the read (tens of milliseconds
 for a large user). A background load need not: its request waits anyway, so its user is read on
-this thread (:func:`~inferscale.storage.tiered.ensure_user`, as the synchronous path reads it) and
+this thread (:func:`~inferscale.storage.tiers.fill.ensure_user`, as the synchronous path reads it) and
 the load is issued at a later step, once the read is done, while the engine's thread goes on with
 the batch. The memory tier is made for this (readers take no lock; writers are serialised by its
 own); a user read twice at once loads the same version twice, which is harmless.
@@ -20,7 +20,7 @@ import concurrent.futures
 
 from inferscale.compose.segment import SYSTEM_USER
 from inferscale.inject.loader import LoadSpec
-from inferscale.storage.tiered import ensure_user
+from inferscale.storage.tiers.fill import ensure_user
 from inferscale.storage.tiers import Tiers
 
 
@@ -57,4 +57,4 @@ class UserFills:
     def _start(self, user_id: str) -> concurrent.futures.Future:
         if self._pool is None:
             self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="inferscale-user-fill")
-        return self._pool.submit(ensure_user, self.tiers.memory, self.tiers.disk, user_id)
+        return self._pool.submit(ensure_user, self.tiers.memory, self.tiers.record, user_id)

@@ -80,7 +80,7 @@ class KVWriter:
         """The engine's caches exist: ``num_layers`` of them, on ``device``, in ``dtype``."""
         config = self.config
         self.num_layers = num_layers
-        self.loader = SegmentLoader(self.tiers.memory, self.tiers.disk, self.rope, self.heads, device, dtype,
+        self.loader = SegmentLoader(self.tiers.memory, self.tiers.record, self.rope, self.heads, device, dtype,
                                     host_in_place=config.tuning.pinned_reads == "overlap",
                                     in_place_from=int(config.tuning.pinned_copy_below_mib * 2**20))
         self.layer_loads = LayerLoads(device, num_layers)
@@ -244,7 +244,7 @@ class KVWriter:
 
     def _tier(self, spec: LoadSpec) -> str:
         """Where the request's memory is found: the memory tier, or the disk behind it."""
-        return self.tiers.memory.name if self.tiers.memory.has_user(spec.user_id) else self.tiers.disk.name
+        return self.tiers.memory.name if self.tiers.memory.has_user(spec.user_id) else self.tiers.record.name
 
     def _count_hit(self, tier: str) -> None:
         if self.counts:

@@ -63,7 +63,7 @@ class ServerState:
         index (and the encoder) now, once, before serving."""
         start = time.perf_counter()
         context = self.memory.context
-        swept = context.disk.sweep()
+        swept = context.record.sweep()
         if swept:
             logger.info("memory: removed what interrupted writes left for %d user(s)", len(swept))
         context.prefix_ids  # noqa: B018  (the tokenizer and the prompt layout)

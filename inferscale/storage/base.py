@@ -22,7 +22,7 @@ class KVStore(ABC):
     :class:`~inferscale.errors.CorruptDataError` and is never returned.
 
     A store selected as the worker's memory tier (``Config.kv_store``) offers more, the calls of
-    :class:`~inferscale.storage.memory_tier.MemoryTier`, checked when the tiers are built.
+    :class:`~inferscale.storage.tiers.memory.MemoryTier`, checked when the tiers are built.
     """
 
     name: ClassVar[str]
@@ -78,7 +78,7 @@ class KVStore(ABC):
         a fact not stored, never raising for either: what the planner checks a hand-built
         request's salt against before it tells them apart. The stores of record read both from
         one version of the index, at the same cost whether the user and the facts exist or not
-        (:class:`~inferscale.storage.index_reads.IndexReads`); this default goes fact by fact."""
+        (:class:`~inferscale.storage.format.reads.IndexReads`); this default goes fact by fact."""
         lengths = []
         for fact_id in fact_ids:
             try:

@@ -10,7 +10,7 @@ import torch
 from inferscale.errors import ConfigError
 from inferscale.storage.blocks import stack_block
 from inferscale.storage.layout import KVLayout
-from inferscale.storage.resident import ResidentStore, Source
+from inferscale.storage.resident.store import ResidentStore, Source
 
 
 class HBMStore(ResidentStore):
@@ -18,7 +18,7 @@ class HBMStore(ResidentStore):
 
     The fastest tier and the smallest: everything stays in GPU memory, so a
     ``get`` onto the same device is a device-to-device gather. Volatile: fill it
-    from the disk tier (:func:`inferscale.storage.tiered.ensure_user`).
+    from the disk tier (:func:`inferscale.storage.tiers.fill.ensure_user`).
     """
 
     name: ClassVar[str] = "hbm"

@@ -30,7 +30,7 @@ from typing import Any, ClassVar
 import torch
 
 from inferscale.storage.layout import KVLayout
-from inferscale.storage.resident import ResidentStore, Source
+from inferscale.storage.resident.store import ResidentStore, Source
 
 
 class PinnedHostStore(ResidentStore):

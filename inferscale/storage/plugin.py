@@ -10,7 +10,7 @@ def register_kv_stores(register):
     from inferscale.storage.disk import DiskStore
     from inferscale.storage.hbm import HBMStore
     from inferscale.storage.pinned import PinnedHostStore
-    from inferscale.storage.redis_store import RedisStore
+    from inferscale.storage.redis.store import RedisStore
 
     register(HBMStore)
     register(PinnedHostStore)

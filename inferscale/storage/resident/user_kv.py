@@ -1,4 +1,4 @@
-"""One user's facts as an in-process store holds them (:mod:`inferscale.storage.resident`)."""
+"""One user's facts as an in-process store holds them (:mod:`inferscale.storage.resident.store`)."""
 
 from __future__ import annotations
 

@@ -19,7 +19,7 @@ from pathlib import Path
 
 from inferscale.errors import CorruptDataError
 from inferscale import files
-from inferscale.storage.index import UserIndex
+from inferscale.storage.format.index import UserIndex
 
 #: what a parsed index takes in memory per byte of its file, rounded up from the 4.4 measured
 PARSED_BYTES_PER_BYTE = 5

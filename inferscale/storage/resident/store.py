@@ -21,7 +21,7 @@ one launch of the fused write reads a request's whole segment.
 
 **Epoch.** Each user's copy carries the epoch of the version it
 holds: the disk's, when it was loaded from there (:meth:`load`,
-:func:`inferscale.storage.tiered.ensure_user`), or a new one at every ``put``.
+:func:`inferscale.storage.tiers.fill.ensure_user`), or a new one at every ``put``.
 """
 
 from __future__ import annotations
@@ -42,10 +42,10 @@ from inferscale.kv_fp8 import MODEL, Fp8KV, all_at_rest, check_at_rest
 from inferscale.storage.base import KVStore
 from inferscale.storage.blocks import (HeldBlocks, batch_from_blocks, empty_batch, gather_blocks, gather_dequantized,
                                        move_blocks)
-from inferscale.storage.index import new_epoch
+from inferscale.storage.format.index import new_epoch
 from inferscale.storage.layout import KVLayout, check_ids, check_layout, is_internal, require_facts
-from inferscale.storage.lru import UsageOrder
-from inferscale.storage.user_kv import UserKV
+from inferscale.storage.resident.lru import UsageOrder
+from inferscale.storage.resident.user_kv import UserKV
 
 #: what :meth:`ResidentStore._place` receives per fact: a block it already holds, or a new fact
 #: (an Fp8KV where the store keeps fp8)
@@ -56,7 +56,7 @@ DEFAULT_MAX_BYTES = 4 << 30
 
 class ResidentStore(KVStore):
     """Base of the stores that keep K/V in this process (HBM, pinned host memory): the
-    built-in :class:`~inferscale.storage.memory_tier.MemoryTier`."""
+    built-in :class:`~inferscale.storage.tiers.memory.MemoryTier`."""
 
     volatile = True
     #: whether the blocks lie in page-locked host memory (:class:`~inferscale.storage.pinned.PinnedHostStore`

@@ -8,7 +8,7 @@ hash, ``<prefix>:user:<user_id>``, whose fields are
     epoch                     the index's epoch alone (what a reader checks on every request)
     seg-<hex>.safetensors     a K/V segment (and embeddings), never modified once written
 
-and ``<prefix>:users`` is the set of users with facts. A write (:mod:`inferscale.storage.redis_writes`)
+and ``<prefix>:users`` is the set of users with facts. A write (:mod:`inferscale.storage.redis.writes`)
 changes the hash and the set in one ``MULTI``/``EXEC`` transaction, guarded by ``WATCH`` on the
 user's hash: every reader, on every replica, sees the old version or the new one, and a writer
 killed midway leaves nothing. Readers take no lock; a segment replaced under a reader sends it
@@ -28,18 +28,15 @@ from typing import Any, ClassVar
 
 import torch
 
-from inferscale.devices import resolve_device
 from inferscale.errors import CorruptDataError, StoreUnavailableError, UnknownUserError
-from inferscale.kv import KVBatch
-from inferscale.storage import kvfile, nfc_names
+from inferscale.storage.format import kvfile, nfc_names
 from inferscale.storage.base import KVStore
-from inferscale.storage.blocks import empty_batch
-from inferscale.storage.index import UserIndex
-from inferscale.storage.index_cache import DEFAULT_MIB, IndexCache, cache_bytes
-from inferscale.storage.index_reads import IndexReads, batch_of
+from inferscale.storage.format.index import UserIndex
+from inferscale.storage.format.index_cache import DEFAULT_MIB, IndexCache, cache_bytes
+from inferscale.storage.format.reads import IndexReads
 from inferscale.storage.layout import check_ids, require_facts
-from inferscale.storage.redis_writes import EPOCH_FIELD, INDEX_FIELD, RedisWrites, redis_errors
-from inferscale.storage.segments import decode_segment, join_segments
+from inferscale.storage.redis.writes import EPOCH_FIELD, INDEX_FIELD, RedisWrites, redis_errors
+from inferscale.storage.format.segments import decode_segment, join_segments
 
 #: reads that find a segment gone (a writer replaced it) retry with the new index this often
 READ_ATTEMPTS = 3
@@ -89,15 +86,6 @@ class RedisStore(RedisWrites, IndexReads, KVStore):
 
     # -- the KVStore interface -------------------------------------------------
 
-    def get(self, user_id: str, fact_ids: Sequence[str], device: torch.device | str | None = None) -> KVBatch:
-        target = resolve_device(device, torch.device("cpu"))
-        fact_ids = list(fact_ids)
-        if not fact_ids:
-            index = self._index(user_id)
-            return empty_batch(index.layout if index else None, target)
-        _, user = self._read(user_id, fact_ids)
-        return batch_of(fact_ids, [user.facts[f] for f in fact_ids], target)
-
     def users(self) -> list[str]:
         with redis_errors(self):
             members = self.client.smembers(self.users_key)
@@ -123,7 +111,7 @@ class RedisStore(RedisWrites, IndexReads, KVStore):
 
     def sweep(self) -> list[str]:
         """Nothing interrupted to sweep (a write is one transaction); users stored under an id
-        not in NFC are renamed to its NFC form (:mod:`inferscale.storage.nfc_names`). Returns
+        not in NFC are renamed to its NFC form (:mod:`inferscale.storage.format.nfc_names`). Returns
         the users renamed."""
         with redis_errors(self):
             members = [m.decode() for m in self.client.smembers(self.users_key)]

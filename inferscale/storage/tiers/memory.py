@@ -2,9 +2,9 @@
 
 :class:`~inferscale.storage.base.KVStore` is what any store offers (``put``, ``get``, ...).
 The worker's memory tier offers more: it is filled from the disk tier a whole user at a time
-(:func:`~inferscale.storage.tiered.ensure_user`: :meth:`MemoryTier.load`) and hands its blocks to
+(:func:`~inferscale.storage.tiers.fill.ensure_user`: :meth:`MemoryTier.load`) and hands its blocks to
 the fused cache write where they lie (:meth:`MemoryTier.blocks`, :meth:`MemoryTier.held_rows`).
-:class:`~inferscale.storage.resident.ResidentStore` (``"hbm"``, ``"pinned"``) is the built-in
+:class:`~inferscale.storage.resident.store.ResidentStore` (``"hbm"``, ``"pinned"``) is the built-in
 implementation; a plugin tier may subclass it or implement the protocol itself.
 
 :func:`check_memory_tier` runs when the tiers are built (:func:`~inferscale.storage.tiers.build_tiers`):
@@ -52,7 +52,7 @@ class MemoryTier(Protocol):
 
     def load(self, user_id: str, facts: Mapping[str, FactKV | Fp8KV], epoch: str) -> None:
         """Hold exactly ``facts`` for the user, as version ``epoch`` of the disk tier (in the tier's
-        ``kv_dtype_at_rest``, :func:`~inferscale.storage.tiered.ensure_user`)."""
+        ``kv_dtype_at_rest``, :func:`~inferscale.storage.tiers.fill.ensure_user`)."""
 
     def delete(self, user_id: str, fact_ids: Sequence[str] | None = None) -> None:
         """Forget some facts of a user, or the whole user when ``fact_ids`` is None (idempotent)."""
@@ -92,5 +92,5 @@ def check_memory_tier(tier: object) -> MemoryTier:
         cls = type(tier)
         raise ConfigError(f"kv_store {getattr(tier, 'name', '?')!r} ({cls.__module__}.{cls.__qualname__}) cannot "
                           f"be the worker's memory tier: it lacks {', '.join(missing)} "
-                          f"(the contract: inferscale.storage.memory_tier.MemoryTier)")
+                          f"(the contract: inferscale.storage.tiers.memory.MemoryTier)")
     return tier

@@ -10,18 +10,18 @@ and ``%`` in the id, :func:`~inferscale.facts.user_file_stem`)::
 
 Adding facts writes them as one new segment and replaces the index; it does
 not rewrite what is stored, except the few newest small segments it merges
-(:mod:`inferscale.storage.compaction`). Deleting or replacing a fact rewrites
+(:mod:`inferscale.storage.format.compaction`). Deleting or replacing a fact rewrites
 the segments that held it, so its bytes leave the disk. Every file is written
 to a temp file, fsynced and renamed (:mod:`inferscale.files`); the
 index's rename is the commit: a crash leaves the old or the new version, and
 files it left behind are removed by the next write (the writing side:
-:mod:`inferscale.storage.disk_writes`). Writers take an exclusive ``flock`` on
+:mod:`inferscale.storage.disk.writes`). Writers take an exclusive ``flock`` on
 ``<root>/.lock``; readers take none (a segment removed under a reader sends it
 back to the new index).
 
 ``list``/``token_ids``/``facts``/``nbytes``/``epoch`` read only the
 index (verified by its own checksum; cached by the file's identity,
-:mod:`inferscale.storage.index_cache`). Reads that return K/V (``get``, ``load_user``, ``read_user``) verify every segment
+:mod:`inferscale.storage.format.index_cache`). Reads that return K/V (``get``, ``load_user``, ``read_user``) verify every segment
 they read, whole, against its checksum and the index.
 """
 
@@ -37,20 +37,19 @@ from typing import Any, ClassVar
 
 import torch
 
-from inferscale.devices import resolve_device
 from inferscale.errors import CorruptDataError, UnknownUserError
 from inferscale.facts import Fact, user_file_stem, user_from_file_stem
-from inferscale.kv import FactKV, KVBatch
+from inferscale.kv import FactKV
 from inferscale.kv_fp8 import Fp8KV
-from inferscale.storage import kvfile, legacy, nfc_names
+from inferscale.storage.disk import legacy
+from inferscale.storage.format import kvfile, nfc_names
 from inferscale.storage.base import KVStore
-from inferscale.storage.blocks import empty_batch
-from inferscale.storage.disk_writes import LOCK_NAME, SUFFIX, DiskWrites
-from inferscale.storage.index import INDEX_NAME, UserIndex
-from inferscale.storage.index_cache import DEFAULT_MIB, IndexCache, cache_bytes
-from inferscale.storage.index_reads import IndexReads, batch_of, fresh_user_file
+from inferscale.storage.disk.writes import LOCK_NAME, SUFFIX, DiskWrites
+from inferscale.storage.format.index import INDEX_NAME, UserIndex
+from inferscale.storage.format.index_cache import DEFAULT_MIB, IndexCache, cache_bytes
+from inferscale.storage.format.reads import IndexReads, fresh_user_file
 from inferscale.storage.layout import check_ids, check_layout, require_facts
-from inferscale.storage.segments import read_segments
+from inferscale.storage.format.segments import read_segments
 
 __all__ = ["CACHE_BYTES", "LOCK_NAME", "READ_ATTEMPTS", "SUFFIX", "USERS_DIR", "DiskStore"]
 
@@ -111,15 +110,6 @@ class DiskStore(DiskWrites, IndexReads, KVStore):
             current = self._clean(user_id)
             check_layout(user_id, facts, current.layout.kept_as(layout.at_rest) if current else None)
             self._commit(user_id, current, fresh, set(facts) | set(drop))
-
-    def get(self, user_id: str, fact_ids: Sequence[str], device: torch.device | str | None = None) -> KVBatch:
-        target = resolve_device(device, torch.device("cpu"))
-        fact_ids = list(fact_ids)
-        if not fact_ids:
-            index = self._index(user_id)
-            return empty_batch(index.layout if index else None, target)
-        _, user = self._read(user_id, fact_ids)
-        return batch_of(fact_ids, [user.facts[f] for f in fact_ids], target)
 
     def delete(self, user_id: str, fact_ids: Sequence[str] | None = None) -> None:
         """Idempotent. Deleting a whole user removes their files even if they are corrupt."""

@@ -1,8 +1,8 @@
 """The on-disk encoding of facts' K/V: a checksummed safetensors file.
 
 In format 3 each file is one *segment* of a user's facts (the user's index,
-:mod:`inferscale.storage.index`, lists them); in formats 1 and 2 one file held
-all of a user's facts (still read, :mod:`inferscale.storage.legacy`). See
+:mod:`inferscale.storage.format.index`, lists them); in formats 1 and 2 one file held
+all of a user's facts (still read, :mod:`inferscale.storage.disk.legacy`). See
 ``docs/storage-format.md`` for the specification. In short, tensors
 ``<fact_id>/keys`` and ``<fact_id>/values`` (``[L, T, H, D]``, the user's
 dtype), ``<fact_id>/token_ids`` (int64 ``[T]``) and, where the fact has one,

@@ -11,7 +11,7 @@ A write appends its facts as one new segment file and rewrites only:
   and each byte is rewritten O(log n) times however the facts arrive;
 * every segment of a format 1/2 file (its first write converts it), and every segment of a user
   whose facts a write keeps in another form (``Config.kv_dtype_at_rest`` changed: the write
-  converts them, :func:`~inferscale.storage.segments.next_version`).
+  converts them, :func:`~inferscale.storage.format.segments.next_version`).
 """
 
 from __future__ import annotations

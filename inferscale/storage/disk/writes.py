@@ -14,10 +14,10 @@ from pathlib import Path
 from inferscale.errors import CorruptDataError
 from inferscale.facts import user_file_stem
 from inferscale import files
-from inferscale.storage import kvfile
-from inferscale.storage.compaction import segments_to_rewrite
-from inferscale.storage.index import INDEX_NAME, UserIndex, new_segment_name
-from inferscale.storage.segments import converts, make_index, next_version, read_segments
+from inferscale.storage.format import kvfile
+from inferscale.storage.format.compaction import segments_to_rewrite
+from inferscale.storage.format.index import INDEX_NAME, UserIndex, new_segment_name
+from inferscale.storage.format.segments import converts, make_index, next_version, read_segments
 
 SUFFIX = ".safetensors"
 LOCK_NAME = ".lock"

@@ -1,7 +1,7 @@
-"""How the Redis store writes (:class:`~inferscale.storage.redis_store.RedisStore` inherits this):
+"""How the Redis store writes (:class:`~inferscale.storage.redis.store.RedisStore` inherits this):
 each change of a user is one ``MULTI``/``EXEC`` transaction on the user's hash, guarded by
 ``WATCH``, laid out as the disk store lays out a commit (one new segment, the rewritten ones
-removed, a new index with a new epoch: :mod:`inferscale.storage.segments`).
+removed, a new index with a new epoch: :mod:`inferscale.storage.format.segments`).
 
 Two replicas writing one user at once: the second's ``EXEC`` finds the hash changed, and that
 write starts again from the new version (up to :data:`WRITE_ATTEMPTS` times).
@@ -18,12 +18,12 @@ from inferscale.errors import CorruptDataError, InferScaleError, StoreUnavailabl
 from inferscale.facts import Fact
 from inferscale.kv import FactKV
 from inferscale.kv_fp8 import Fp8KV
-from inferscale.storage import kvfile
-from inferscale.storage.compaction import segments_to_rewrite
-from inferscale.storage.index import UserIndex, new_segment_name
-from inferscale.storage.index_reads import fresh_user_file
+from inferscale.storage.format import kvfile
+from inferscale.storage.format.compaction import segments_to_rewrite
+from inferscale.storage.format.index import UserIndex, new_segment_name
+from inferscale.storage.format.reads import fresh_user_file
 from inferscale.storage.layout import check_ids, check_layout
-from inferscale.storage.segments import converts, decode_segment, join_segments, make_index, next_version
+from inferscale.storage.format.segments import converts, decode_segment, join_segments, make_index, next_version
 
 INDEX_FIELD = "index"
 EPOCH_FIELD = "epoch"
@@ -154,7 +154,7 @@ class RedisWrites:
 
 
 def _to_rewrite(current: UserIndex | None, fresh: kvfile.UserFile, drop: set[str]) -> list[str]:
-    """The segments a write rewrites (:func:`~inferscale.storage.compaction.segments_to_rewrite`)."""
+    """The segments a write rewrites (:func:`~inferscale.storage.format.compaction.segments_to_rewrite`)."""
     if current is None:
         return []
     holding = {current.facts[f].segment for f in drop if f in current.facts}

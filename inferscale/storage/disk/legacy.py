@@ -19,9 +19,9 @@ from pathlib import Path
 from safetensors import safe_open
 
 from inferscale.errors import CorruptDataError
-from inferscale.storage import kvfile
+from inferscale.storage.format import kvfile
 from inferscale.files import identity
-from inferscale.storage.index import FactEntry, SegmentInfo, UserIndex
+from inferscale.storage.format.index import FactEntry, SegmentInfo, UserIndex
 from inferscale.storage.layout import KVLayout
 
 

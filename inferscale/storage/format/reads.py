@@ -1,7 +1,7 @@
 """What a store of record answers from its users' indexes alone, the same for every store.
 
 A store of record (the disk store, the Redis store) keeps each user as a format-3 index
-(:class:`~inferscale.storage.index.UserIndex`) and its segments. :class:`IndexReads` derives the
+(:class:`~inferscale.storage.format.index.UserIndex`) and its segments. :class:`IndexReads` derives the
 readers that need nothing but the index (fact ids, bytes, token ids, records) and the verified
 whole-user read from two methods the store provides: ``_index(user_id)`` (the index, or None for
 an unknown user) and ``_read(user_id, None)`` (the index and every fact, verified).
@@ -14,12 +14,14 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
+from inferscale.devices import resolve_device
 from inferscale.errors import UnknownUserError
 from inferscale.facts import Fact
 from inferscale.kv import FactKV, KVBatch
 from inferscale.kv_fp8 import MODEL, Fp8KV, at_rest
-from inferscale.storage import kvfile
-from inferscale.storage.index import UserIndex
+from inferscale.storage.blocks import empty_batch
+from inferscale.storage.format import kvfile
+from inferscale.storage.format.index import UserIndex
 from inferscale.storage.layout import KVLayout, check_layout, require_facts
 
 
@@ -31,6 +33,16 @@ class IndexReads:
 
     def _read(self, user_id: str, fact_ids: Sequence[str] | None) -> tuple[UserIndex, kvfile.UserFile]:
         raise NotImplementedError
+
+    def get(self, user_id: str, fact_ids: Sequence[str], device: torch.device | str | None = None) -> KVBatch:
+        """The facts' K/V, concatenated in ``fact_ids`` order, on ``device`` (each segment read verified)."""
+        target = resolve_device(device, torch.device("cpu"))
+        fact_ids = list(fact_ids)
+        if not fact_ids:
+            index = self._index(user_id)
+            return empty_batch(index.layout if index else None, target)
+        _, user = self._read(user_id, fact_ids)
+        return batch_of(fact_ids, [user.facts[f] for f in fact_ids], target)
 
     def list(self, user_id: str) -> list[str]:
         index = self._index(user_id)

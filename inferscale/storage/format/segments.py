@@ -16,8 +16,8 @@ from pathlib import Path
 
 from inferscale.errors import CorruptDataError
 from inferscale.kv_fp8 import at_rest
-from inferscale.storage import kvfile
-from inferscale.storage.index import FactEntry, SegmentInfo, UserIndex, new_epoch
+from inferscale.storage.format import kvfile
+from inferscale.storage.format.index import FactEntry, SegmentInfo, UserIndex, new_epoch
 
 
 def read_segments(index: UserIndex, paths: Mapping[str, Path]) -> kvfile.UserFile:
