@@ -1,7 +1,14 @@
 """InferScale: users' facts as reusable, position-independent KV for vLLM.
 
 Importing this package imports neither vLLM nor any backend; plugins load on
-first use.
+first use. The map (README's "Layout" has it file by file): the ground floor every part may
+use (``errors``, ``facts``, ``kv``, ``kv_fp8``, ``files``, ``devices``, ``threads``, ``secret``,
+``session``, ``host_memory``; the plugin manager ``plugins`` and ``hookspecs``), then ``config/``;
+``encode/`` (facts → pre-RoPE K/V), ``storage/`` (where K/V live), ``retrieval/`` (which facts),
+``compose/`` (the segment, chunked RoPE, salts); ``inject/`` (the vLLM-free write path) under
+``connector/`` (the vLLM adapter); ``api/`` (the facade) with ``mem0/`` behind it; ``server/`` and
+``cli/`` on top; ``datasets/`` and ``client.py`` beside. No import runs back up a layer or in a
+ring (tests/test_layering.py).
 """
 
 from inferscale.config import BackendSpec, Config, ModelSpec, build

@@ -8,7 +8,11 @@
 ``mem.memory`` (:class:`MemoryAPI`: add, list, search, update, delete) and
 ``mem.generation`` (:class:`GenerationAPI`: retrieve, prompt, compose, generate) share
 one :class:`Context`; each also works alone (``MemoryAPI(Context(config))``),
-as a server that runs them in separate processes needs.
+as a server that runs them in separate processes needs. The files: ``memory.py``, ``generation.py``
+(the two sides), ``context.py`` (what they share, built lazily: tokenizer, store of record, salts,
+retriever), ``freshness.py`` (each user's retrieval index kept at the record's version),
+``checks.py`` (what a call is checked for as it enters); Mem0 is reached from here only, through
+:mod:`inferscale.mem0`'s exported names.
 
 ``generate`` modes: ``"kv"`` injects the facts' stored K/V (vLLM prefills only
 the question and the tail facts within the recompute budget), ``"prompt"``
