@@ -7,8 +7,8 @@ use (``errors``, ``facts``, ``kv``, ``kv_fp8``, ``files``, ``devices``, ``thread
 ``encode/`` (facts → pre-RoPE K/V), ``storage/`` (where K/V live), ``retrieval/`` (which facts),
 ``compose/`` (the segment, chunked RoPE, salts); ``inject/`` (the vLLM-free write path) under
 ``connector/`` (the vLLM adapter); ``api/`` (the facade) with ``mem0/`` behind it; ``server/`` and
-``cli/`` on top; ``datasets/`` and ``client.py`` beside. No import runs back up a layer or in a
-ring (tests/test_layering.py).
+``cli/`` on top; ``datasets/`` and ``client.py`` beside. No import runs in a ring, between modules or
+folders (tests/test_layering.py).
 """
 
 from inferscale.config import BackendSpec, Config, ModelSpec, build
