@@ -4,7 +4,7 @@
         --release 0.33.0 ttft33.json load33.json --out benchmarks/results/vllm_releases_h200
 
 Each ``--release`` names a release and its ``ttft.py`` and ``vllm_serve_load.py`` JSONs, measured on
-the same machine one after the other (``benchmarks/h200_releases.sh``). Writes OUT.md and OUT.json:
+the same machine one after the other (``benchmarks/gpu/h200_releases.sh``). Writes OUT.md and OUT.json:
 engine TTFT per store and k (KV injection, vLLM's own prefix-cache hit of the same tokens, prompt
 injection, no memory) and requests/s at 100 users per system, each release beside the other.
 """

@@ -14,11 +14,11 @@ set -uo pipefail
 RUN=${RUN:-/tmp/run}
 STEPS=${STEPS:-corpus wrappers screen accuracy}
 TRAIN_STEPS=${TRAIN_STEPS:-1200}
-source benchmarks/gpu_block.sh
+source benchmarks/gpu/setup.sh
 NOW=/tmp/site:$PWD
 python3 -m pip install -q --no-index --no-deps --target /tmp/site .gpu/gguf-*.whl 2>/dev/null
 mkdir -p ../shared/data && rm -rf ../shared/data/locomo && cp -r .gpu/locomo ../shared/data/locomo
-source benchmarks/gpu_models.sh
+source benchmarks/gpu/models.sh
 [[ -n ${WITH_Q05:-} ]] && convert_model q05 &
 convert_model q15 || { stamp "the 1.5B did not convert"; tail -5 /tmp/convert-q15.log; exit 1; }
 wait

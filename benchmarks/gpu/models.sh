@@ -1,4 +1,4 @@
-# The Qwen2.5-Coder models on the GPU machine (sourced after gpu_block.sh, with NOW set): each GGUF from
+# The Qwen2.5-Coder models on the GPU machine (sourced after setup.sh, with NOW set): each GGUF from
 # its pieces (/tmp/parts/<q05|q15>.NN, closed by <q05|q15>.done), checked and converted to a bf16
 # directory once per machine, however many drivers ask. `convert_model q05` returns when the 0.5B is
 # ready (converting it, or waiting for the driver that is); its log is /tmp/convert-<q05|q15>.log.

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The accuracy-against-throughput block on the H200: one run gives every method its LoCoMo F1 on
 # Qwen2.5-Coder-1.5B and 0.5B and the throughput of its recompute budget under load.
-#   RUN=/tmp/run STEPS="load ttft accuracy" bash benchmarks/h200_tradeoff.sh
+#   RUN=/tmp/run STEPS="load ttft accuracy" bash benchmarks/gpu/h200_tradeoff.sh
 # Run from the repository root once /tmp/parts holds vLLM 0.26.0's site parts; the models' GGUF files
 # arrive in pieces while it runs (/tmp/parts/q05.NN, q15.NN, each set closed by q05.done / q15.done;
 # see benchmarks/results/README.md). .gpu/ holds zstd, the gguf wheel and .gpu/locomo (the data).
@@ -26,12 +26,12 @@ METHODS05=${METHODS05-order05}  # "": no 0.5B run
 # the product's default (a method of the grids) and the load system that serves it
 DEFAULT=${DEFAULT:-kv[window=-5,closing=answer,recompute_tokens=256]}
 DEFAULT_SYSTEM=${DEFAULT_SYSTEM:-kv@256}
-source benchmarks/gpu_block.sh
+source benchmarks/gpu/setup.sh
 NOW=/tmp/site:$PWD
 python3 -m pip install -q --no-index --no-deps --target /tmp/site .gpu/gguf-*.whl 2>/dev/null
 mkdir -p ../shared/data && rm -rf ../shared/data/locomo && cp -r .gpu/locomo ../shared/data/locomo
 
-source benchmarks/gpu_models.sh
+source benchmarks/gpu/models.sh
 # in the background: the 0.5B, then the 1.5B (a driver beside this one, e.g. h200_retrieval.sh, shares them)
 ( [[ -n $METHODS05 ]] && convert_model q05; convert_model q15 ) &  # METHODS05="": no 0.5B run (nor its pieces)
 

@@ -9,9 +9,9 @@
 #                               nvJitLink 13.5 (libcuvs wants >= 13.3; the image's cuda-toolkit is 13.0.2);
 #                               its other CUDA 13 libraries (cuBLAS 13, cuSOLVER, cuSPARSE, cuRAND, NVRTC,
 #                               NCCL) are the image's
-# usage: ZSTD_LEVEL=12 bash benchmarks/build_retrieval_bundle.sh [OUTDIR]
+# usage: ZSTD_LEVEL=12 bash benchmarks/gpu/build_retrieval_bundle.sh [OUTDIR]
 #
-# On the machine (benchmarks/h200_retrieval.sh does it): unpack each into its own folder, put it first on
+# On the machine (benchmarks/gpu/h200_retrieval.sh does it): unpack each into its own folder, put it first on
 # PYTHONPATH, and before Python starts put on LD_LIBRARY_PATH the folders libcuvs.so resolves its CUDA
 # libraries from (printed at the end). faiss needs nothing more: `import faiss` loads its CUDA 12
 # libraries by path (checked on a CPU machine: faiss 1.15.1 imports and sees 0 GPUs).

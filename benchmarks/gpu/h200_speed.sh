@@ -3,7 +3,7 @@
 # machine once /tmp/parts holds vLLM 0.26.0's site parts (../shared/device: three zstd parts and the
 # zstd binary, carried as .gpu/) and .gpu/before holds the code to compare against
 # (`git archive <commit> inferscale tests benchmarks/ttft.py | tar -x -C .gpu/before`).
-#   RUN=/tmp/run STEPS="jasper tests profile ttft load retrieval encode shapes" bash benchmarks/h200_speed.sh
+#   RUN=/tmp/run STEPS="jasper tests profile ttft load retrieval encode shapes" bash benchmarks/gpu/h200_speed.sh
 # Each step appends to $RUN/log and writes its result files into $RUN. Carried beside the checkout
 # (git-ignored, see benchmarks/results/README.md): .gpu/minilm (MiniLM, fp16), .gpu/tokenizer,
 # .gpu/locomo, .gpu/vendor (Jasper's sources), .gpu/wheels (faiss-cpu).
@@ -20,7 +20,7 @@ FUSED=${FUSED:-}
 # PINNED_READ_PROGRAMS=n, PINNED_READ_GRAPHS=0/1 (default: Config's), TEST_BLOCK_SIZE=n,
 # PINNED_COPY_BELOW_MIB=x (default 0: the tiny test model's reads go in place; Config's 96 would copy them all),
 # ASYNC_LOADS=always/never/auto (Config.tuning.async_loads; default: Config's)
-source benchmarks/gpu_block.sh
+source benchmarks/gpu/setup.sh
 NOW=$SITE:$PWD BEFORE=$SITE:$PWD/.gpu/before
 if [[ -d .gpu/wheels ]] && ! PYTHONPATH=$NOW python3 -c 'import faiss' 2>/dev/null; then
   python3 -m pip install -q --no-index --no-deps --target "$SITE" .gpu/wheels/*.whl
@@ -28,7 +28,7 @@ fi
 
 if has jasper; then  # CPU work: built beside the correctness tests, ready for step "retrieval"
   stamp "building Jasper in the background (log: $RUN/jasper_build.log)"
-  source benchmarks/gpu_jasper.sh
+  source benchmarks/gpu/jasper.sh
   build_jasper /tmp/jb > "$RUN/jasper_build.log" 2>&1 &
   JASPER_PID=$!
 fi

@@ -4,7 +4,7 @@
 # torch 2.11), slimmed like ../shared/device/build-vllm-bundle.sh does for 0.26, in 44 MiB parts (a call
 # carries 64 MiB with the working tree), plus the CUDA libraries torch 2.14 pins newer than the image's,
 # each its own tar (cudnn, nccl: the image's are too old for torch 2.14; its cuSPARSELt 0.8.0 loads).
-# usage: ZSTD_LEVEL=19 bash benchmarks/build_vllm_033_bundle.sh [OUTDIR]
+# usage: ZSTD_LEVEL=19 bash benchmarks/gpu/build_vllm_033_bundle.sh [OUTDIR]
 #
 # Measured download sizes (PyPI simple JSON API / pip download --no-deps, 2026-12-03; cp312, x86_64):
 #   vllm-0.33.0-cp38-abi3-manylinux_2_28_x86_64.whl          320.8 MiB (pip download: 336,361,138 B)
@@ -36,11 +36,11 @@
 #      ncclCommResume`) and refuses cuDNN 9.19 at first use ("compiled against (9, 24, 0)"), so the
 #      cuda-nccl (5 parts) and cuda-cudnn (11 parts) tars travel too; cuSPARSELt 0.8.0 loads.
 #   3. The block: carry the parts back to back (≈ 3 s a call) into /tmp/parts with the 0.26 site's, then
-#      `RUN=/tmp/run bash benchmarks/h200_releases.sh` (unpacks both, 0.33 into /tmp/site033 with the
+#      `RUN=/tmp/run bash benchmarks/gpu/h200_releases.sh` (unpacks both, 0.33 into /tmp/site033 with the
 #      cuda-* tars, and runs the tests, TTFT and load on 0.33, then TTFT and load on 0.26).
 set -euo pipefail
 OUT=${1:-$(pwd)/vllm-0.33.0-bundle}
-SHARED=$(cd "$(dirname "$0")/../../shared/device" && pwd)
+SHARED=$(cd "$(dirname "$0")/../../../shared/device" && pwd)
 WORK=$(mktemp -d)
 trap 'rm -rf "$WORK"' EXIT
 # vLLM 0.33.0 and its dependencies the image lacks (torch is on the image, so closure.py skips it)

@@ -2,13 +2,13 @@
 # The retrieval block on the H200: a million generated facts, then every retriever on them at
 # 10k / 100k / 1M (exact, faiss-gpu flat and IVF, Jasper over a grid, CAGRA, faiss-cpu flat and HNSW),
 # and the synthetic sets beside them for comparison.
-#   RUN=/tmp/run STEPS="jasper corpus libs table synthetic" bash benchmarks/h200_retrieval.sh
+#   RUN=/tmp/run STEPS="jasper corpus libs table synthetic" bash benchmarks/gpu/h200_retrieval.sh
 # Run from the repository root once /tmp/parts holds vLLM 0.26.0's site parts. The rest may arrive while
 # it runs: the corpus model's GGUF pieces (q05.NN or q15.NN, closed by q05.done / q15.done, as for
-# h200_tradeoff.sh) and the retrieval bundle's (benchmarks/build_retrieval_bundle.sh: faiss-gpu-site.tar.zst.NN,
+# h200_tradeoff.sh) and the retrieval bundle's (benchmarks/gpu/build_retrieval_bundle.sh: faiss-gpu-site.tar.zst.NN,
 # cuvs-site.tar.zst.NN, closed by /tmp/parts/retrieval.done). .gpu/ holds zstd, the gguf wheel,
 # vendor/ (Jasper's sources, ../shared/vendor) and minilm/ (all-MiniLM-L6-v2, a sentence-transformers dir);
-# benchmarks/stage_gpu_block.sh stages all of it.
+# benchmarks/gpu/stage.sh stages all of it.
 #   jasper     build Jasper twice in the background: as shipped (build beam L = 64) and with L = 192
 #              (the largest its construct config allows: L + 64 <= 256), to tell the build from the data
 #   corpus     FACTS facts from PEOPLE people written by CORPUS_MODEL (q05, the 0.5B, or q15; fact_corpus.py),
@@ -28,7 +28,7 @@ FACTS=${FACTS:-1000000} PEOPLE=${PEOPLE:-1536} SIZES=${SIZES:-10000,100000,10000
 BACKENDS=${BACKENDS:-exact,faiss-flat-gpu,faiss-ivf-gpu,faiss-ivf-gpu:nprobe=64,cagra,cagra:itopk=256,cagra:itopk=512,faiss-flat,faiss-hnsw}
 JASPER_GRID=${JASPER_GRID:-jasper,jasper:beam=1024,jasper:entry=first,jasper:r=64,beam=1024}
 CORPUS_MODEL=${CORPUS_MODEL:-q05}
-source benchmarks/gpu_block.sh
+source benchmarks/gpu/setup.sh
 NOW=$SITE:$PWD
 python3 -m pip install -q --no-index --no-deps --target "$SITE" .gpu/gguf-*.whl 2>/dev/null
 IMAGE=$(cd / && PYTHONPATH= python3 -c 'import os, torch; print(os.path.dirname(os.path.dirname(torch.__file__)))')
@@ -37,11 +37,11 @@ LIBS=/tmp/faiss-gpu-site:/tmp/cuvs-site
 # (preloaded, as torch may load the image's 13.0 first) and the image's other CUDA 13 libraries
 export LD_LIBRARY_PATH=/tmp/cuvs-site/nvidia/cu13/lib:$IMAGE/nvidia/cu13/lib:$IMAGE/nvidia/nccl/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
 JITLINK=/tmp/cuvs-site/nvidia/cu13/lib/libnvJitLink.so.13
-source benchmarks/gpu_models.sh
+source benchmarks/gpu/models.sh
 
 if has jasper; then  # CPU work while the corpus is written
   stamp "building Jasper (L = 64 as shipped, and L = 192) in the background (logs: $RUN/jasper_build*.log)"
-  source benchmarks/gpu_jasper.sh
+  source benchmarks/gpu/jasper.sh
   build_jasper /tmp/jb 64 8 > "$RUN/jasper_build.log" 2>&1 &
   build_jasper /tmp/jb192 192 8 > "$RUN/jasper_build192.log" 2>&1 &
 fi

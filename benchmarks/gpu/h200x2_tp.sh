@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
 # Tensor parallelism 2 on nvidia-h200-x2 (issue: TP = 2 on two H200s). Run from the repository root
 # once /tmp/parts holds vLLM 0.26.0's site parts (carried as in benchmarks/results/README.md).
-#   RUN=/tmp/run STEPS="check ttft serve" bash benchmarks/h200x2_tp.sh
+#   RUN=/tmp/run STEPS="check ttft serve" bash benchmarks/gpu/h200x2_tp.sh
 set -uo pipefail
 RUN=${RUN:-/tmp/run}
 STEPS=${STEPS:-check ttft serve}
-source benchmarks/gpu_block.sh
+source benchmarks/gpu/setup.sh
 export PYTHONPATH=/tmp/site:$PWD
 nvidia-smi topo -m || true
 

