@@ -74,7 +74,7 @@ def difficulty(x: torch.Tensor, q: torch.Tensor, k: int) -> dict:
 
 
 def main(argv: list[str] | None = None) -> None:
-    import retrieval_latency as rl  # the same data generators and corpus reader
+    from vector_sets import data_name, vectors_for  # the same sets as retrieval_latency.py
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--sizes", default="10000,100000")
@@ -88,8 +88,8 @@ def main(argv: list[str] | None = None) -> None:
     args.batch = args.queries
     rows = []
     for n in (int(s) for s in args.sizes.split(",")):
-        x, q = rl.vectors_for(args, n)
-        rows.append({"n": n, "data": rl.data_name(args), **difficulty(x, q[: args.queries], args.k)})
+        x, q = vectors_for(args, n)
+        rows.append({"n": n, "data": data_name(args), **difficulty(x, q[: args.queries], args.k)})
         r = rows[-1]
         print(f"{r['data']:>24} n={n:>9,}  LID {r['lid_median']:6.1f} ({r['lid_p10']:.1f}-{r['lid_p90']:.1f})  "
               f"contrast@1 {r['contrast_at_1_median']:.3f}  contrast@{args.k} {r[f'contrast_at_{args.k}_median']:.3f}",

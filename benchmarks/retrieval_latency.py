@@ -46,6 +46,7 @@ from inferscale.retrieval.exact import ExactRetriever
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from neighbour_difficulty import difficulty  # noqa: E402
 from retrieval_backends import BASES, available, factory  # noqa: E402
+from vector_sets import data_name, vectors_for  # noqa: E402
 
 DEFAULT_BACKENDS = ("exact", "faiss-flat", "faiss-hnsw", "faiss-ivf", "faiss-flat-gpu", "faiss-ivf-gpu", "jasper",
                     "cagra")
@@ -73,42 +74,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def load_corpus(path: str, n: int, queries: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """``n`` rows to index and ``queries`` other rows to ask with, from a seeded shuffle of the corpus."""
-    import numpy as np
-
-    rows = np.load(path, mmap_mode="r")
-    if rows.ndim != 2 or n + queries > rows.shape[0]:
-        raise SystemExit(f"{path}: {rows.shape} rows, but {n:,} facts and {queries} held-out queries are asked for")
-    order = np.random.default_rng(seed).permutation(rows.shape[0])
-    pick = np.sort(order[:n])  # sorted reads of a memory-mapped file
-    x = torch.from_numpy(np.ascontiguousarray(rows[pick], dtype=np.float32))
-    q = torch.from_numpy(np.ascontiguousarray(rows[np.sort(order[-queries:])], dtype=np.float32))
-    return torch.nn.functional.normalize(x, dim=1), torch.nn.functional.normalize(q, dim=1)
-
-
 def device_slug() -> str:
     if not torch.cuda.is_available():
         return "cpu"
     return re.sub(r"[^a-z0-9]+", "-", torch.cuda.get_device_name().lower()).strip("-")
-
-
-def unit(n: int, dim: int, seed: int) -> torch.Tensor:
-    g = torch.Generator().manual_seed(seed)
-    return torch.nn.functional.normalize(torch.randn(n, dim, generator=g), dim=1)
-
-
-def clustered(n: int, dim: int, seed: int, queries: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """``n`` points and ``queries`` queries from one mixture of ``max(16, n // 1000)`` Gaussian clusters
-    (noise half the centres' norm), all normalised."""
-    g = torch.Generator().manual_seed(seed)
-    centres = torch.randn(max(16, n // 1000), dim, generator=g)
-
-    def draw(m: int) -> torch.Tensor:
-        which = torch.randint(0, centres.shape[0], (m,), generator=g)
-        return torch.nn.functional.normalize(centres[which] + 0.5 * torch.randn(m, dim, generator=g), dim=1)
-
-    return draw(n), draw(queries)
 
 
 def measure(make: Callable[[], Retriever], x: torch.Tensor, q: torch.Tensor, batch: torch.Tensor, k: int,
@@ -170,15 +139,6 @@ def recall(found: list[list[str]], truth: list[list[str]], k: int) -> float:
     """Share of exact search's top-k that the backend's top-k holds, over all queries."""
     hit = sum(len(set(f[:k]) & set(t[:k])) for f, t in zip(found, truth))
     return hit / max(1, sum(len(t[:k]) for t in truth))
-
-
-def vectors_for(args: argparse.Namespace, n: int) -> tuple[torch.Tensor, torch.Tensor]:
-    queries = max(args.queries, args.batch)
-    if args.corpus:
-        return load_corpus(args.corpus, n, queries, seed=n)
-    if args.data == "clustered":
-        return clustered(n, args.dim, seed=n, queries=queries)
-    return unit(n, args.dim, seed=n), unit(queries, args.dim, seed=n + 1)
 
 
 def run(args: argparse.Namespace, save: Callable[[dict], None] = lambda result: None) -> dict:
@@ -244,10 +204,6 @@ def exact_ids(x: torch.Tensor, q: torch.Tensor, k: int) -> list[list[str]]:
     exact = ExactRetriever(ExactRetriever.Options(device="cpu"))
     exact.add("u", [f"f{i}" for i in range(x.shape[0])], x)
     return [[h.fact_id for h in row] for row in exact.search("u", q, k)]
-
-
-def data_name(args: argparse.Namespace) -> str:
-    return f"corpus:{Path(args.corpus).name}" if args.corpus else args.data
 
 
 def argv_of(args: argparse.Namespace) -> list[str]:

@@ -46,11 +46,12 @@ def test_a_corpus_run_reports_recall_latency_build_and_memory(bench, tmp_path):
 def test_held_out_queries_are_not_indexed(bench, tmp_path):
     rows = np.arange(40 * 4, dtype=np.float32).reshape(40, 4) + 1
     np.save(tmp_path / "v.npy", rows)
-    x, q = bench.load_corpus(str(tmp_path / "v.npy"), 30, 10, seed=1)
+    sets = _module("vector_sets")
+    x, q = sets.load_corpus(str(tmp_path / "v.npy"), 30, 10, seed=1)
     assert x.shape == (30, 4) and q.shape == (10, 4)
     assert not {tuple(r) for r in x.numpy().round(6)} & {tuple(r) for r in q.numpy().round(6)}
     with pytest.raises(SystemExit, match="31 facts and 10 held-out queries"):
-        bench.load_corpus(str(tmp_path / "v.npy"), 31, 10, seed=1)
+        sets.load_corpus(str(tmp_path / "v.npy"), 31, 10, seed=1)
     with pytest.raises(SystemExit, match="unknown backend"):
         bench.main(["--corpus", str(tmp_path / "v.npy"), "--sizes", "10", "--backends", "exakt"])
 
