@@ -15,7 +15,10 @@
 set -uo pipefail
 RUN=${RUN:-/tmp/run}
 STEPS=${STEPS:-tests stores default fp8 ttft users1000}
-STORE=${STORE:-pinned} ASYNC=${ASYNC:-always} SECONDS_ROW=${SECONDS_ROW:-20}
+STORE=${STORE:-pinned} ASYNC=${ASYNC:-always} SECONDS_ROW=${SECONDS_ROW:-20} REPEATS=${REPEATS:-3}
+# the stores step: which store:async_loads pairs, at which budgets (a short block: SPECS="pinned:always
+# hbm:never" STORE_BUDGETS=0,adaptive)
+SPECS=${SPECS:-hbm:never pinned:never pinned:always} STORE_BUDGETS=${STORE_BUDGETS:-0}
 source benchmarks/gpu_block.sh
 NOW=/tmp/site:$PWD
 load=(python3 benchmarks/vllm_serve_load.py --shape qwen2.5-7b --cuda-graphs --gpu-memory-utilization 0.5
@@ -24,15 +27,15 @@ quiet() { grep --line-buffered -v " INFO \| DEBUG "; }
 
 if has tests; then
   stamp "GPU tests: background loads, fused write, fp8 at rest"
-  PYTHONPATH=$NOW:$PWD/tests INFERSCALE_TEST_CUDA_GRAPHS=1 timeout 900 python3 -m pytest -q -p no:cacheprovider \
-    tests/test_background_writer.py tests/test_background_loads.py tests/test_fused_write.py tests/test_kv_at_rest.py \
-    2>&1 | tail -15 | tee "$RUN/gpu_tests.log"
+  PYTHONPATH=$NOW:$PWD/tests INFERSCALE_TEST_CUDA_GRAPHS=1 timeout "${TESTS_TIMEOUT:-900}" python3 -m pytest -q \
+    -p no:cacheprovider ${TESTS:-tests/test_background_writer.py tests/test_background_loads.py tests/test_fused_write.py \
+    tests/test_kv_at_rest.py} 2>&1 | tail -15 | tee "$RUN/gpu_tests.log"
 fi
 if has stores; then
-  for spec in hbm:never pinned:never pinned:always; do
+  for spec in $SPECS; do
     store=${spec%%:*} mode=${spec##*:}
-    stamp "load: $store, async_loads $mode, 100 users, B = 0, 3 repeats"
-    PYTHONPATH=$NOW timeout 900 "${load[@]}" --users 100 --budgets 0 --repeats 3 --kv-store "$store" \
+    stamp "load: $store, async_loads $mode, 100 users, B = $STORE_BUDGETS, $REPEATS repeats"
+    PYTHONPATH=$NOW timeout 900 "${load[@]}" --users 100 --budgets "$STORE_BUDGETS" --repeats "$REPEATS" --kv-store "$store" \
       --async-loads "$mode" --out "$RUN/load_${store}_${mode}" 2>&1 | quiet | tail -12
     rm -rf /tmp/vllm_serve_load_* 2>/dev/null
   done
