@@ -2,7 +2,7 @@
 encoder on cuda beside the engine, every route once. Results go to $OUT/smoke.json and the
 server's log to $OUT/front.log.
 
-Run from the repository root, with vLLM importable (see benchmarks/results/README.md):
+Run from the repository root, with vLLM importable (on a lent GPU machine: benchmarks/gpu/README.md):
     OUT=/tmp/out python3 benchmarks/serve_smoke.py
 Last run: vLLM 0.26.0 on an H200 (benchmarks/results/serve_smoke_h200.json).
 ``SMOKE_VLLM_ARGS`` adds engine arguments (e.g. ``--tensor-parallel-size 2``).

@@ -5,7 +5,7 @@
 # (`git archive <commit> inferscale tests benchmarks/ttft.py | tar -x -C .gpu/before`).
 #   RUN=/tmp/run STEPS="jasper tests profile ttft load retrieval encode shapes" bash benchmarks/gpu/h200_speed.sh
 # Each step appends to $RUN/log and writes its result files into $RUN. Carried beside the checkout
-# (git-ignored, see benchmarks/results/README.md): .gpu/minilm (MiniLM, fp16), .gpu/tokenizer,
+# (git-ignored, see benchmarks/gpu/README.md): .gpu/minilm (MiniLM, fp16), .gpu/tokenizer,
 # .gpu/locomo, .gpu/vendor (Jasper's sources), .gpu/wheels (faiss-cpu).
 set -uo pipefail
 RUN=${RUN:-/tmp/run}

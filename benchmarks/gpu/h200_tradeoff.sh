@@ -4,7 +4,7 @@
 #   RUN=/tmp/run STEPS="load ttft accuracy" bash benchmarks/gpu/h200_tradeoff.sh
 # Run from the repository root once /tmp/parts holds vLLM 0.26.0's site parts; the models' GGUF files
 # arrive in pieces while it runs (/tmp/parts/q05.NN, q15.NN, each set closed by q05.done / q15.done;
-# see benchmarks/results/README.md). .gpu/ holds zstd, the gguf wheel and .gpu/locomo (the data).
+# see benchmarks/gpu/README.md). .gpu/ holds zstd, the gguf wheel and .gpu/locomo (the data).
 #   load      vllm_serve_load.py (Qwen2.5-7B shape, 100 users × 200 facts, k = 50, 32-token answers,
 #             one API server, hbm store) at 100 users for every budget in BUDGETS
 #   ttft      ttft.py at TTFT_KS (Llama-3.1-8B shape, CUDA graphs) for budgets TTFT_BUDGETS, stores TTFT_STORES

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Tensor parallelism 2 on nvidia-h200-x2 (issue: TP = 2 on two H200s). Run from the repository root
-# once /tmp/parts holds vLLM 0.26.0's site parts (carried as in benchmarks/results/README.md).
+# once /tmp/parts holds vLLM 0.26.0's site parts (carried as in benchmarks/gpu/README.md).
 #   RUN=/tmp/run STEPS="check ttft serve" bash benchmarks/gpu/h200x2_tp.sh
 set -uo pipefail
 RUN=${RUN:-/tmp/run}
