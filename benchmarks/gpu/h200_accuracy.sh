@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The accuracy block on the H200: LoCoMo grid on the real Qwen2.5-Coder-0.5B-Instruct (bf16), then
 # the TTFT of each recompute budget (Llama-3.1-8B shape, CUDA graphs). Run from the repository root
-# on the GPU machine once /tmp/parts holds the bundle (see benchmarks/gpu/README.md: vLLM 0.26.0
-# site parts, zstd, the gguf wheel and the model's GGUF, tarred and split into 60 MiB pieces).
+# on the GPU machine once /tmp/parts holds the bundle (vLLM 0.26.0 site parts, zstd, the gguf wheel and
+# the model's GGUF, tarred and split into 60 MiB pieces; see "Running the H200 block again" in
+# benchmarks/results/archive/diary.md).
 #   RUN=/tmp/run bash benchmarks/gpu/h200_accuracy.sh        (writes $RUN/log and the result files)
 set -euo pipefail
 RUN=${RUN:-/tmp/run}
