@@ -46,7 +46,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from locomo_accuracy import CLOSINGS, INSTRUCTION, window_policy  # noqa: E402
+from locomo import CLOSINGS, INSTRUCTION, window_policy  # noqa: E402
 
 from inferscale.encode.calibration import FORMS, KVCalibration, corrected  # noqa: E402
 
@@ -145,7 +145,7 @@ def locomo_samples(reader: Reader, data: Path, count: int, retrieval: Path | Non
     it. The teacher's answer from the text is scored, as in the fit; LoCoMo's answers are not read."""
     from types import SimpleNamespace
 
-    from locomo_accuracy import load_items, retrieve
+    from locomo import load_items, retrieve
 
     from inferscale.facts import Fact, make_fact_id
 

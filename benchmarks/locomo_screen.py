@@ -43,7 +43,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import locomo_accuracy as harness  # noqa: E402
+import locomo as harness  # noqa: E402
 from locomo_gaps import gap  # noqa: E402
 
 from inferscale.compose.blend import injected_length  # noqa: E402

@@ -38,7 +38,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from locomo_accuracy import CLOSINGS, INSTRUCTION  # noqa: E402
+from locomo import CLOSINGS, INSTRUCTION  # noqa: E402
 
 from inferscale.encode import distill  # noqa: E402
 from inferscale.encode.wrappers import FactWrappers, embedding_slots  # noqa: E402
