@@ -142,8 +142,9 @@ SEGMENT_LEN, BOUNDARIES = 18, (4, 10, 15)
 
 @pytest.mark.parametrize("at", range(SEGMENT_LEN))
 def test_a_prompt_that_differs_from_the_segment_at_any_token_is_refused(disk, at):
-    """With the segment's own salt: one token changed anywhere (the first, either side of a fact
-    boundary, the last) and nothing is claimed; the log says where."""
+    """One token changed anywhere (the first, either side of a fact boundary, the last) and nothing
+    is claimed, whether the request carries the segment's salt or one made over its own head: the
+    salt is checked over the prompt's head first, so a changed token never reaches the store."""
     order = ["a", "b", "c"]
     segment = _segment(disk, order)
     (prefix,) = disk.token_ids(SYSTEM_USER, [PREFIX_FACT])
@@ -151,9 +152,13 @@ def test_a_prompt_that_differs_from_the_segment_at_any_token_is_refused(disk, at
     assert list(itertools.accumulate(parts)) == [*BOUNDARIES, SEGMENT_LEN] == [*BOUNDARIES, len(segment)]
     prompt = [*segment, 7, 8, 9]
     prompt[at] += 1
-    plan = plan_request(disk, SALTS, prompt, make_params("ann", order), _salt(disk, segment), 0, Blend(8))
-    assert (plan.fallback, plan.claim_len, plan.num_external) == (Fallback.TOKEN_MISMATCH, 0, 0)
-    assert plan.detail == f"prompt differs from the memory segment at token {at} of {SEGMENT_LEN}"
+    for salt in (_salt(disk, segment), _salt(disk, prompt[:SEGMENT_LEN])):
+        plan = plan_request(disk, SALTS, prompt, make_params("ann", order), salt, 0, Blend(8))
+        assert (plan.fallback, plan.claim_len, plan.num_external) == (Fallback.MISSING_CACHE_SALT, 0, 0)
+    # the same prompt unchanged is claimed: the refusal was the changed token's
+    plan = plan_request(disk, SALTS, [*segment, 7, 8, 9], make_params("ann", order), _salt(disk, segment), 0,
+                        Blend(8))
+    assert plan.fallback is None and plan.num_external > 0
 
 
 @pytest.mark.parametrize("boundary", BOUNDARIES)
@@ -164,7 +169,7 @@ def test_a_token_dropped_or_doubled_at_a_fact_boundary_is_refused(disk, boundary
     head, tail = segment[:boundary], segment[boundary:]
     prompt = head + (tail[1:] if shift == "dropped" else [head[-1], *tail]) + [7, 8, 9]
     plan = plan_request(disk, SALTS, prompt, make_params("ann", order), _salt(disk, segment), 0, Blend(8))
-    assert (plan.fallback, plan.num_external) == (Fallback.TOKEN_MISMATCH, 0)
+    assert (plan.fallback, plan.num_external) == (Fallback.MISSING_CACHE_SALT, 0)
 
 
 def test_a_prompt_needs_one_token_past_the_segment(disk):
@@ -172,9 +177,10 @@ def test_a_prompt_needs_one_token_past_the_segment(disk):
     order = ["a", "b", "c"]
     segment = _segment(disk, order)
     params, salt = make_params("ann", order), _salt(disk, segment)
-    for prompt in (segment[:-1], segment):
-        plan = plan_request(disk, SALTS, prompt, params, salt, 0, Blend(0))
-        assert (plan.fallback, plan.num_external) == (Fallback.PROMPT_TOO_SHORT, 0), len(prompt)
+    plan = plan_request(disk, SALTS, segment, params, salt, 0, Blend(0))
+    assert (plan.fallback, plan.num_external) == (Fallback.PROMPT_TOO_SHORT, 0)
+    plan = plan_request(disk, SALTS, segment[:-1], params, salt, 0, Blend(0))  # its head is not the segment
+    assert (plan.fallback, plan.num_external) == (Fallback.MISSING_CACHE_SALT, 0)
     plan = plan_request(disk, SALTS, [*segment, 7], params, salt, 0, Blend(0))
     assert (plan.fallback, plan.claim_len, plan.num_external) == (None, SEGMENT_LEN, SEGMENT_LEN)
 

@@ -442,7 +442,7 @@ def test_policies_registered_with_options():
                                                "none": NoWindow, "neighbours": NeighboursWindow}
     assert make_options(NeighboursWindow, {}, "window").window == 5
     assert make_options(TurnsWindow, {}, "window").window == 2
-    assert make_options(FactsWindow, {}, "window").window == 5
+    assert make_options(FactsWindow, {}, "window").window == 10
     policy = TokensWindow(make_options(TokensWindow, {"max_tokens": 7}, "window"))
     assert len(policy.context_ids(TURNS, 4, char_tokenize)) == 7
     assert make_options(NoWindow, {}, "window") is None

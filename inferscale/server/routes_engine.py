@@ -47,13 +47,16 @@ async def health(request: Request) -> Response:
 
 
 async def _replicas(state: ServerState) -> list[dict] | None:
-    """Each replica's state as the router has it (``vllm-router``'s ``GET /workers``), in its order
-    and without its address (``/health`` is open); None when the engine URL is no such router."""
+    """Each replica's state as the router has it (``vllm-router``'s ``GET /workers``), without its
+    address (``/health`` is open), numbered in the order of the addresses so that a replica keeps
+    its number from one answer to the next; None when the engine URL is no such router."""
     try:
         response = await state.client.get("/workers", timeout=5.0)
         workers = response.json()["workers"] if response.status_code == 200 else None
-        return None if workers is None else [{"replica": i, "healthy": w["is_healthy"] is True}
-                                             for i, w in enumerate(workers)]
+        if workers is None:
+            return None
+        workers = sorted(workers, key=lambda w: str(w.get("url", "")))
+        return [{"replica": i, "healthy": w["is_healthy"] is True} for i, w in enumerate(workers)]
     except (httpx.HTTPError, ValueError, KeyError, TypeError):
         return None
 

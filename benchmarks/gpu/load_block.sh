@@ -1,0 +1,63 @@
+#!/usr/bin/env bash
+# The load block on one GPU (random weights of a model's shape: only vLLM 0.26.0's site travels):
+# the GPU tests of background loads and of fp8 at rest, then throughput under load for every store
+# and read mode side by side, the adaptive default at 1/10/30/100 users, fp8 at rest, lone-request
+# TTFT, and the 1,000-user tier run.
+#   RUN=/tmp/run STEPS="tests stores default fp8 ttft users1000" bash benchmarks/gpu/load_block.sh
+# Needs /tmp/parts/vllm-0.26.0-site.tar.zst.NN and .gpu/zstd. Each step writes under $RUN.
+#   tests     pytest: background writer and loads (CUDA graphs), the fused write (fp8 decode), fp8 at rest
+#   stores    vllm_serve_load.py at 100 users, B = 0, 3 interleaved repeats of 20 s: hbm, pinned read
+#             before the forward pass (async_loads never), pinned loaded beside the batch (always)
+#   default   the adaptive tail at 1/10/30/100 users, 3 repeats, on the store STORE (pinned) and ASYNC
+#   fp8       pinned, beside the batch, K/V at rest in fp8 (100 users, 3 repeats)
+#   ttft      ttft.py, lone requests at k = 10/50: hbm, pinned:sync, pinned:async
+#   users1000 benchmarks/tier_users.py (its docstring's GPU command)
+set -uo pipefail
+RUN=${RUN:-/tmp/run}
+STEPS=${STEPS:-tests stores default fp8 ttft users1000}
+STORE=${STORE:-pinned} ASYNC=${ASYNC:-always} SECONDS_ROW=${SECONDS_ROW:-20} REPEATS=${REPEATS:-3}
+# the stores step: which store:async_loads pairs, at which budgets (a short block: SPECS="pinned:always
+# hbm:never" STORE_BUDGETS=0,adaptive)
+SPECS=${SPECS:-hbm:never pinned:never pinned:always} STORE_BUDGETS=${STORE_BUDGETS:-0}
+source benchmarks/gpu_block.sh
+NOW=/tmp/site:$PWD
+load=(python3 benchmarks/vllm_serve_load.py --shape qwen2.5-7b --cuda-graphs --gpu-memory-utilization 0.5
+      --seconds "$SECONDS_ROW")
+quiet() { grep --line-buffered -v " INFO \| DEBUG "; }
+
+if has tests; then
+  stamp "GPU tests: background loads, fused write, fp8 at rest"
+  PYTHONPATH=$NOW:$PWD/tests INFERSCALE_TEST_CUDA_GRAPHS=1 timeout "${TESTS_TIMEOUT:-900}" python3 -m pytest -q \
+    -p no:cacheprovider ${TESTS:-tests/test_background_writer.py tests/test_background_loads.py tests/test_fused_write.py \
+    tests/test_kv_at_rest.py} 2>&1 | tail -15 | tee "$RUN/gpu_tests.log"
+fi
+if has stores; then
+  for spec in $SPECS; do
+    store=${spec%%:*} mode=${spec##*:}
+    stamp "load: $store, async_loads $mode, 100 users, B = $STORE_BUDGETS, $REPEATS repeats"
+    PYTHONPATH=$NOW timeout 900 "${load[@]}" --users 100 --budgets "$STORE_BUDGETS" --repeats "$REPEATS" --kv-store "$store" \
+      --async-loads "$mode" --out "$RUN/load_${store}_${mode}" 2>&1 | quiet | tail -12
+    rm -rf /tmp/vllm_serve_load_* 2>/dev/null
+  done
+fi
+if has default; then
+  stamp "load: the adaptive default ($STORE, async_loads $ASYNC) at 1/10/30/100 users, 3 repeats"
+  PYTHONPATH=$NOW timeout 1200 "${load[@]}" --users 1,10,30,100 --budgets adaptive --repeats 3 --kv-store "$STORE" \
+    --async-loads "$ASYNC" --out "$RUN/load_default" 2>&1 | quiet | tail -16
+fi
+if has fp8; then
+  stamp "load: fp8 at rest ($STORE, async_loads $ASYNC), 100 users, B = 0, 3 repeats"
+  PYTHONPATH=$NOW timeout 900 "${load[@]}" --users 100 --budgets 0 --repeats 3 --kv-store "$STORE" \
+    --async-loads "$ASYNC" --kv-dtype-at-rest fp8_e4m3 --out "$RUN/load_fp8" 2>&1 | quiet | tail -12
+fi
+if has ttft; then
+  stamp "TTFT, lone requests, k = 10/50: hbm, pinned:sync, pinned:async"
+  PYTHONPATH=$NOW timeout 900 python3 benchmarks/ttft.py --cuda-graphs --shape llama-3.1-8b --ks 10,50 --reps 20 \
+    --kv-stores hbm,pinned:sync,pinned:async --out "$RUN/ttft_stores.json" 2>&1 | quiet | tail -16
+fi
+if has users1000 && [[ -f benchmarks/tier_users.py ]]; then
+  stamp "the 1,000-user tier run"
+  PYTHONPATH=$NOW timeout 1200 python3 benchmarks/tier_users.py --gpu --out "$RUN/tier_users" 2>&1 | quiet | tail -20
+fi
+stamp done
+touch "$RUN/done"
