@@ -44,6 +44,7 @@ import asyncio
 import json
 import os
 import random
+import shutil
 import statistics
 import subprocess
 import sys
@@ -568,6 +569,7 @@ def main(argv: list[str] | None = None) -> int:
         check, runs = asyncio.run(run(url, requests, args, systems, levels))
     finally:
         serve_start.stop(proc, dump=False)
+        shutil.rmtree(work, ignore_errors=True)  # the users' K/V: tens of GB at 100 users
     device = device_name()
     mode = "CUDA graphs" if args.cuda_graphs else "eager"
     from vllm import __version__ as vllm_version
