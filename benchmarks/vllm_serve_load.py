@@ -44,6 +44,7 @@ import asyncio
 import json
 import os
 import random
+import shutil
 import statistics
 import subprocess
 import sys
@@ -67,34 +68,50 @@ def kv_bytes_per_token(cfg: dict) -> int:
 
 
 def write_users(data: Path, cfg: dict, users: int, facts: int, fact_tokens: int, prefix_tokens: int,
-                seed: int = 0) -> tuple[list[int], dict[str, dict[str, tuple[int, ...]]]]:
-    """The system prefix and ``facts`` facts for each of ``users`` users; their token ids."""
-    import torch
+                seed: int = 0, at_rest: str = "model") -> tuple[list[int], dict[str, dict[str, tuple[int, ...]]]]:
+    """The system prefix and ``facts`` facts for each of ``users`` users, kept in ``at_rest`` (the
+    model's dtype or fp8, ``Config.kv_dtype_at_rest``); their token ids."""
+    from dataclasses import replace
+
     from tqdm import tqdm
 
     from inferscale.compose.segment import PREFIX_FACT, SYSTEM_USER
-    from inferscale.kv import FactKV
+    from inferscale.kv_fp8 import all_at_rest
     from inferscale.storage.disk import DiskStore
 
-    layers, heads, head_dim = kv_shape(cfg)
-    gen = torch.Generator().manual_seed(seed)
-    kv = torch.randn((2, layers, facts * fact_tokens, heads, head_dim), generator=gen).to(torch.bfloat16)
     rng = random.Random(seed)
     disk = DiskStore(DiskStore.Options(root=str(data / "kv")))
     prefix = [rng.randrange(1000, 100000) for _ in range(prefix_tokens)]
-    pkv = kv[:, :, :prefix_tokens]
-    disk.put(SYSTEM_USER, {PREFIX_FACT: FactKV(prefix, pkv[0].clone(), pkv[1].clone())})
+    head, *shared = random_facts(cfg, [prefix_tokens] + [fact_tokens] * facts, at_rest, seed)
+    disk.put(SYSTEM_USER, {PREFIX_FACT: replace(head, token_ids=prefix)})
     tokens: dict[str, dict[str, tuple[int, ...]]] = {}
     for u in tqdm(range(users), desc="writing users' memory", unit="user"):
         user = f"user{u}"
-        mine = {}
-        for f in range(facts):
-            rows = slice(f * fact_tokens, (f + 1) * fact_tokens)
-            mine[f"f{f}"] = FactKV([rng.randrange(1000, 100000) for _ in range(fact_tokens)], kv[0][:, rows],
-                                   kv[1][:, rows])
+        mine = {f"f{f}": replace(kv, token_ids=[rng.randrange(1000, 100000) for _ in range(fact_tokens)])
+                for f, kv in enumerate(shared)}
         disk.put(user, mine)
         tokens[user] = {fid: tuple(fact.token_ids) for fid, fact in mine.items()}
     return prefix, tokens
+
+
+def random_facts(cfg: dict, lengths: list[int], at_rest: str = "model", seed: int = 0) -> list:
+    """Facts of random pre-RoPE K/V of the model shape, of ``lengths`` tokens each (placeholder
+    token ids), in ``at_rest``: every user gets these K/V under ids of its own (the bytes do not
+    change the timings; converted to fp8 once, not per user)."""
+    import torch
+
+    from inferscale.kv import FactKV
+    from inferscale.kv_fp8 import at_rest as kept_as
+
+    layers, heads, head_dim = kv_shape(cfg)
+    gen = torch.Generator().manual_seed(seed)
+    kv = torch.randn((2, layers, sum(lengths), heads, head_dim), generator=gen).to(torch.bfloat16)
+    facts, start = [], 0
+    for length in lengths:
+        rows = slice(start, start + length)
+        facts.append(kept_as(FactKV(range(length), kv[0][:, rows].clone(), kv[1][:, rows].clone()), at_rest))
+        start += length
+    return facts
 
 
 class Requests:
@@ -111,6 +128,10 @@ class Requests:
         disk = DiskStore(DiskStore.Options(root=str(config.kv_path)))
         self.epochs = {user: disk.epoch(user) for user in tokens}
         self.rng = random.Random(seed)
+
+    def user_for(self, slot: str) -> str:
+        """The user a closed loop's ``slot`` asks for next: always its own here (a subclass may draw one)."""
+        return slot
 
     def body(self, system: str, user: str) -> dict:
         from inferscale.compose.request import make_params
@@ -170,10 +191,11 @@ async def one(client, requests: Requests, system: str, user: str, stream: bool =
             if reply.choices and reply.choices[0].finish_reason not in ("length", "stop"):
                 raise RuntimeError(f"finish_reason {reply.choices[0].finish_reason!r}")
     except Exception as exc:  # noqa: BLE001 — a failed request is a result, not a crash of the benchmark
-        return {"ok": False, "error": f"{type(exc).__name__}: {exc}"[:300], "t0": start, "t1": time.perf_counter()}
+        return {"ok": False, "error": f"{type(exc).__name__}: {exc}"[:300], "t0": start, "t1": time.perf_counter(),
+                "user": user}
     end = time.perf_counter()
     return {"ok": True, "t0": start, "t1": end, "ttft": first - start if first else None, "latency": end - start,
-            "chunks": chunks, "report": report}
+            "chunks": chunks, "report": report, "user": user}
 
 
 async def closed_loop(client, requests: Requests, system: str, users: list[str], seconds: float,
@@ -182,9 +204,9 @@ async def closed_loop(client, requests: Requests, system: str, users: list[str],
     deadline = time.perf_counter() + seconds
     done: list[dict] = []
 
-    async def user_loop(user: str) -> None:
+    async def user_loop(slot: str) -> None:
         while time.perf_counter() < deadline:
-            done.append(await one(client, requests, system, user, stream))
+            done.append(await one(client, requests, system, requests.user_for(slot), stream))
 
     await asyncio.gather(*(user_loop(u) for u in users))
     return done
@@ -432,6 +454,47 @@ def plot(result: dict, path: Path) -> None:
     fig.savefig(path, dpi=120)
 
 
+def add_engine_options(parser: argparse.ArgumentParser) -> None:
+    """The engine's switches (the ``Config`` and `vllm serve` options a load run sets), which
+    :func:`start_server` and :func:`tuning_of` read."""
+    parser.add_argument("--tail-max-step-tokens", type=int, default=None,
+                        help="Config.tuning.tail_max_step_tokens for kv@adaptive (default: Tuning's)")
+    parser.add_argument("--tail-max-waiting", type=int, default=None,
+                        help="Config.tuning.tail_max_waiting for kv@adaptive (default: Tuning's)")
+    parser.add_argument("--kv-dtype-at-rest", default="model", choices=["model", "fp8_e4m3"],
+                        help="Config.kv_dtype_at_rest: the memory tier holds (and the bus carries) fp8 K/V")
+    parser.add_argument("--pinned-reads", choices=["copy", "overlap"],
+                        help="Config.tuning.pinned_reads (default: Tuning's)")
+    parser.add_argument("--async-loads", choices=["auto", "always", "never"],
+                        help="Config.tuning.async_loads: memory loaded beside the batch or before the forward "
+                             "pass (default: Tuning's)")
+    parser.add_argument("--cuda-graphs", action="store_true")
+    parser.add_argument("--layerwise-write", action="store_true",
+                        help="Config.tuning.fused_write = false (default: the fused write)")
+    parser.add_argument("--fused-write", action="store_true", help="Config.tuning.fused_write = true (the default)")
+    parser.add_argument("--max-model-len", type=int, default=4096)
+    parser.add_argument("--gpu-memory-utilization", type=float, default=None)
+    parser.add_argument("--start-timeout", type=float, default=600)
+
+
+def tuning_of(args):
+    """``Config.tuning`` from :func:`add_engine_options`' switches (Tuning's defaults where none was given)."""
+    from inferscale.config import Tuning
+
+    given = {name: getattr(args, name) for name in ("tail_max_step_tokens", "tail_max_waiting", "pinned_reads",
+                                                    "async_loads") if getattr(args, name) is not None}
+    return Tuning(fused_write=not args.layerwise_write, **given)
+
+
+def device_name() -> str:
+    try:
+        import torch
+
+        return torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+    except Exception:  # noqa: BLE001
+        return "unknown"
+
+
 def parse_default(spec: str | None, systems: list[str], parser) -> tuple[str, str] | None:
     """``METHOD=SYSTEM`` → (method, system); SYSTEM must be one of the systems run."""
     if not spec:
@@ -457,10 +520,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=1,
                         help="rounds per number of users, each running every system once (prompt, kv@..., none); "
                              "each row reports the median over them with the spread")
-    parser.add_argument("--tail-max-step-tokens", type=int, default=None,
-                        help="Config.tuning.tail_max_step_tokens for kv@adaptive (default: Tuning's)")
-    parser.add_argument("--tail-max-waiting", type=int, default=None,
-                        help="Config.tuning.tail_max_waiting for kv@adaptive (default: Tuning's)")
     parser.add_argument("--max-tokens", type=int, default=32, help="output tokens per request")
     parser.add_argument("--seconds", type=float, default=15.0, help="closed loop per row")
     parser.add_argument("--stream", action="store_true", help="stream answers (the client also times the first "
@@ -469,20 +528,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--clients", type=int, default=max(1, min(4, (os.cpu_count() or 2) // 4)),
                         help="client processes, the users spread over them (default: a quarter of the cores, 1-4)")
     parser.add_argument("--kv-store", default="hbm", choices=["hbm", "pinned"])
-    parser.add_argument("--kv-dtype-at-rest", default="model", choices=["model", "fp8_e4m3"],
-                        help="Config.kv_dtype_at_rest: the memory tier holds (and the bus carries) fp8 K/V")
-    parser.add_argument("--pinned-reads", choices=["copy", "overlap"],
-                        help="Config.tuning.pinned_reads (default: Tuning's)")
-    parser.add_argument("--async-loads", choices=["auto", "always", "never"],
-                        help="Config.tuning.async_loads: memory loaded beside the batch or before the forward "
-                             "pass (default: Tuning's)")
-    parser.add_argument("--cuda-graphs", action="store_true")
-    parser.add_argument("--layerwise-write", action="store_true",
-                        help="Config.tuning.fused_write = false (default: the fused write)")
-    parser.add_argument("--fused-write", action="store_true", help="Config.tuning.fused_write = true (the default)")
-    parser.add_argument("--max-model-len", type=int, default=4096)
-    parser.add_argument("--gpu-memory-utilization", type=float, default=None)
-    parser.add_argument("--start-timeout", type=float, default=600)
+    add_engine_options(parser)
     parser.add_argument("--default", default=None, metavar="METHOD=SYSTEM",
                         help="name the product's default: the accuracy method (as benchmarks/locomo_accuracy.py "
                              "names it) that SYSTEM (e.g. kv@0) serves; its rows and the JSON carry the name")
@@ -498,7 +544,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--repeats must be at least 1")
     default = parse_default(args.default, systems, parser)
 
-    from inferscale.config import BackendSpec, Config, Tuning
+    from inferscale.config import BackendSpec, Config
 
     work = Path(tempfile.mkdtemp(prefix="inferscale-load-"))
     cfg = SHAPES[args.shape]
@@ -511,14 +557,9 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{max(levels)} users × {args.facts} facts: {memory_bytes / 2**30:.1f} GiB of K/V written in "
           f"{time.monotonic() - began:.0f} s", flush=True)
     store = BackendSpec(args.kv_store, {"max_bytes": int(memory_bytes * 1.25) + (1 << 30)})
-    thresholds = {k: v for k, v in (("tail_max_step_tokens", args.tail_max_step_tokens),
-                                     ("tail_max_waiting", args.tail_max_waiting)) if v is not None}
     # every kv@B request carries its own budget; kv@adaptive's carry none: the connector's default
     config = Config(model=str(model), data_dir=str(work), kv_store=store, recompute_tokens="adaptive",
-                    kv_dtype_at_rest=args.kv_dtype_at_rest,
-                    tuning=Tuning(fused_write=not args.layerwise_write, **thresholds,
-                                  **({"pinned_reads": args.pinned_reads} if args.pinned_reads else {}),
-                                  **({"async_loads": args.async_loads} if args.async_loads else {})))
+                    kv_dtype_at_rest=args.kv_dtype_at_rest, tuning=tuning_of(args))
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     log = out.parent / f"{out.name}_server.log"
@@ -528,12 +569,8 @@ def main(argv: list[str] | None = None) -> int:
         check, runs = asyncio.run(run(url, requests, args, systems, levels))
     finally:
         serve_start.stop(proc, dump=False)
-    try:
-        import torch
-
-        device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
-    except Exception:  # noqa: BLE001
-        device = "unknown"
+        shutil.rmtree(work, ignore_errors=True)  # the users' K/V: tens of GB at 100 users
+    device = device_name()
     mode = "CUDA graphs" if args.cuda_graphs else "eager"
     from vllm import __version__ as vllm_version
 

@@ -137,6 +137,18 @@ def test_a_background_load_is_reported_once_and_its_failure_with_it(tiers):
     assert (writer.finished(), writer.take_load_errors(), writer.loading) == (set(), set(), set())
 
 
+def test_a_load_that_waited_for_its_users_read_counts_as_the_store_of_records(tiers):
+    """By the time it is issued the memory tier holds the user, but its K/V came from the store of
+    record: the hit and the bytes are the disk's; a load of the user held is the memory tier's."""
+    writer, _ = writers_for(tiers)
+    start(writer, [spec_for(tiers.record, "ann", "cold")], RecordingCache())
+    start(writer, [spec_for(tiers.record, "ann", "warm")], RecordingCache())
+    counts = writer.stats.snapshot()
+    assert (counts["store_hit.disk"], counts["store_hit.pinned"]) == (1, 1)
+    assert counts["store_bytes.disk"] == tiers.record.nbytes("ann") and counts["store_bytes.pinned"] > 0
+    assert writer.finished() == {"cold", "warm"} and writer.take_load_errors() == set()
+
+
 class SlowDisk(DiskStore):
     """The store of record, whose reads of a user's K/V wait until the test lets them go (a slow disk)."""
 

@@ -80,6 +80,30 @@ def test_each_layer_is_written_through_the_backend_op(tiers):
     assert writer.take_load_errors() == set()
 
 
+def test_each_load_counts_the_tier_that_served_it_and_the_bytes_it_read_there(tiers):
+    """The first load reads the whole user from the store of record, the next the written tokens from
+    the memory tier; once the user is written again (another process), the memory tier's copy is
+    another version and the load is the store of record's again."""
+    writer, stats = writer_for(tiers)
+    token_bytes = LAYERS * 2 * 2 * SIZE * 4  # K and V, 2 heads, float32
+
+    def counted(spec: LoadSpec) -> dict:
+        writer.write_step([spec], RecordingCache())
+        counts = stats.take()
+        counts.pop("host_seconds.load")
+        return counts
+
+    first = spec_for(tiers.record, "ann")
+    assert counted(first) == {"store_hit.disk": 1, "store_bytes.disk": tiers.record.nbytes("ann")}
+    assert counted(spec_for(tiers.record, "ann", "again")) == {"store_hit.pinned": 1,
+                                                              "store_bytes.pinned": first.end * token_bytes}
+    tiers.record.put("ann", {"f9": make_fact(4, layers=LAYERS, size=SIZE, seed=9)})
+    grown = tiers.record.nbytes("ann")
+    assert grown > tiers.memory.nbytes("ann")  # (the memory tier still holds the version before)
+    assert counted(spec_for(tiers.record, "ann", "written")) == {"store_hit.disk": 1, "store_bytes.disk": grown}
+    assert writer.take_load_errors() == set()
+
+
 def test_a_failed_load_reports_its_blocks_and_the_others_are_written(tiers):
     writer, _ = writer_for(tiers)
     good = spec_for(tiers.record, "ann")
@@ -149,7 +173,9 @@ def check_fused_step(tmp_path: str) -> None:
     assert writer.take_load_errors() == set()
     counted = stats.snapshot()
     assert counted.pop("host_seconds.load") > 0  # the step's loads were timed
-    assert counted == {"store_hit.disk": 1, "store_hit.pinned": 1}  # the first loaded the user into the memory tier
+    # the first loaded the whole user into the memory tier, the second read its tokens there
+    assert counted == {"store_hit.disk": 1, "store_hit.pinned": 1, "store_bytes.disk": disk.nbytes("ann"),
+                       "store_bytes.pinned": (length - 3) * LAYERS * 2 * 2 * SIZE * 4}
     for spec in (first, second):
         expected = writer.loader.load(spec, LAYERS, SIZE)
         for layer, (_, key, value) in enumerate(cache.layers):

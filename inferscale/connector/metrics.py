@@ -11,6 +11,9 @@ and there hands it to the metrics the connector class registered
   (:data:`~inferscale.inject.report.CLIENT_CODES`: ``invalid_params``, ``refused``,
   ``load_error``); the precise reason goes to the server log only
 - ``vllm:inferscale_store_hits_total{tier}`` (where a load found the user's K/V)
+- ``vllm:inferscale_store_bytes_total{tier}`` (the bytes of K/V those loads read there: from a
+  memory tier the tokens the load wrote, of tensor-parallel rank 0's heads; from the store of
+  record the whole user, read into the memory tier)
 - ``vllm:inferscale_host_seconds_total{step}`` (host time on the request path: ``plan`` on the
   scheduler, ``load`` and ``wait`` on the worker; divided by ``plan_calls`` or
   ``injected_requests``, the mean per call or per request)
@@ -30,6 +33,7 @@ from typing import Any
 from inferscale.connector import compat
 from inferscale.inject.stats import (
     BUDGET_PREFIX,
+    BYTES_PREFIX,
     FALLBACK_PREFIX,
     HIT_PREFIX,
     HOST_PREFIX,
@@ -78,6 +82,8 @@ class InferScalePromMetrics(compat.KVConnectorPromMetrics):
         self.fallbacks = self._counter("fallbacks", "Requests whose memory was prefilled normally, by the coarse "
                                        "code their report carries.", "reason")
         self.hits = self._counter("store_hits", "Loads of a user's K/V, by the store tier that held it.", "tier")
+        self.bytes = self._counter("store_bytes", "Bytes of K/V the loads read, by the store tier that held them.",
+                                   "tier")
         self.host = self._counter("host_seconds", "Host time the connector spent on the request path, by step.",
                                   "step")
         self.plans = self._counter("plan_calls", "Times the scheduler matched a request against its memory.")
@@ -99,6 +105,8 @@ class InferScalePromMetrics(compat.KVConnectorPromMetrics):
                 self.fallbacks(engine_idx, key.removeprefix(FALLBACK_PREFIX)).inc(value)
             elif key.startswith(HIT_PREFIX):
                 self.hits(engine_idx, key.removeprefix(HIT_PREFIX)).inc(value)
+            elif key.startswith(BYTES_PREFIX):
+                self.bytes(engine_idx, key.removeprefix(BYTES_PREFIX)).inc(value)
             elif key.startswith(HOST_PREFIX):
                 self.host(engine_idx, key.removeprefix(HOST_PREFIX)).inc(value)
             elif key == PLAN_CALLS:

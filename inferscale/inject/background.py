@@ -131,6 +131,7 @@ class BackgroundWriter(KVWriter):
         super().__init__(copying(config), *args, **kwargs)
         self.fills = UserFills(self.tiers)
         self._waiting: list[tuple[LoadSpec, list[concurrent.futures.Future]]] = []  # for their users' reads
+        self._read_first: set[str] = set()  # requests whose loads waited for a read of the store of record
         self._in_flight: list[InFlight] = []
         self._arrived_errors: set[int] = set()
 
@@ -158,7 +159,11 @@ class BackgroundWriter(KVWriter):
         a later :meth:`finished`. Called every step, with or without loads of its own."""
         if self.loader is None:
             raise RuntimeError("KV caches were never registered with the connector")
-        self._waiting += [(spec, self.fills.reads(spec)) for spec in loads]
+        for spec in loads:
+            reads = self.fills.reads(spec)
+            self._waiting.append((spec, reads))
+            if reads:
+                self._read_first.add(spec.req_id)
         done = [all(read.done() for read in reads) for _, reads in self._waiting]
         ready = [spec for (spec, _), ok in zip(self._waiting, done) if ok]
         self._waiting = [waiting for waiting, ok in zip(self._waiting, done) if not ok]
@@ -175,6 +180,7 @@ class BackgroundWriter(KVWriter):
                 self._write(cache, self._prepare(loads))
         done, keep = self.layer_loads.issued()
         self._in_flight.append(InFlight(_ids(loads), KVWriter.take_load_errors(self), done, keep))
+        self._read_first.difference_update(_ids(loads))
         self._host_time("load", time.perf_counter() - began)
 
     def drop(self, finished_req_ids: set[str]) -> None:
@@ -184,6 +190,7 @@ class BackgroundWriter(KVWriter):
         dropped = [spec for spec, _ in self._waiting if spec.req_id in finished_req_ids]
         if dropped:
             self._waiting = [waiting for waiting in self._waiting if waiting[0].req_id not in finished_req_ids]
+            self._read_first.difference_update(_ids(dropped))
             self._in_flight.append(InFlight(_ids(dropped), set(), None, []))
 
     def refuse(self, loads: Sequence[LoadSpec]) -> None:
@@ -219,6 +226,11 @@ class BackgroundWriter(KVWriter):
         for load in self._in_flight:
             if load.done is not None:
                 load.done.synchronize()
+
+    def _tier(self, spec: LoadSpec) -> str:
+        """A load that waited for its user's read counts as the store of record's (the memory
+        tier holds the user by the time it is issued)."""
+        return self.tiers.record.name if spec.req_id in self._read_first else super()._tier(spec)
 
     def _launch_fused(self, sources: Sources, cos: torch.Tensor, sin: torch.Tensor):
         """The fused write, queued after the copies and after the forward stream's earlier work."""

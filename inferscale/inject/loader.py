@@ -115,10 +115,14 @@ class SegmentLoader:
         and enough bytes for it, :func:`reads_in_place`), else copies them to the device first."""
         if not self.host_in_place:
             return False
-        # the bytes that cross the bus: one per element kept in fp8
+        return reads_in_place(sum(spec.end - spec.start for spec in specs), self.token_bytes(num_layers, head_size),
+                              self.in_place_from)
+
+    def token_bytes(self, num_layers: int, head_size: int) -> int:
+        """The bytes of one token's K/V that a load reads from the memory tier for this rank's heads:
+        one per element kept in fp8, the cache dtype's size otherwise."""
         itemsize = 1 if getattr(self.store, "kv_dtype_at_rest", MODEL) == FP8_E4M3 else self.dtype.itemsize
-        token_bytes = num_layers * 2 * (self.heads.stop - self.heads.start) * head_size * itemsize
-        return reads_in_place(sum(spec.end - spec.start for spec in specs), token_bytes, self.in_place_from)
+        return num_layers * 2 * (self.heads.stop - self.heads.start) * head_size * itemsize
 
     def sources(self, spec: LoadSpec, num_layers: int, head_size: int, in_place: bool | None = None) -> Sources:
         """Where the spec's tokens lie in the store, their positions and key scales (for the

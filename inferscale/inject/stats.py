@@ -1,4 +1,4 @@
-"""What the connector counts: injections, fallbacks by reason, store hits by tier.
+"""What the connector counts: injections, fallbacks by reason, store hits and bytes by tier.
 
 Plain counters, vLLM-free. Each side of the connector keeps its own
 :class:`ConnectorStats` and hands vLLM what it counted since the last call
@@ -6,7 +6,7 @@ Plain counters, vLLM-free. Each side of the connector keeps its own
 counts and shows them on ``/metrics`` (:mod:`inferscale.connector.metrics`).
 The scheduler side counts requests (injected, or fallen back and why); the
 worker side of tensor-parallel rank 0 counts where each load found the user's
-K/V (the memory tier, or the disk).
+K/V (the memory tier, or the disk) and the bytes it read there (rank 0's heads).
 """
 
 from __future__ import annotations
@@ -21,6 +21,8 @@ INJECTED_REQUESTS = "injected_requests"
 INJECTED_TOKENS = "injected_tokens"
 FALLBACK_PREFIX = "fallback."
 HIT_PREFIX = "store_hit."
+#: bytes of K/V the loads read, by the tier that served them: "store_bytes.<tier>"
+BYTES_PREFIX = "store_bytes."
 #: seconds of host time the connector spent, by step: "plan" (scheduler: matching a request with
 #: memory), "load" (worker: queueing a step's loads), "wait" (worker: the forward stream's waits)
 HOST_PREFIX = "host_seconds."
@@ -30,8 +32,8 @@ BUDGET_PREFIX = "recompute_budget."
 
 
 class ConnectorStats:
-    """Thread-safe counters: injected requests/tokens, fallbacks by reason, store hits by tier,
-    host seconds by step."""
+    """Thread-safe counters: injected requests/tokens, fallbacks by reason, store hits and bytes
+    by tier, host seconds by step."""
 
     def __init__(self):
         self._lock = threading.Lock()
@@ -46,9 +48,10 @@ class ConnectorStats:
         fact exists (the reason goes to the server log)."""
         self._add({FALLBACK_PREFIX + client_code(reason): 1})
 
-    def record_hit(self, tier: str) -> None:
-        """A load found the user's K/V in ``tier`` (a store name: "pinned", "hbm", "disk")."""
-        self._add({HIT_PREFIX + tier: 1})
+    def record_hit(self, tier: str, nbytes: int = 0) -> None:
+        """A load found the user's K/V in ``tier`` (a store name: "pinned", "hbm", "disk") and read
+        ``nbytes`` of K/V there."""
+        self._add({HIT_PREFIX + tier: 1, BYTES_PREFIX + tier: nbytes})
 
     def record_host_time(self, step: str, seconds: float) -> None:
         """``seconds`` of host time in ``step``."""

@@ -178,8 +178,8 @@ class KVWriter:
                 continue
             if not sources.in_host_memory:
                 keep.append(sources)  # its table and the blocks it points into
-            for _, _, tier in group:
-                self._count_hit(tier)
+            for spec, _, tier in group:
+                self._count_hit(spec, tier)
         if keep:
             self.layer_loads.all_queued(keep, done)
 
@@ -223,7 +223,7 @@ class KVWriter:
         """The spec's K/V, rotated, this rank's heads, in the cache dtype."""
         tier = self._tier(spec)
         segment = self.loader.load(spec, self.num_layers, self.head_size)
-        self._count_hit(tier)
+        self._count_hit(spec, tier)
         return segment
 
     def _write(self, cache: PagedCache, ready: list[tuple[LoadSpec, Segment, torch.Tensor]]) -> None:
@@ -243,12 +243,25 @@ class KVWriter:
     # ---------------- bookkeeping ----------------
 
     def _tier(self, spec: LoadSpec) -> str:
-        """Where the request's memory is found: the memory tier, or the disk behind it."""
-        return self.tiers.memory.name if self.tiers.memory.has_user(spec.user_id) else self.tiers.record.name
+        """Where the request's memory is found: the memory tier when it holds the version the request
+        was scheduled with, else the store of record behind it (which fills the memory tier first)."""
+        memory = self.tiers.memory
+        held = memory.epoch(spec.user_id) == spec.epochs[1] if memory.volatile else memory.has_user(spec.user_id)
+        return memory.name if held else self.tiers.record.name
 
-    def _count_hit(self, tier: str) -> None:
+    def _count_hit(self, spec: LoadSpec, tier: str) -> None:
         if self.counts:
-            self.stats.record_hit(tier)
+            self.stats.record_hit(tier, self._bytes_read(spec, tier))
+
+    def _bytes_read(self, spec: LoadSpec, tier: str) -> int:
+        """What a load read from ``tier``: the whole user from the store of record (the memory tier
+        is filled a user at a time), the tokens it wrote (this rank's heads) from the memory tier."""
+        if tier != self.tiers.record.name:
+            return (spec.end - spec.start) * self.loader.token_bytes(self.num_layers, self.head_size)
+        try:
+            return self.tiers.record.nbytes(spec.user_id)
+        except Exception:  # noqa: BLE001 — a count is not worth a failed step
+            return 0
 
     def _host_time(self, step: str, seconds: float) -> None:
         if self.counts:
