@@ -187,7 +187,7 @@ class Writer:
 
 def user_dir(kv_root: Path, user: str) -> Path:
     from inferscale.facts import user_file_stem
-    from inferscale.storage.disk import USERS_DIR
+    from inferscale.storage.disk.store import USERS_DIR
 
     return kv_root / USERS_DIR / user_file_stem(user)
 
