@@ -22,7 +22,7 @@ SPECS=${SPECS:-hbm:never pinned:never pinned:always} STORE_BUDGETS=${STORE_BUDGE
 source benchmarks/gpu/setup.sh
 NOW=/tmp/site:$PWD
 load=(python3 benchmarks/vllm_serve_load.py --shape qwen2.5-7b --cuda-graphs --gpu-memory-utilization 0.5
-      --seconds "$SECONDS_ROW")
+      --seconds "$SECONDS_ROW" ${LOAD_ARGS:-})  # LOAD_ARGS: more vllm_serve_load.py options, e.g. "--facts 60"
 quiet() { grep --line-buffered -v " INFO \| DEBUG "; }
 
 if has tests; then
