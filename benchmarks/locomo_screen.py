@@ -105,10 +105,18 @@ class Memory:
             from inferscale.encode.calibration import KVCalibration
 
             cal = KVCalibration.load(method.calibration)
-            return {j: cal.apply(kv, self.encoder.key_bias) for j, kv in kvs.items()}
-        if method.content_scale != 1.0:
-            return {j: harness.content_scaled(kv, self.encoder.key_bias, method.content_scale) for j, kv in kvs.items()}
-        return kvs
+            kvs = {j: cal.apply(kv, self.encoder.key_bias) for j, kv in kvs.items()}
+        elif method.content_scale != 1.0:
+            kvs = {j: harness.content_scaled(kv, self.encoder.key_bias, method.content_scale) for j, kv in kvs.items()}
+        return at_rest(kvs, method.at_rest)
+
+
+def at_rest(kvs: dict, form: str) -> dict:
+    """The facts as a store keeping them in ``form`` (``Config.kv_dtype_at_rest``) gives them back."""
+    from inferscale.kv_fp8 import FP8_E4M3, check_at_rest, fp8_round_trip
+
+    check_at_rest(form)
+    return {j: fp8_round_trip(kv) for j, kv in kvs.items()} if form == FP8_E4M3 else kvs
 
 
 def derivable(keys: list[tuple]) -> dict[tuple, tuple]:

@@ -24,27 +24,40 @@ def test_the_screen_tells_injected_facts_from_recomputed_ones(tmp_path):
     model = tiny_models.tiny_model_dir("qwen2", "float32")
     injected, recomputed = "kv[window=-10,closing=answer]", "kv[window=-10,closing=answer,recompute_tokens=100000]"
     stored = "prompt[closing=answer,order=stored]"
+    fp8 = "kv[window=-10,closing=answer,at_rest=fp8_e4m3]"
     out = tmp_path / "screen.json"
     locomo_screen.main(["--model", str(model), "--data", str(DATA), "--sample", "8", "--ks", "5,10", "--cycle",
-                        "--methods", ";".join([stored, injected, recomputed]), "--reference", injected,
+                        "--methods", ";".join([stored, injected, recomputed, fp8]), "--reference", injected,
                         "--retrieval", str(ROOT / "benchmarks" / "results" / "locomo_retrieval_minilm.json"),
                         "--out", str(out)])
     result = json.loads(out.read_text())
     summary = result["summary"]
     assert result["baseline"] == "prompt[closing=answer]" and result["questions"] == 8
     rows = result["rows"]
-    assert {r["k"] for r in rows} == {5, 10} and len(rows) == 8 * 4  # each question at one k, 4 methods
+    assert {r["k"] for r in rows} == {5, 10} and len(rows) == 8 * 5  # each question at one k, 5 methods
     teacher = [r for r in rows if r["method"] == "prompt[closing=answer]"]
     assert all(r["kl"] == 0.0 for r in teacher)
     kl = {m: s["pooled"]["kl"]["mean"] for m, s in summary.items()}
     assert kl[recomputed] < 1e-4  # the prefix's K/V injected, every fact read as text: prompt injection's read
     assert kl[injected] > 100 * max(kl[recomputed], 1e-6)
     assert all(r["recomputed"] > 0 for r in rows if r["method"] == recomputed)
+    # fp8 at rest: its round trip is what is read (every question moves), by little against the injection's own KL
+    kl_of = {(r["method"], r["conv"], r["q"]): r["kl"] for r in rows}
+    moved = [abs(kl_of[(fp8, c, q)] - kl_of[(injected, c, q)]) for m, c, q in kl_of if m == injected]
+    assert min(moved) > 0 and sum(moved) / len(moved) < 0.5 * kl[injected], (moved, kl[injected])
     gap = summary[recomputed]["gap"]["kl"]["all"]
     assert gap["low"] <= gap["gap"] <= gap["high"] < 0 and gap["questions"] == 8
     nll = summary[injected]["pooled"]["nll"]
     assert nll["low"] <= nll["mean"] <= nll["high"]
     assert "KL pooled" in out.with_suffix(".md").read_text()
+
+
+def test_the_f1_harness_names_where_fp8_at_rest_is_measured():
+    import locomo
+
+    with pytest.raises(SystemExit, match="locomo_screen.py"):
+        locomo.usable([locomo.parse_method("kv[window=-10,at_rest=fp8_e4m3]")])
+    assert locomo.parse_method("kv[window=-10,at_rest=fp8_e4m3]").at_rest == "fp8_e4m3"
 
 
 def test_pooled_gaps_average_each_question_over_k_before_the_bootstrap():

@@ -34,6 +34,9 @@ class Method:
     calibration: str = ""
     # a fact wrappers file (inferscale.encode.wrappers): learned embeddings around every fact at encoding
     wrappers: str = ""
+    # how the stored K/V are kept at rest (Config.kv_dtype_at_rest): "model", or "fp8_e4m3", read back
+    # through its round trip (inferscale.kv_fp8.fp8_round_trip); screened by locomo_screen.py
+    at_rest: str = "model"
 
     @property
     def encoding(self) -> tuple[int, str, int, float]:
@@ -135,6 +138,10 @@ def usable(methods: list[Method]) -> list[Method]:
     from inferscale.encode.calibration import KVCalibration
     from inferscale.errors import ConfigError
 
+    for m in methods:
+        if m.at_rest != "model":
+            raise SystemExit(f"{m.name}: K/V at rest in {m.at_rest} are screened by locomo_screen.py (KL, NLL); "
+                             "this harness serves every method from the model's dtype")
     bad = {}
     for path in {m.calibration for m in methods if m.calibration}:
         try:
