@@ -261,15 +261,9 @@ def parse_args(argv=None):
 
 def main(argv=None) -> None:
     args = parse_args(argv)
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     from inferscale.compose.rope import RotaryEmbedding
     from inferscale.encode.encoder import FactEncoder
-    from inferscale.encode.weights import model_dir as known_model_dir
 
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    dtype = args.dtype or ("bfloat16" if device == "cuda" else "float32")
-    model_path = args.model if Path(args.model).is_dir() else str(known_model_dir(args.model, dtype))
     ks = [int(k) for k in args.ks.split(",")]
     methods = harness.select_methods(args.methods)
     baseline = harness.select_methods(args.baseline)[0]
@@ -281,8 +275,8 @@ def main(argv=None) -> None:
                                  args.embedder)
     items = harness.make_items(convs, keys, retrieved, max(ks))
     items_by_k = {k: items[n::len(ks)] for n, k in enumerate(ks)} if args.cycle else {k: items for k in ks}
-    tokenizer = AutoTokenizer.from_pretrained(model_path)
-    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=getattr(torch, dtype)).to(device).eval()
+    model, tokenizer, device, dtype = distill.frozen_model(args.model, args.dtype)
+    model_path = model.config.name_or_path
     rope = RotaryEmbedding.from_hf_config(model.config)
     prompts = harness.Prompts(tokenizer, convs)
     start = time.perf_counter()

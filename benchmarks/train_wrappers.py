@@ -293,17 +293,8 @@ def parse_args(argv=None):
 
 def main(argv=None) -> None:
     args = parse_args(argv)
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from inferscale.encode.weights import model_dir as known_model_dir
-
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    dtype = args.dtype or ("bfloat16" if device == "cuda" else "float32")
-    path = args.model if Path(args.model).is_dir() else str(known_model_dir(args.model, dtype))
-    tokenizer = AutoTokenizer.from_pretrained(path)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype)).to(device).eval()
-    for p in model.parameters():
-        p.requires_grad_(False)
+    model, tokenizer, device, dtype = distill.frozen_model(args.model, args.dtype)
+    path = model.config.name_or_path
     rng = random.Random(args.seed)
     facts = [f.strip() for f in args.facts.read_text().splitlines() if f.strip()]
     count, size = args.users + args.held_out, args.facts_per_user
@@ -336,7 +327,7 @@ def main(argv=None) -> None:
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()
-        curve.append(float(loss))
+        curve.append(float(loss.detach()))
         if (step + 1) % max(1, args.steps // 10) == 0:
             window = curve[-max(1, args.steps // 10):]
             print(f"step {step + 1:5d}  KL {sum(window) / len(window):.4f}  ({time.perf_counter() - began:.0f} s)", flush=True)

@@ -22,6 +22,19 @@ from inferscale.compose.rope import RotaryEmbedding
 from inferscale.devices import module_device
 
 
+def frozen_model(spec: str, dtype: str | None = None) -> tuple[nn.Module, object, str, str]:
+    """``(model, tokenizer, device, dtype)``: ``spec`` (an HF directory or a known model name) from
+    local files (:func:`~inferscale.encode.weights.load_causal_lm`), on the GPU if there is one, in
+    ``dtype`` (default bfloat16 on a GPU, float32 on a CPU), its weights frozen."""
+    from inferscale.encode.weights import load_causal_lm
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    dtype = dtype or ("bfloat16" if device == "cuda" else "float32")
+    model, tokenizer = load_causal_lm(spec, dtype)
+    model.requires_grad_(False)
+    return model.to(device), tokenizer, device, dtype
+
+
 def text_logprobs(model: nn.Module, ids: Sequence[int], targets: int) -> torch.Tensor:
     """Log-probabilities ``[targets, vocab]`` (float32) predicting the last ``targets`` of ``ids``,
     the whole sequence read as text from position 0."""
