@@ -12,6 +12,7 @@ import torch
 
 from inferscale.errors import ConfigError, CorruptDataError
 from inferscale.mem0.collection_files import CollectionFiles, UserMemories, forget_user_files
+from mem0_setup import mem0_module  # noqa: F401  (a fixture)
 
 ALICE = ["I adopted a grey cat named Oscar.", "My sister Ana lives in Porto.",
          "I am allergic to peanuts.", "I take Portuguese lessons on Tuesdays."]
@@ -24,20 +25,6 @@ def one_torch_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
-
-
-@pytest.fixture(scope="module")
-def mem0_module(tmp_path_factory):
-    """mem0 with telemetry off and its directory in a temp dir (both read at import), provider registered."""
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("MEM0_TELEMETRY", "False")
-        mp.setenv("MEM0_DIR", str(tmp_path_factory.mktemp("mem0")))
-        mem0 = pytest.importorskip("mem0")
-        import inferscale.mem0
-
-        inferscale.mem0.register()
-        inferscale.mem0.register()  # idempotent
-        yield mem0
 
 
 def mem0_config(data_dir, retriever="exact", **store) -> dict:
@@ -69,6 +56,9 @@ def listed(memory, user_id: str) -> dict[str, str]:
 def test_mem0_over_the_inferscale_provider_survives_a_restart(mem0_module, tmp_path, retriever):
     from inferscale.mem0.provider import InferScaleVectorStore
 
+    import inferscale.mem0
+
+    inferscale.mem0.register()  # registered by the fixture already: registering again is harmless
     memory = mem0_module.Memory.from_config(mem0_config(tmp_path, retriever))
     assert isinstance(memory.vector_store, InferScaleVectorStore)
     ids = {}
