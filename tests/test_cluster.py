@@ -7,11 +7,8 @@ fails no chat and shows no user another's facts; Redis down means plain prefill 
 
 from __future__ import annotations
 
-import importlib.util
 import itertools
-import shutil
 import signal
-import sys
 import threading
 import time
 from collections import Counter
@@ -21,16 +18,9 @@ import httpx
 import pytest
 
 import tiny_models
+from cluster_setup import LocalCluster  # skips the module without redis-server or the cluster extra
 
 pytestmark = pytest.mark.slow
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "deploy"))
-from local_cluster import LocalCluster  # noqa: E402
-
-if shutil.which("redis-server") is None or importlib.util.find_spec("redis") is None or \
-        not (Path(sys.executable).parent / "vllm-router").exists() and shutil.which("vllm-router") is None:
-    pytest.skip("needs redis-server (apt-get install -y redis-server) and pip install 'inferscale-kv[cluster]'",
-                allow_module_level=True)
 
 USERS = {f"user{i}@example.com": [f"User {i} has a pet called {name}.", f"User {i} was born in {city}."]
          for i, (name, city) in enumerate([("Miso", "Lisbon"), ("Rex", "Oslo"), ("Kiwi", "Lima"), ("Bolt", "Kyiv")])}

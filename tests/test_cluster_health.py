@@ -5,10 +5,7 @@ listing each replica, while one replica is up, and is 503 when none is."""
 
 from __future__ import annotations
 
-import importlib.util
-import shutil
 import signal
-import sys
 import time
 from pathlib import Path
 
@@ -16,16 +13,9 @@ import httpx
 import pytest
 
 import tiny_models
+from cluster_setup import LocalCluster  # skips the module without redis-server or the cluster extra
 
 pytestmark = pytest.mark.slow
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "deploy"))
-from local_cluster import LocalCluster  # noqa: E402
-
-if shutil.which("redis-server") is None or importlib.util.find_spec("redis") is None or \
-        not (Path(sys.executable).parent / "vllm-router").exists() and shutil.which("vllm-router") is None:
-    pytest.skip("needs redis-server (apt-get install -y redis-server) and pip install 'inferscale-kv[cluster]'",
-                allow_module_level=True)
 
 USER = "hana@example.com"
 
