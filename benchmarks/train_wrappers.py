@@ -11,8 +11,13 @@ The data is the model's own, never an evaluation set's: facts it wrote about peo
 together). A user holds ``--facts-per-user`` consecutive facts of the corpus in a seeded shuffled
 order (stored order: each fact is encoded behind the ``--window`` facts stored before it, as the
 product's ``facts`` window does); a sample reads ``k`` of them (``--k``, in turn) in a random
-order, one of them the fact a question the model itself writes is about. Held-out users measure
-the KL before and after.
+order, one of them the fact the sample asks about. ``--questions model``: the model writes a
+question about that fact and answers it from the facts as text (greedy); ``--questions recall``:
+a question from a fixed set of phrasings about the fact's person, and the fact's own text as the
+answer the teacher is read along (nothing generated, so samples are cheap and many). Held-out
+users measure the KL before and after (and as many training samples, the first); with
+``--eval-every`` they are measured during training too and the vectors of the lowest held-out KL
+are kept (early stopping).
 
     python benchmarks/train_wrappers.py --model qwen2.5-coder-0.5b-instruct --facts /work/data/facts05/facts.txt \\
         --trailer 4 --users 20 --steps 400 --out qwen05.wrappers.safetensors            # CPU, the 0.5B
@@ -46,6 +51,9 @@ from inferscale.encode.wrappers import FactWrappers, embedding_slots  # noqa: E4
 #: capitalized words a fact may start with that are not a name
 NOT_NAMES = {"In", "On", "At", "The", "A", "An", "After", "Before", "Since", "During", "Last", "Every", "When",
              "Her", "His", "Their", "She", "He", "They", "Each", "Most", "Once", "As", "For", "This", "That"}
+#: ``--questions recall``: what a sample asks about the fact's person (the answer: the fact itself)
+RECALL_QUESTIONS = ("What do you know about {name}?", "Tell me something about {name}.", "What did {name} do?",
+                    "What is one fact about {name}?", "What happened with {name}?", "Remind me about {name}.")
 QUESTION_PROMPT = ("Write one short question about {name} that this fact answers, naming {name}. "
                    "Reply with the question only.\nFact: {fact}")
 
@@ -249,10 +257,16 @@ def make_samples(trainer: Trainer, users: list[list[str]], stored: list[list[Sto
             read = rng.sample([j for j in range(len(texts)) if j != target], k - 1) + [target]
             rng.shuffle(read)
             plans.append((u, read, target))
-    questions = write_questions(trainer, [(person_of(users[u][t]) or "them", users[u][t]) for u, _, t in plans])
     texts = [trainer.prefix + [t for j in read for t in stored[u][j].ids] for u, read, _ in plans]
+    if args.questions == "recall":
+        questions = [rng.choice(RECALL_QUESTIONS).format(name=person_of(users[u][t]) or "them") for u, _, t in plans]
+        end = trainer.tokenizer.convert_tokens_to_ids("<|im_end|>")
+        answers = [trainer.tokenizer.encode(" " + users[u][t], add_special_tokens=False) + [end] for u, _, t in plans]
+    else:
+        questions = write_questions(trainer, [(person_of(users[u][t]) or "them", users[u][t]) for u, _, t in plans])
     queries = [trainer.fmt.query_ids(trainer.tokenizer, q) for q in questions]
-    answers = generate(trainer, [t + q for t, q in zip(texts, queries)], args.answer_tokens)
+    if args.questions != "recall":
+        answers = generate(trainer, [t + q for t, q in zip(texts, queries)], args.answer_tokens)
     samples = []
     for (u, read, _), text, query, answer in zip(plans, texts, queries, answers):
         answer = answer or [trainer.tokenizer.eos_token_id]
@@ -279,10 +293,14 @@ def parse_args(argv=None):
     p.add_argument("--facts-per-user", type=int, default=16)
     p.add_argument("--samples-per-user", type=int, default=8)
     p.add_argument("--k", type=lambda v: [int(x) for x in v.split(",")], default=[5, 10], help="facts read, in turn")
-    p.add_argument("--answer-tokens", type=int, default=16)
+    p.add_argument("--questions", choices=["model", "recall"], default="model",
+                   help="model: questions and answers the model writes; recall: templated questions, the fact as answer")
+    p.add_argument("--answer-tokens", type=int, default=16, help="the teacher's answer (--questions model)")
     p.add_argument("--teacher-top", type=int, default=256, help="the teacher's most likely tokens kept per position")
     p.add_argument("--steps", type=int, default=400)
     p.add_argument("--max-minutes", type=float, default=0, help="stop training after this long (from the start)")
+    p.add_argument("--eval-every", type=int, default=0,
+                   help="measure the held-out KL every N steps and keep the best vectors (0: keep the last)")
     p.add_argument("--lr", type=float, default=0.05, help="Adam's step, in units of the embedding's RMS")
     p.add_argument("--encode-batch", type=int, default=8, help="rows a pass (encoding, generation)")
     p.add_argument("--dtype", default=None, help="default: bfloat16 on a GPU, float32 on a CPU")
@@ -312,11 +330,13 @@ def main(argv=None) -> None:
     data_s = time.perf_counter() - began
     print(f"{sum(map(len, users))} facts of {len(users)} users encoded in {encode_s:.0f} s; {len(train)} + {len(held)} "
           f"samples by {data_s:.0f} s", flush=True)
-    before = {"train": mean_kl(trainer, train, stored, False), "held_out": mean_kl(trainer, held, stored, False)}
-    init = {"train": mean_kl(trainer, train, stored, True), "held_out": mean_kl(trainer, held, stored, True)}
+    seen = train[:max(len(held), 1)]  # the training samples the KL before and after is reported on
+    before = {"train": mean_kl(trainer, seen, stored, False), "held_out": mean_kl(trainer, held, stored, False)}
+    init = {"train": mean_kl(trainer, seen, stored, True), "held_out": mean_kl(trainer, held, stored, True)}
     print(f"KL without wrappers {before}; with the initial vectors {init}", flush=True)
     optimizer = torch.optim.Adam([trainer.vectors], lr=args.lr * trainer.scale)
-    curve, order = [], list(range(len(train)))
+    curve, order, held_curve = [], list(range(len(train))), []
+    best = (init["held_out"], 0, trainer.vectors.detach().clone())
     for step in range(args.steps):
         if args.max_minutes and time.perf_counter() - began > 60 * args.max_minutes:
             print(f"stopped at step {step}: --max-minutes {args.max_minutes:g} reached", flush=True)
@@ -331,7 +351,16 @@ def main(argv=None) -> None:
         if (step + 1) % max(1, args.steps // 10) == 0:
             window = curve[-max(1, args.steps // 10):]
             print(f"step {step + 1:5d}  KL {sum(window) / len(window):.4f}  ({time.perf_counter() - began:.0f} s)", flush=True)
-    after = {"train": mean_kl(trainer, train, stored, True), "held_out": mean_kl(trainer, held, stored, True)}
+        if args.eval_every and (step + 1) % args.eval_every == 0:
+            held_curve.append((step + 1, mean_kl(trainer, held, stored, True)))
+            print(f"step {step + 1:5d}  held-out KL {held_curve[-1][1]:.4f}", flush=True)
+            if held_curve[-1][1] < best[0]:
+                best = (held_curve[-1][1], step + 1, trainer.vectors.detach().clone())
+    if args.eval_every:
+        with torch.no_grad():
+            trainer.vectors.copy_(best[2])
+        print(f"kept the vectors of step {best[1]} (held-out KL {best[0]:.4f})", flush=True)
+    after = {"train": mean_kl(trainer, seen, stored, True), "held_out": mean_kl(trainer, held, stored, True)}
     print(f"KL after: {after} (without wrappers: {before})", flush=True)
     trainer.wrappers(Path(path).name).save(args.out)
     report = {"command": " ".join(["python", *sys.argv]), "model": Path(path).name, "device": device, "dtype": dtype,
@@ -339,7 +368,8 @@ def main(argv=None) -> None:
               "users": args.users, "held_out_users": args.held_out, "samples": len(train), "held_out_samples": len(held),
               "steps": len(curve), "lr": args.lr, "encode_s": encode_s, "data_s": data_s,
               "train_s": time.perf_counter() - began - data_s, "kl_without": before, "kl_initial": init,
-              "kl_after": after, "curve": curve}
+              "kl_after": after, "curve": curve,
+              "questions": args.questions, "held_out_curve": held_curve, "kept_step": best[1] if args.eval_every else len(curve)}
     args.out.with_suffix(".json").write_text(json.dumps(report, indent=1) + "\n")
 
 
