@@ -46,6 +46,7 @@ import json
 import math
 import os
 import random
+import shutil
 import statistics
 import sys
 import tempfile
@@ -530,6 +531,7 @@ def main() -> None:
         shutdown(llm)
         del llm
     gets = store_get_times(disk, facts, ks, args.reps)
+    shutil.rmtree(work, ignore_errors=True)  # the model's shape and the facts' K/V
     for row in rows:
         row["goal"] = goal(row, gets)
         row["prefix_cache_goal"] = prefix_cache_goal(row)
