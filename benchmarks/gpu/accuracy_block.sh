@@ -36,7 +36,7 @@ T15=$RUN/wrappers_t4_qwen15.safetensors H15=$RUN/wrappers_h2t4_qwen15.safetensor
 if has wrappers; then
   stamp "fact wrappers: 1.5B t4 and h2t4, 0.5B t4, side by side"
   train=(--users ${USERS:-120} --held-out ${HELD_OUT:-16} --facts-per-user 16 --samples-per-user ${SAMPLES:-8} --k 5,10,20 --encode-batch 32 --max-minutes ${TRAIN_MINUTES:-7}
-         --steps $TRAIN_STEPS)
+         --steps $TRAIN_STEPS ${WRAPPER_ARGS:-})  # WRAPPER_ARGS: e.g. "--questions recall --eval-every 100"
   PYTHONPATH=$NOW python3 benchmarks/train_wrappers.py --model $Q15 --facts $CORPUS "${train[@]}" \
     --trailer 4 --out $T15 > "$RUN/train_t4_qwen15.log" 2>&1 &
   PYTHONPATH=$NOW python3 benchmarks/train_wrappers.py --model $Q15 --facts $CORPUS "${train[@]}" \
