@@ -23,6 +23,8 @@ from inferscale.kv import FactKV
 from inferscale.storage.disk import DiskStore
 from inferscale.storage.pinned import PinnedHostStore
 
+from small_store import ann_store, random_fact
+
 SALTS = CacheSalts(b"s" * 32)
 
 
@@ -74,19 +76,9 @@ def test_request_values_override_the_connector_defaults():
 # ---------------------------------------------------------------- the planner
 
 
-def _fact(n: int, seed: int, layers: int = 2, heads: int = 2, dim: int = 8) -> FactKV:
-    gen = torch.Generator().manual_seed(seed)
-    ids = torch.randint(10, 1000, (n,), generator=gen).tolist()
-    kv = torch.randn((2, layers, n, heads, dim), generator=gen)
-    return FactKV(ids, kv[0], kv[1])
-
-
 @pytest.fixture
 def disk(tmp_path) -> DiskStore:
-    store = DiskStore(DiskStore.Options(root=str(tmp_path / "kv")))
-    store.put(SYSTEM_USER, {PREFIX_FACT: _fact(4, 0)})
-    store.put("ann", {"a": _fact(6, 1), "b": _fact(5, 2), "c": _fact(3, 3)})
-    return store
+    return ann_store(tmp_path / "kv")
 
 
 def _segment(disk: DiskStore, facts) -> list[int]:
@@ -131,7 +123,7 @@ def test_planner_refuses_salts_it_did_not_key(disk):
     foreign = _salt(disk, segment, salts=CacheSalts(b"t" * 32))
     assert plan_request(disk, SALTS, prompt, params, foreign, 0).fallback == "missing_cache_salt"
     stale = _salt(disk, segment)
-    disk.put("ann", {"d": _fact(2, 4)})  # any write renews the user's epoch
+    disk.put("ann", {"d": random_fact(2, 4)})  # any write renews the user's epoch
     plan = plan_request(disk, SALTS, prompt, params, stale, 0)
     assert plan.fallback == "missing_cache_salt" and plan.num_external == 0
 
@@ -276,7 +268,7 @@ def test_fused_sources_follow_a_new_instruction_prefix(disk):
     loader = _loader(disk)
     before = _spec(disk, order, 0, 10)
     loader.sources(before, num_layers=2, head_size=8)  # the memory tier holds the first prefix
-    new_prefix = _fact(4, 7)
+    new_prefix = random_fact(4, 7)
     disk.put(SYSTEM_USER, {PREFIX_FACT: new_prefix})
     after = _spec(disk, order, 0, 10)
     sources = loader.sources(after, num_layers=2, head_size=8)

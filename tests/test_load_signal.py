@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import pytest
-import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -16,8 +15,9 @@ from inferscale.errors import ConfigError
 from inferscale.inject.load_signal import EngineLoad
 from inferscale.inject.planner import plan_request
 from inferscale.inject.report import client_report
-from inferscale.kv import FactKV
 from inferscale.storage.disk import DiskStore
+
+from small_store import ann_store
 
 SALTS = CacheSalts(b"s" * 32)
 
@@ -147,18 +147,9 @@ def test_the_claim_under_any_load(parts, cap, adaptive, room):
         assert claim == injected_length(parts, cap)
 
 
-def _fact(n: int, seed: int) -> FactKV:
-    gen = torch.Generator().manual_seed(seed)
-    kv = torch.randn((2, 2, n, 2, 8), generator=gen)
-    return FactKV(torch.randint(10, 1000, (n,), generator=gen).tolist(), kv[0], kv[1])
-
-
 @pytest.fixture
 def disk(tmp_path) -> DiskStore:
-    store = DiskStore(DiskStore.Options(root=str(tmp_path / "kv")))
-    store.put(SYSTEM_USER, {PREFIX_FACT: _fact(4, 0)})
-    store.put("ann", {"a": _fact(6, 1), "b": _fact(5, 2), "c": _fact(3, 3)})
-    return store
+    return ann_store(tmp_path / "kv")
 
 
 def _request(disk: DiskStore, recompute_tokens=None):
