@@ -257,15 +257,16 @@ def make_samples(trainer: Trainer, users: list[list[str]], stored: list[list[Sto
             read = rng.sample([j for j in range(len(texts)) if j != target], k - 1) + [target]
             rng.shuffle(read)
             plans.append((u, read, target))
+    recall, tok = args.questions == "recall", trainer.tokenizer
+    asked = [(person_of(users[u][t]) or "them", users[u][t]) for u, _, t in plans]
     texts = [trainer.prefix + [t for j in read for t in stored[u][j].ids] for u, read, _ in plans]
-    if args.questions == "recall":
-        questions = [rng.choice(RECALL_QUESTIONS).format(name=person_of(users[u][t]) or "them") for u, _, t in plans]
-        end = trainer.tokenizer.convert_tokens_to_ids("<|im_end|>")
-        answers = [trainer.tokenizer.encode(" " + users[u][t], add_special_tokens=False) + [end] for u, _, t in plans]
+    questions = ([rng.choice(RECALL_QUESTIONS).format(name=name) for name, _ in asked] if recall
+                 else write_questions(trainer, asked))
+    queries = [trainer.fmt.query_ids(tok, q) for q in questions]
+    if recall:  # the fact itself, then the end of the turn
+        answers = [tok.encode(" " + fact, add_special_tokens=False) + [tok.convert_tokens_to_ids("<|im_end|>")]
+                   for _, fact in asked]
     else:
-        questions = write_questions(trainer, [(person_of(users[u][t]) or "them", users[u][t]) for u, _, t in plans])
-    queries = [trainer.fmt.query_ids(trainer.tokenizer, q) for q in questions]
-    if args.questions != "recall":
         answers = generate(trainer, [t + q for t, q in zip(texts, queries)], args.answer_tokens)
     samples = []
     for (u, read, _), text, query, answer in zip(plans, texts, queries, answers):
@@ -336,7 +337,7 @@ def main(argv=None) -> None:
     print(f"KL without wrappers {before}; with the initial vectors {init}", flush=True)
     optimizer = torch.optim.Adam([trainer.vectors], lr=args.lr * trainer.scale)
     curve, order, held_curve = [], list(range(len(train))), []
-    best = (init["held_out"], 0, trainer.vectors.detach().clone())
+    best = (init["held_out"], 0, trainer.vectors.detach().clone()) if args.eval_every else None  # KL, step, vectors
     for step in range(args.steps):
         if args.max_minutes and time.perf_counter() - began > 60 * args.max_minutes:
             print(f"stopped at step {step}: --max-minutes {args.max_minutes:g} reached", flush=True)
@@ -351,12 +352,13 @@ def main(argv=None) -> None:
         if (step + 1) % max(1, args.steps // 10) == 0:
             window = curve[-max(1, args.steps // 10):]
             print(f"step {step + 1:5d}  KL {sum(window) / len(window):.4f}  ({time.perf_counter() - began:.0f} s)", flush=True)
-        if args.eval_every and (step + 1) % args.eval_every == 0:
-            held_curve.append((step + 1, mean_kl(trainer, held, stored, True)))
-            print(f"step {step + 1:5d}  held-out KL {held_curve[-1][1]:.4f}", flush=True)
-            if held_curve[-1][1] < best[0]:
-                best = (held_curve[-1][1], step + 1, trainer.vectors.detach().clone())
-    if args.eval_every:
+        if best and (step + 1) % args.eval_every == 0:
+            kl = mean_kl(trainer, held, stored, True)
+            held_curve.append((step + 1, kl))
+            print(f"step {step + 1:5d}  held-out KL {kl:.4f}", flush=True)
+            if kl < best[0]:
+                best = (kl, step + 1, trainer.vectors.detach().clone())
+    if best:
         with torch.no_grad():
             trainer.vectors.copy_(best[2])
         print(f"kept the vectors of step {best[1]} (held-out KL {best[0]:.4f})", flush=True)
@@ -369,7 +371,7 @@ def main(argv=None) -> None:
               "steps": len(curve), "lr": args.lr, "encode_s": encode_s, "data_s": data_s,
               "train_s": time.perf_counter() - began - data_s, "kl_without": before, "kl_initial": init,
               "kl_after": after, "curve": curve,
-              "questions": args.questions, "held_out_curve": held_curve, "kept_step": best[1] if args.eval_every else len(curve)}
+              "questions": args.questions, "held_out_curve": held_curve, "kept_step": best[1] if best else len(curve)}
     args.out.with_suffix(".json").write_text(json.dumps(report, indent=1) + "\n")
 
 

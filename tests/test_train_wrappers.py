@@ -5,10 +5,13 @@ from __future__ import annotations
 
 import json
 import math
+import random
 import sys
 from pathlib import Path
 
 import pytest
+
+from inferscale.encode import distill
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
@@ -19,13 +22,13 @@ FACTS = [f"{name} {what}." for name in ("Ana", "Bruno", "Carla", "Dmitri", "Elif
 
 
 def test_recall_questions_read_the_fact_as_the_answer(tiny_model_dirs):
-    model, tokenizer, _, _ = train_wrappers.distill.frozen_model(str(tiny_model_dirs["qwen2"]))
+    model, tokenizer, _, _ = distill.frozen_model(str(tiny_model_dirs["qwen2"]))
     args = train_wrappers.parse_args(["--model", "x", "--facts", "x", "--out", "x.safetensors", "--questions", "recall",
                                       "--trailer", "2", "--window", "2", "--samples-per-user", "3", "--k", "2"])
     trainer = train_wrappers.Trainer(model, tokenizer, args, "cpu")
     users = [FACTS[:4]]
     samples = train_wrappers.make_samples(trainer, users, [trainer.encode_user(users[0])], 0,
-                                          train_wrappers.random.Random(0))
+                                          random.Random(0))
     assert len(samples) == 3
     for sample in samples:
         answer = sample.query[-sample.answer:]
