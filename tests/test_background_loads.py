@@ -116,7 +116,7 @@ def assert_nothing_left(llm):
     """The connector's state on both sides is empty, and vLLM holds no request."""
     scheduler, worker = rec.SIDES["scheduler"], rec.SIDES["worker"]
     assert (len(scheduler._background), scheduler._plans, scheduler._pending, scheduler._loaded_blocks,
-            scheduler._failed) == (0, {}, {}, {}, set())
+            scheduler._failed, scheduler._beside) == (0, {}, {}, {}, set(), set())
     assert (worker.background.loading, worker._background_queue) == (set(), [])
     assert worker.background.take_load_errors() == set() and worker.writer.take_load_errors() == set()
     assert not scheduler_of(llm).requests

@@ -19,7 +19,7 @@ from inferscale.config import Config, Tuning
 from inferscale.errors import ConfigError
 from inferscale.inject.background import BackgroundWriter
 from inferscale.inject.background_requests import BackgroundRequests
-from inferscale.inject.load_mode import loads_in_background
+from inferscale.inject.load_mode import load_mode
 from inferscale.inject.loader import LoadSpec, kv_head_range, load_blocks
 from inferscale.inject.planner import Plan
 from inferscale.inject.stats import ConnectorStats
@@ -43,7 +43,13 @@ CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA streams")
     ("always", "hbm", "cpu", True), ("never", "pinned", "cuda", False),
 ])
 def test_auto_loads_in_the_background_what_crosses_the_bus(mode, store, device, expected):
-    assert loads_in_background(mode, store, device) is expected
+    assert load_mode(mode, store, device).beside_batch(alone=False) is expected
+
+
+@pytest.mark.parametrize("mode, expected", [("auto", False), ("always", True), ("never", False)])
+def test_auto_loads_a_lone_request_before_the_forward_pass(mode, expected):
+    """With no batch to run beside, a background load would only cost the request its extra steps."""
+    assert load_mode(mode, "pinned", "cuda").beside_batch(alone=True) is expected
 
 
 def test_async_loads_takes_three_values():

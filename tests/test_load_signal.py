@@ -83,6 +83,22 @@ def test_requests_decoding_fill_the_step_until_they_finish():
     assert load.step_tokens() == 0
 
 
+def test_a_request_is_alone_only_in_a_step_with_nothing_else_to_run():
+    load = EngineLoad(max_step_tokens=64, max_waiting=0)
+    load.arrived("r1")
+    assert load.alone("r1")
+    load.arrived("r2")
+    assert not load.alone("r1") and not load.alone("r2")  # each would share the step with the other
+    load.admitted("r1", 0)  # r1 loads in the background: nothing of it runs in this step
+    assert load.alone("r2")
+    load.admitted("r2", 16)
+    load.step_built(["r2"])  # r2 decodes in the next step
+    load.arrived("r3")
+    assert not load.alone("r3")
+    load.finished("r2")
+    assert load.alone("r3")
+
+
 def test_asking_changes_nothing():
     """vLLM may ask about a request twice: the answer is the same, and so is the state."""
     load = EngineLoad(max_step_tokens=64, max_waiting=0)
@@ -124,6 +140,8 @@ def test_the_signal_matches_a_plain_model_of_the_scheduler(events, ask, max_step
     others = len(waiting - {f"r{ask}"})
     assert load.step_tokens() == step and load.waiting_besides(f"r{ask}") == others
     assert load.has_room(f"r{ask}") == (others <= max_waiting and step <= max_step)
+    busy = decoding - {f"r{ask}"} or any(tokens for other, tokens in admitted.items() if other != f"r{ask}")
+    assert load.alone(f"r{ask}") == (not busy and not others)
 
 
 # ---------------------------------------------------------------- the claim

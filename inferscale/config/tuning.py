@@ -59,7 +59,8 @@ class Tuning:
     #: request waits in vLLM's WAITING_FOR_REMOTE_KVS while the batch runs; the K/V is copied on a
     #: stream of its own and the request joins the batch once it has arrived), "never" before the
     #: forward pass of the step that prefills the request (that step waits for its requests'
-    #: reads), or "auto": in the background on a GPU where the memory tier (kv_store) is not "hbm".
+    #: reads), or "auto": in the background on a GPU where the memory tier (kv_store) is not "hbm",
+    #: unless the request would run alone in its step (then before the forward pass)
     #: "never" until measured on a GPU against "auto" (benchmarks/vllm_serve_load.py --async-loads)
     async_loads: str = "never"
     #: with recompute_tokens = "adaptive": a request's tail is left to vLLM only while the step

@@ -42,7 +42,7 @@ from inferscale.connector.metrics import InferScalePromMetrics, InferScaleStats,
 from inferscale.inject.background import BackgroundWriter
 from inferscale.inject.background_requests import BackgroundRequests
 from inferscale.inject.cache_layout import LayoutError, PagedLayers
-from inferscale.inject.load_mode import loads_in_background
+from inferscale.inject.load_mode import load_mode
 from inferscale.inject.load_signal import EngineLoad
 from inferscale.inject.loader import LoadSpec, kv_head_range, load_blocks
 from inferscale.inject.planner import NO_MEMORY, Plan, plan_request
@@ -106,9 +106,10 @@ class InferScaleConnector(compat.KVConnectorBase_V1):
         self.block_size = vllm_config.cache_config.block_size
         self.stats = ConnectorStats()
         if role == compat.KVConnectorRole.SCHEDULER:
-            #: whether requests load their memory in the background (the worker follows the metadata)
-            self.loads_in_background = loads_in_background(self.config.tuning.async_loads,
-                                                           self.config.kv_store.name, compat.device_type(vllm_config))
+            #: which requests load their memory in the background (the worker follows the metadata)
+            self.load_mode = load_mode(self.config.tuning.async_loads, self.config.kv_store.name,
+                                       compat.device_type(vllm_config))
+            self._beside: set[str] = set()  # requests last told to load in the background
             self.record = store_of_record(self.config)  # the scheduler matches prompts against its indexes
             self.salts = CacheSalts.from_file(self.config.secret_path)  # the worker never needs the secret
             self.blend = self.config.blend(compat.device_type(vllm_config))
@@ -138,11 +139,16 @@ class InferScaleConnector(compat.KVConnectorBase_V1):
         if plan is not NO_MEMORY:
             self._plans[request.request_id] = plan
             self.stats.record_plan(time.perf_counter() - began)
-        return plan.num_external, self.loads_in_background and plan.num_external > 0
+        beside = plan.num_external > 0 and self.load_mode.beside_batch(self.load.alone(request.request_id))
+        if beside:
+            self._beside.add(request.request_id)
+        else:
+            self._beside.discard(request.request_id)
+        return plan.num_external, beside
 
     def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
         plan = self._plans.get(request.request_id)
-        parked = self.loads_in_background and num_external_tokens > 0  # loads first: in no step's work yet
+        parked = request.request_id in self._beside and num_external_tokens > 0  # loads first: in no step's work yet
         self.load.admitted(request.request_id, 0 if parked else request.num_tokens - (plan.claim_len if plan else 0))
         if parked:  # the request is not scheduled: its blocks are known only here
             self._background.allocated(request.request_id, plan, compat.allocated_block_ids(blocks))
@@ -181,6 +187,7 @@ class InferScaleConnector(compat.KVConnectorBase_V1):
     def request_finished(self, request, block_ids, *extra: Any) -> tuple[bool, dict | None]:
         req_id = request.request_id
         self.load.finished(req_id)
+        self._beside.discard(req_id)
         plan = self._plans.pop(req_id, None)
         self._pending.pop(req_id, None)
         aborted_loading = self._background.finished(req_id)  # (vLLM frees its blocks when the load is reported)

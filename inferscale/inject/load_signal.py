@@ -71,6 +71,13 @@ class EngineLoad:
         """Requests waiting to be admitted, ``req_id`` left out."""
         return len(self._waiting) - (req_id in self._waiting)
 
+    def alone(self, req_id: str) -> bool:
+        """Whether ``req_id`` would run alone in the step being scheduled: no other request decodes,
+        is admitted into it with tokens to prefill (one loading in the background has none) or waits."""
+        decoding = len(self._decoding) - (req_id in self._decoding)
+        admitted = sum(1 for other, tokens in self._admitted.items() if tokens and other != req_id)
+        return decoding == 0 and admitted == 0 and self.waiting_besides(req_id) == 0
+
     def has_room(self, req_id: str) -> bool:
         """Whether ``req_id`` may have its tail prefilled in the step being scheduled."""
         return self.waiting_besides(req_id) <= self.max_waiting and self.step_tokens() <= self.max_step_tokens
