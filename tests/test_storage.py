@@ -265,6 +265,49 @@ def test_held_rows_pick_the_facts_blocks_in_request_order(name, tmp_path):
     assert torch.equal(again.blocks[rows[0]][0], make_fact(4, seed=99).keys) and again.lengths[rows].tolist() == [4]
 
 
+@settings(max_examples=60, deadline=None)
+@given(picks=st.lists(st.integers(0, 7), min_size=1, max_size=12), deleted=st.sets(st.integers(0, 7), max_size=3),
+       dtype=st.sampled_from([torch.float32, torch.bfloat16]))
+def test_copy_rows_packs_any_pick_of_a_users_facts_into_one_buffer(picks, deleted, dtype):
+    """A request's facts copied out of the user's packed buffer (one copy per run of facts that
+    lie back to back): at each address the fact's own bytes, in the request's order, repeats and
+    gaps left by deleted facts included; every fact picked once whatever its order fills a buffer
+    equal to the user's whole buffer."""
+    from inferscale.storage.blocks import copy_rows
+
+    store = PinnedHostStore(PinnedHostStore.Options(device="cpu"))
+    facts = make_facts(8, dtype=dtype)
+    store.put("alice", facts)
+    store.delete("alice", [f"f{i}" for i in deleted])
+    kept = [f"f{i}" for i in range(8) if i not in deleted]
+    order = [kept[i % len(kept)] for i in picks] if kept else []
+    if not order:
+        return
+    row_of, held = store._users["alice"].held
+    copied = copy_rows(held, np.array([row_of[f] for f in order], dtype=np.int64), torch.device("cpu"))
+    buffer, = copied.blocks
+    assert copied.lengths.tolist() == [facts[f].num_tokens for f in order]
+    for fact_id, address, length in zip(order, copied.addresses, copied.lengths):
+        at = int(address) - buffer.data_ptr()
+        block = store._users["alice"].blocks[fact_id]
+        assert torch.equal(buffer[at:at + length * held.layout.token_nbytes()], block.reshape(-1).view(torch.uint8))
+    if sorted(set(order), key=kept.index) == kept and len(set(order)) == len(order):
+        whole = store._users["alice"].blocks[kept[0]].untyped_storage()
+        assert torch.equal(buffer, torch.empty(0, dtype=torch.uint8).set_(whole))
+    if len(order) > 1:
+        with pytest.raises(ValueError, match="not selected by row"):
+            copied.select([0])
+
+
+def test_copy_rows_declines_blocks_outside_the_first_ones_buffer():
+    """Blocks of two buffers (not a pinned store's packing): None, and the caller copies each."""
+    from inferscale.storage.blocks import HeldBlocks, copy_rows
+
+    blocks = [torch.randn(2, 3, 4, 2, 8), torch.randn(2, 3, 5, 2, 8)]
+    assert copy_rows(HeldBlocks.of(blocks), np.array([0, 1]), torch.device("cpu")) is None
+    assert copy_rows(HeldBlocks.of(blocks), np.array([0]), torch.device("cpu")) is not None
+
+
 def test_get_survives_a_concurrent_repack():
     """A batch taken before a re-pack keeps its values (it never aliases the store)."""
     store = PinnedHostStore(PinnedHostStore.Options(device="cpu"))
@@ -287,6 +330,31 @@ def test_pinned_copies_in_flight_survive_a_repack():
     store.put("alice", {f: FactKV(kv.token_ids, kv.keys + 1, kv.values + 1) for f, kv in facts.items()})
     torch.cuda.synchronize()
     assert_batch(batch, facts, list(facts), "cuda")
+
+
+@pytest.mark.skipif(not CUDA, reason="needs CUDA")
+@pytest.mark.parametrize("at_rest", ["model", "fp8_e4m3"])
+def test_pinned_held_rows_on_the_gpu_copy_runs_that_survive_a_repack(at_rest):
+    """A request's facts wanted on the GPU: one device buffer whose bytes at each address are the
+    fact's, in the request's order (fp8: the dequant where the store keeps it, on the GPU); the
+    copies are queued, and a re-pack meanwhile does not reach them."""
+    store = PinnedHostStore(kv_dtype_at_rest=at_rest)
+    facts = make_facts(8, torch.bfloat16, layers=8, heads=4, size=64)
+    store.put("alice", facts)
+    order = ["f6", "f1", "f2", "f3", "f7"]
+    expected = [store._users["alice"].blocks[f].reshape(-1).view(torch.uint8).clone() for f in order]
+    torch.cuda._sleep(1_000_000_000)  # the copies stay queued behind it
+    held, rows = store.held_rows("alice", order, "cuda")
+    assert rows is None and held.blocks[0].device.type == "cuda" and len(held.blocks) == 1
+    dequant = held.dequant_addresses.tolist()
+    store.delete("alice")
+    store.put("alice", {f: FactKV(kv.token_ids, kv.keys + 1, kv.values + 1) for f, kv in facts.items()})
+    torch.cuda.synchronize()
+    buffer = held.blocks[0]
+    for want, address, length in zip(expected, held.addresses, held.lengths):
+        at = int(address) - buffer.data_ptr()
+        assert torch.equal(buffer[at:at + len(want)].cpu(), want) and len(want) == length * held.layout.token_nbytes()
+    assert held.layout.fp8 == (at_rest == "fp8_e4m3") and (all(dequant) if held.layout.fp8 else not any(dequant))
 
 
 # -- the memory tier's contract (inferscale.storage.tiers.memory) -------------------------

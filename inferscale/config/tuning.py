@@ -31,8 +31,8 @@ class Tuning:
     fused_write: bool = True
     #: how the fused write reads facts held in pinned host memory (kv_store "pinned"): "overlap"
     #: (the kernel reads host memory in place, a group of layers per launch on a side stream, each
-    #: layer's attention waiting only for its group) or "copy" (one DMA per fact to the GPU, then
-    #: the kernel, all before the forward pass)
+    #: layer's attention waiting only for its group) or "copy" (one DMA per run of facts back to
+    #: back in host memory, then the kernel, all before the forward pass)
     pinned_reads: str = "overlap"
     #: with pinned_reads = "overlap": at most this many programs of the kernel per layer, each
     #: writing every n-th token (0: one program per token). Reads of host memory wait on the bus;
@@ -51,7 +51,7 @@ class Tuning:
     #: of a Triton launch and an event per group (inject/write_graphs.py); false launches each group
     pinned_read_graphs: bool = True
     #: with pinned_reads = "overlap": a step that loads fewer MiB than this copies them to the GPU
-    #: first, as "copy" does (one DMA per fact, then the write on the forward stream), since an
+    #: first, as "copy" does (a DMA per run of facts, then the write on the forward stream), since an
     #: in-place read costs about the same fixed host time (its launch, the forward's waits) at any
     #: size; 0 reads every step in place
     pinned_copy_below_mib: float = 96.0

@@ -6,10 +6,10 @@ until the worker says its K/V has arrived (:mod:`~inferscale.inject.load_mode`).
 elsewhere:
 
 * on a GPU, with the fused write: on a CUDA stream of its own. The facts' blocks are copied from
-  pinned host memory to the GPU first (one DMA each, on the copy engines: no SM waits on the
-  bus); then the stream waits for the work the forward stream had queued when the load was
-  issued (the request's blocks were free a step ago: an earlier step may still read or zero
-  them); then one kernel rotates the keys and writes every layer into the request's blocks; then
+  pinned host memory to the GPU first (one DMA per run of facts back to back in the user's
+  buffer, on the copy engines: no SM waits on the bus); then the stream waits for the work the
+  forward stream had queued when the load was issued (the request's blocks were free a step ago:
+  an earlier step may still read or zero them); then one kernel rotates the keys and writes every layer into the request's blocks; then
   an event. The forward stream never waits for any of it. One stream for all loads: a load's
   copies start once the loads issued before it have been written.
 * where the fused write cannot run (the CPU, a cache it cannot address): as a synchronous load is

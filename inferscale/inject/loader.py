@@ -176,9 +176,9 @@ class SegmentLoader:
 
     def _fact_blocks(self, user_id: str, fact_ids: Sequence[str], in_place: bool
                      ) -> tuple[HeldBlocks, np.ndarray | None]:
-        """Blocks that hold the facts on the loader's device (pinned host blocks copied, one DMA
-        each), or where they lie when ``in_place``, and the facts' rows among them (None: all, in
-        order; :meth:`MemoryTier.held_rows`)."""
+        """Blocks that hold the facts on the loader's device (pinned host blocks copied into one
+        buffer, one DMA per run of them back to back), or where they lie when ``in_place``, and
+        the facts' rows among them (None: all, in order; :meth:`MemoryTier.held_rows`)."""
         return self.store.held_rows(user_id, fact_ids, _HOST if in_place else self.device)
 
     def _holds_epochs(self, spec: LoadSpec) -> bool:

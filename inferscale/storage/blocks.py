@@ -26,8 +26,9 @@ _NONE = np.zeros(0, dtype=np.int64)
 @dataclass(frozen=True)
 class HeldBlocks:
     """Blocks as a reader that addresses them in place sees them (the fused cache write): the
-    blocks themselves (whoever holds this keeps them alive), their data pointers and token
-    counts (int64 NumPy arrays, one entry per block), and the layout they all share. Every
+    tensors they lie in (whoever holds this keeps them alive: the blocks themselves, one each,
+    or the buffer :func:`copy_rows` packed them into), their data pointers and token counts
+    (int64 NumPy arrays, one entry per block), and the layout they all share. Every
     block is contiguous. In fp8 (``layout.fp8``) each block has its ``dequant`` too, at
     ``dequant_addresses`` (zeros otherwise), all on one device (the pinned store keeps them in
     GPU memory beside host blocks)."""
@@ -79,11 +80,52 @@ class HeldBlocks:
                           np.concatenate((self.dequant_addresses, other.dequant_addresses)))
 
     def select(self, rows: Sequence[int]) -> HeldBlocks:
-        """The blocks at ``rows``, in that order."""
+        """The blocks at ``rows``, in that order (of blocks held one tensor each)."""
+        if len(self.blocks) != len(self.addresses):
+            raise ValueError("blocks packed into one buffer are not selected by row")
         index = np.asarray(rows, dtype=np.int64)
         return HeldBlocks(tuple(self.blocks[i] for i in rows), self.addresses[index], self.lengths[index],
                           self.layout, tuple(self.dequant[i] for i in rows) if self.dequant else (),
                           self.dequant_addresses[index])
+
+
+def copy_rows(held: HeldBlocks, rows: np.ndarray, device: torch.device) -> HeldBlocks | None:
+    """The blocks at ``rows`` (in that order) copied to ``device`` into one new buffer, with one
+    copy for each run of them that lies back to back in the buffer of ``held``'s first block (a
+    pinned store packs a user's facts into one host buffer, in insertion order, so a request's
+    facts are a few runs): a handful of host calls whatever the number of facts, where a copy of
+    each fact costs an allocation and a copy call apiece (~1 ms of the engine's thread for 50).
+    Host blocks bound for a GPU are copied with ``non_blocking=True`` (one DMA a run, on the
+    current stream). An fp8 layout's dequant stays where it is held. None where the blocks do not
+    all lie in that buffer, or the dequant does not lie on ``device``: copy each block instead."""
+    if not held.blocks or len(held.blocks) != len(held.addresses) or not len(rows):
+        return None
+    if held.layout.fp8 and held.dequant and held.dequant[0].device != device:
+        return None
+    storage = held.blocks[0].untyped_storage()
+    base, size = storage.data_ptr(), storage.nbytes()
+    starts = held.addresses[rows]
+    nbytes = held.lengths[rows] * held.layout.token_nbytes()
+    if starts.min() < base or (starts + nbytes).max() > base + size:
+        return None
+    order = np.unique(starts, return_index=True)[1]  # each block once, by address
+    first, stop = starts[order], starts[order] + nbytes[order]
+    opens = np.ones(len(first), dtype=bool)
+    opens[1:] = first[1:] != stop[:-1]  # a run begins where a block does not follow the one before
+    run_of = np.cumsum(opens) - 1
+    run_first = first[opens]
+    run_stop = np.append(stop[np.flatnonzero(opens)[1:] - 1], stop[-1])
+    run_at = np.concatenate(([0], np.cumsum(run_stop - run_first)))  # each run's offset in the buffer
+    host = torch.empty(0, dtype=torch.uint8).set_(storage)
+    buffer = torch.empty(int(run_at[-1]), dtype=torch.uint8, device=device)
+    non_blocking = device.type == "cuda"
+    for run in range(len(run_first)):
+        source = host[run_first[run] - base:run_stop[run] - base]
+        buffer[run_at[run]:run_at[run + 1]].copy_(source, non_blocking=non_blocking)
+    moved = buffer.data_ptr() + run_at[run_of] + (first - run_first[run_of])  # each block's copy, by address
+    addresses = moved[np.searchsorted(first, starts)]
+    return HeldBlocks((buffer,), addresses, held.lengths[rows], held.layout, held.dequant,
+                      held.dequant_addresses[rows])
 
 
 def _addresses(tensors: Sequence[torch.Tensor]) -> np.ndarray:

@@ -40,8 +40,8 @@ from inferscale.errors import CapacityError, UnknownUserError
 from inferscale.kv import FactKV, KVBatch
 from inferscale.kv_fp8 import MODEL, Fp8KV, all_at_rest, check_at_rest
 from inferscale.storage.base import KVStore
-from inferscale.storage.blocks import (HeldBlocks, batch_from_blocks, empty_batch, gather_blocks, gather_dequantized,
-                                       move_blocks)
+from inferscale.storage.blocks import (HeldBlocks, batch_from_blocks, copy_rows, empty_batch, gather_blocks,
+                                       gather_dequantized, move_blocks)
 from inferscale.storage.format.index import new_epoch
 from inferscale.storage.layout import KVLayout, check_ids, check_layout, is_internal, require_facts
 from inferscale.storage.resident.lru import UsageOrder
@@ -179,11 +179,6 @@ class ResidentStore(KVStore):
         in order (rows None)."""
         target = resolve_device(device, self.device)
         user = self._require(user_id, self._users.get(user_id))
-        if user.device != target:  # (a pinned store's blocks wanted on a GPU)
-            copies = self.blocks(user_id, fact_ids, target)
-            if not copies:
-                return HeldBlocks.empty(user.layout), None
-            return HeldBlocks.of(copies, self._moved(user_id, fact_ids, target, "dequant"), user.layout), None
         row_of, held = user.held
         try:
             rows = np.fromiter(map(row_of.__getitem__, fact_ids), np.int64, len(fact_ids))
@@ -191,7 +186,15 @@ class ResidentStore(KVStore):
             require_facts(user_id, fact_ids, row_of)
             raise
         self._order.touch(user_id)
-        return held, rows
+        if user.device == target:
+            return held, rows
+        if not len(rows):  # (a pinned store's blocks wanted on a GPU, from here on)
+            return HeldBlocks.empty(user.layout), None
+        copied = copy_rows(held, rows, target)  # a copy per run of facts back to back in the user's buffer
+        if copied is not None:
+            return copied, None
+        return HeldBlocks.of(self.blocks(user_id, fact_ids, target), self._moved(user_id, fact_ids, target, "dequant"),
+                             user.layout), None
 
     def token_ids(self, user_id: str, fact_ids: Sequence[str]) -> list[tuple[int, ...]]:
         user = self._require(user_id, self._users.get(user_id))
