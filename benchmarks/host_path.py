@@ -15,6 +15,9 @@ facts of a Llama-3.1-8B K/V shape (random memory as ``ttft.py`` writes it):
   pinned staging buffer, one graph replay, the event. Not in the sums: it replaces ``launch``.
 * ``sources_numpy`` — the baseline of ``sources``: the same table built as before the compiled
   loop (the facts' blocks picked and joined, then a dozen NumPy calls). Not in the sums.
+* ``sources_per_fact`` — with ``--kv-store pinned`` on a GPU, the baseline of ``sources``: the
+  facts copied to the GPU one allocation and one copy call each, as before they were copied into
+  one buffer a run of them at a time (:func:`~inferscale.storage.blocks.copy_rows`). Not in the sums.
 
 "cold" first runs unrelated work that sweeps the CPU's caches (64 MiB of memory and a few
 thousand Python objects), as the engine's own work between two requests does; "hot" calls the
@@ -23,6 +26,7 @@ order, so that a host that slows down during the run slows all of them alike. A 
 is often slower than a developer's. Prints a table, writes ``--out`` (JSON).
 
     python benchmarks/host_path.py --out benchmarks/results/host_path.json
+    python benchmarks/host_path.py --kv-store pinned --ks 50 --out benchmarks/results/host_path_pinned.json
 """
 
 from __future__ import annotations
@@ -49,13 +53,16 @@ from transformers import AutoConfig  # noqa: E402
 from inferscale.compose.blend import Blend  # noqa: E402
 from inferscale.compose.rope import RotaryEmbedding  # noqa: E402
 from inferscale.compose.salt import CacheSalts  # noqa: E402
-from inferscale.connector import fused_write  # noqa: E402
+from inferscale.inject import fused_write  # noqa: E402
 from inferscale.inject.layer_loads import LayerLoads  # noqa: E402
-from inferscale.inject.sources import K_ADDR, LAYER_STRIDE, POSITION, SCALE, SLOT, V_ADDR, Sources  # noqa: E402
+from inferscale.inject.sources import (K_ADDR, LAYER_STRIDE, POSITION, SCALE, SLOT, V_ADDR, Sources,  # noqa: E402
+                                       segment_sources)
 from inferscale.inject.loader import LoadSpec, SegmentLoader, load_blocks  # noqa: E402
 from inferscale.inject.planner import plan_request  # noqa: E402
 from inferscale.inject.write_graphs import WriteGraphs  # noqa: E402
+from inferscale.storage.blocks import HeldBlocks  # noqa: E402
 from inferscale.storage.hbm import HBMStore  # noqa: E402
+from inferscale.storage.pinned import PinnedHostStore  # noqa: E402
 
 BLOCK = 16
 _SWEEP = np.ones(64 << 20, dtype=np.uint8)
@@ -116,6 +123,17 @@ def numpy_sources(loader: SegmentLoader, spec: LoadSpec) -> Sources:
     return Sources(torch.from_numpy(table), layout.dtype, layout.num_kv_heads, held.blocks)
 
 
+def per_fact_sources(loader: SegmentLoader, store: PinnedHostStore, spec: LoadSpec) -> Sources:
+    """The sources table over the facts copied to the GPU one by one (the baseline of ``sources``
+    from the pinned store): an allocation and a copy call per fact, and each block checked."""
+    loader._hold(spec.user_id)
+    prefix = loader._prefix(False)
+    fact_ids = spec.request.fact_ids
+    facts = HeldBlocks.of(store.blocks(spec.user_id, fact_ids, loader.device),
+                          store._moved(spec.user_id, fact_ids, loader.device, "dequant"), prefix.layout)
+    return segment_sources(prefix, facts, spec.start, spec.end, spec.blocks, spec.block_size, spec.key_scale)[0]
+
+
 def rounds_ms(work: dict, reps: int) -> dict[str, float]:
     """Median ms of each step hot and cold (``<name>_hot_ms``, ``<name>_cold_ms``) over ``reps``
     rounds, each timing every step once cold and once hot, in a shuffled order."""
@@ -136,8 +154,8 @@ def rounds_ms(work: dict, reps: int) -> dict[str, float]:
     return {key: statistics.median(values) for key, values in times.items()}
 
 
-def steps(k: int, data: Path, device: torch.device) -> dict:
-    """The step functions of one request with k facts."""
+def steps(k: int, data: Path, device: torch.device, kv_store: str = "hbm") -> dict:
+    """The step functions of one request with k facts, its memory in ``kv_store``."""
     cfg = SHAPES["llama-3.1-8b"]
     layers, heads, head_size = kv_shape(cfg)
     disk, prefix, facts = write_memory(data, cfg, [k], 20, 32, min_facts=max(k, 200))
@@ -148,7 +166,7 @@ def steps(k: int, data: Path, device: torch.device) -> dict:
     salt = salts.segment("bench", disk.epoch("bench"), segment)
     prompt = segment + list(range(1000, 1030))
     block_ids = list(range(len(prompt) // BLOCK + 1))
-    store = HBMStore(HBMStore.Options(device=str(device)))
+    store = HBMStore(HBMStore.Options(device=str(device))) if kv_store == "hbm" else PinnedHostStore()
     rope = RotaryEmbedding.from_hf_config(AutoConfig.for_model(**cfg))
     loader = SegmentLoader(store, disk, rope, slice(0, heads), device, torch.bfloat16)
 
@@ -174,6 +192,8 @@ def steps(k: int, data: Path, device: torch.device) -> dict:
     spec = metadata()
     out = {"plan": plan, "metadata": metadata, "sources": lambda: loader.sources(spec, layers, head_size),
            "sources_numpy": lambda: numpy_sources(loader, spec), "metadata_slots": metadata_slots}
+    if kv_store == "pinned" and device.type == "cuda":
+        out["sources_per_fact"] = lambda: per_fact_sources(loader, store, spec)
     if device.type == "cuda" and fused_write.available():
         caches = [torch.zeros(len(block_ids) + 8, heads, BLOCK, 2 * head_size, dtype=torch.bfloat16, device=device)
                   for _ in range(layers)]
@@ -207,6 +227,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--ks", default="1,50,100")
     parser.add_argument("--reps", type=int, default=200)
+    parser.add_argument("--kv-store", choices=("hbm", "pinned"), default="hbm",
+                        help="the memory tier the facts are read from (pinned: copied to the GPU first)")
     parser.add_argument("--out", default="benchmarks/results/host_path.json")
     args = parser.parse_args(argv)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -214,11 +236,11 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for k in (int(k) for k in args.ks.split(",")):
-            rows.append({"k": k, **rounds_ms(steps(k, Path(tmp) / f"k{k}", device), args.reps)})
+            rows.append({"k": k, **rounds_ms(steps(k, Path(tmp) / f"k{k}", device, args.kv_store), args.reps)})
     names = [key[:-7] for key in rows[0] if key.endswith("_hot_ms")]
-    summed = [n for n in names if n not in ("graph_launch", "sources_numpy", "metadata_slots")]
+    summed = [n for n in names if n not in ("graph_launch", "sources_numpy", "metadata_slots", "sources_per_fact")]
     host = platform.processor() or platform.machine()
-    print(f"connector host path per request, ms (median of {args.reps}), {device.type}, {host}; "
+    print(f"connector host path per request, ms (median of {args.reps}), {device.type}, {args.kv_store} store, {host}; "
           f"python_ref {ref:.3f} ms")
     print("| k | " + " | ".join(f"{n} hot / cold" for n in names) + " | sum hot / cold |")
     print("|---|" + "---|" * (len(names) + 1))
@@ -234,8 +256,13 @@ def main(argv: list[str] | None = None) -> int:
               f"{r['sources_vs_numpy_cold']:.2f}x its NumPy baseline ({r['sources_numpy_cold_ms']:.3f} ms); "
               f"metadata cold {r['metadata_cold_ms']:.3f} ms, {r['metadata_vs_slots_cold']:.2f}x a slot per token "
               f"({r['metadata_slots_cold_ms']:.3f} ms)")
+        if "sources_per_fact_cold_ms" in r:
+            r["sources_vs_per_fact_cold"] = r["sources_cold_ms"] / r["sources_per_fact_cold_ms"]
+            print(f"k = {r['k']}: pinned sources cold {r['sources_cold_ms']:.3f} ms, {r['sources_vs_per_fact_cold']:.2f}x "
+                  f"a copy per fact ({r['sources_per_fact_cold_ms']:.3f} ms)")
     result = {"device": torch.cuda.get_device_name() if device.type == "cuda" else host,
-              "command": "python " + " ".join(sys.argv), "python_ref_ms": ref, "reps": args.reps, "rows": rows}
+              "command": "python " + " ".join(sys.argv), "kv_store": args.kv_store, "python_ref_ms": ref,
+              "reps": args.reps, "rows": rows}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=1))
     return 0

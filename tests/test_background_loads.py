@@ -145,6 +145,7 @@ def test_a_request_aborted_while_it_loads_frees_its_blocks_once_the_load_is_repo
     (prompt, segment), fact_ids = memory_of["alice"]
     kv_params, salt = vh.memory_request(data, "alice", fact_ids, segment)
     salt += ":aborted"  # (a suffix: no block of the earlier tests' from vLLM's prefix cache)
+    answers(background, data, memory_of, ["alice"], ":warm")  # alice in the memory tier: no read from disk first
     scheduler = scheduler_of(background)
     free = scheduler.kv_cache_manager.block_pool.get_num_free_blocks()
     engine_ = background.llm_engine

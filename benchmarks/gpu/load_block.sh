@@ -3,9 +3,11 @@
 # the GPU tests of background loads and of fp8 at rest, then throughput under load for every store
 # and read mode side by side, the adaptive default at 1/10/30/100 users, fp8 at rest, lone-request
 # TTFT, and the 1,000-user tier run.
-#   RUN=/tmp/run STEPS="tests stores default fp8 ttft users1000" bash benchmarks/gpu/load_block.sh
+#   RUN=/tmp/run STEPS="tests host stores default fp8 ttft users1000" bash benchmarks/gpu/load_block.sh
 # Needs /tmp/parts/vllm-0.26.0-site.tar.zst.NN and .gpu/zstd. Each step writes under $RUN.
 #   tests     pytest: background writer and loads (CUDA graphs), the fused write (fp8 decode), fp8 at rest
+#   host      host_path.py from the pinned store at k = 50: the host time of a load's sources, facts
+#             copied a run at a time against a copy per fact (a minute)
 #   stores    vllm_serve_load.py at 100 users, B = 0, 3 interleaved repeats of 20 s: hbm, pinned read
 #             before the forward pass (async_loads never), pinned loaded beside the batch (always)
 #   default   the adaptive tail at 1/10/30/100 users, 3 repeats, on the store STORE (pinned) and ASYNC
@@ -14,7 +16,7 @@
 #   users1000 benchmarks/tier_users.py (its docstring's GPU command)
 set -uo pipefail
 RUN=${RUN:-/tmp/run}
-STEPS=${STEPS:-tests stores default fp8 ttft users1000}
+STEPS=${STEPS:-tests host stores default fp8 ttft users1000}
 STORE=${STORE:-pinned} ASYNC=${ASYNC:-always} SECONDS_ROW=${SECONDS_ROW:-20} REPEATS=${REPEATS:-3}
 # the stores step: which store:async_loads pairs, at which budgets (a short block: SPECS="pinned:always
 # hbm:never" STORE_BUDGETS=0,adaptive)
@@ -30,6 +32,11 @@ if has tests; then
   PYTHONPATH=$NOW:$PWD/tests INFERSCALE_TEST_CUDA_GRAPHS=1 timeout "${TESTS_TIMEOUT:-900}" python3 -m pytest -q \
     -p no:cacheprovider ${TESTS:-tests/test_background_writer.py tests/test_background_loads.py tests/test_fused_write.py \
     tests/test_kv_at_rest.py} 2>&1 | tail -15 | tee "$RUN/gpu_tests.log"
+fi
+if has host; then
+  stamp "host path: the pinned store's sources at k = 50, a run of facts per copy against a copy per fact"
+  PYTHONPATH=$NOW timeout 600 python3 benchmarks/host_path.py --kv-store pinned --ks 50 --reps 100 \
+    --out "$RUN/host_path_pinned.json" 2>&1 | quiet | tail -6
 fi
 if has stores; then
   for spec in $SPECS; do
