@@ -10,6 +10,8 @@ On a CPU the background writer writes when it issues and reports the load a step
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 import torch
 
@@ -136,8 +138,11 @@ def test_a_batch_of_background_loads_answers_as_loads_before_the_forward_pass(ba
     assert_nothing_left(background)
 
 
-def test_a_request_aborted_while_it_loads_frees_its_blocks_once_the_load_is_reported(background, memory,
-                                                                                     synchronous):
+def test_a_request_aborted_while_its_load_waits_frees_its_blocks_once_the_load_is_reported(background, memory,
+                                                                                           synchronous):
+    """A load is reported in the step that issues it; one that waits for its user's read is not
+    issued yet: aborted then, its blocks stay vLLM's until the worker drops the load and reports
+    it, unwritten, and are then freed and used again."""
     from vllm import SamplingParams
     from vllm.v1.request import RequestStatus
 
@@ -145,25 +150,34 @@ def test_a_request_aborted_while_it_loads_frees_its_blocks_once_the_load_is_repo
     (prompt, segment), fact_ids = memory_of["alice"]
     kv_params, salt = vh.memory_request(data, "alice", fact_ids, segment)
     salt += ":aborted"  # (a suffix: no block of the earlier tests' from vLLM's prefix cache)
-    answers(background, data, memory_of, ["alice"], ":warm")  # alice in the memory tier: no read from disk first
+    worker = rec.SIDES["worker"].background
+    worker.tiers.memory.delete("alice")  # her load waits for a read of the store of record
     scheduler = scheduler_of(background)
     free = scheduler.kv_cache_manager.block_pool.get_num_free_blocks()
     engine_ = background.llm_engine
     req_id = engine_.add_request("doomed", {"prompt_token_ids": prompt, "cache_salt": salt},
                                  SamplingParams(max_tokens=4, extra_args={"kv_transfer_params": kv_params}))
     rec.WRITES.clear()
-    engine_.step()  # scheduled: its blocks allocated, its load issued (reported a step later at the earliest)
-    assert scheduler.requests[req_id].status == RequestStatus.WAITING_FOR_REMOTE_KVS
-    assert rec.WRITES == [("background", [req_id])]
-    assert rec.SIDES["worker"].background.loading == {req_id}
-    engine_.abort_request(["doomed"])
-    assert req_id in scheduler.requests  # finished, but its blocks are vLLM's until the load is reported
-    assert scheduler.kv_cache_manager.block_pool.get_num_free_blocks() < free
-    for _ in range(20):  # (vLLM needs the load reported to free its blocks: a step or two here)
-        if req_id not in scheduler.requests:
-            break
-        engine_.step()
-    assert scheduler.kv_cache_manager.block_pool.get_num_free_blocks() == free
+    record, go = worker.tiers.record, threading.Event()
+    read_user = record.read_user
+    record.read_user = lambda user_id: go.wait(60) and read_user(user_id)  # a slow disk, until the test says go
+    try:
+        engine_.step()  # scheduled: its blocks allocated, its load waiting for alice's read (not issued, not reported)
+        assert scheduler.requests[req_id].status == RequestStatus.WAITING_FOR_REMOTE_KVS
+        assert rec.WRITES == [] and worker.loading == {req_id}
+        engine_.abort_request(["doomed"])
+        assert req_id in scheduler.requests  # finished, but its blocks are vLLM's until the load is reported
+        assert scheduler.kv_cache_manager.block_pool.get_num_free_blocks() < free
+        for _ in range(20):  # (vLLM needs the load reported to free its blocks: a step or two here)
+            if req_id not in scheduler.requests:
+                break
+            engine_.step()
+        assert scheduler.kv_cache_manager.block_pool.get_num_free_blocks() == free
+        assert rec.WRITES == []  # dropped unwritten
+    finally:
+        go.set()
+        del record.read_user
+    worker.fills.close()
     assert_nothing_left(background)
     # the freed blocks are used again: a request with memory and a plain one still answer right
     alone, plain = synchronous

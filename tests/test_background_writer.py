@@ -213,6 +213,19 @@ def test_a_load_whose_request_finished_while_its_user_is_read_is_reported_unwrit
     assert cache.writes == [] and writer.finished() == set()
 
 
+def test_a_load_is_reported_in_the_step_that_issues_it(tiers):
+    """vLLM learns of a load in the step that issues it (on the CPU it is written by then; on a
+    GPU the next step's forward stream waits for it: see below), never twice."""
+    writer, _ = writers_for(tiers)
+    start(writer, [spec_for(tiers.record, "ann", "a")], RecordingCache())  # (ann read into the memory tier)
+    assert writer.finished() == {"a"}
+    cache = RecordingCache()
+    assert writer.step([spec_for(tiers.record, "ann", "b")], cache, set()) == {"b"}
+    assert len(cache.writes) == LAYERS and writer.loading == set()
+    writer.wait_before_forward()  # (nothing to wait for on the CPU)
+    assert writer.step([], cache, set()) == set() and writer.take_load_errors() == set()
+
+
 def test_a_refused_background_load_is_reported_with_every_block_failed(tiers):
     writer, _ = writers_for(tiers)
     spec = spec_for(tiers.record, "ann", "refused")
@@ -305,7 +318,7 @@ def gpu_specs(tiers: Tiers) -> list[LoadSpec]:
 def test_a_background_load_writes_after_the_forward_streams_earlier_work(tmp_path, tier, tuning):
     """The forward stream is busy (a long sleep), then fills the whole cache: a background load
     issued after that must land after the fill (its writes wait for the forward stream's earlier
-    work), and is reported only once it has run."""
+    work); once it has run and the next step began, the tensors it read are let go."""
     pytest.importorskip("triton")
     memory = PinnedHostStore() if tier == "pinned" else HBMStore()
     tiers = make_tiers(tmp_path, memory)
@@ -319,14 +332,17 @@ def test_a_background_load_writes_after_the_forward_streams_earlier_work(tmp_pat
         torch.cuda.synchronize()
         assert writer.finished() == {"r", "s"} and writer.take_load_errors() == set()
         check_written(writer, specs, cache.layers)
-        assert writer.loading == set() and writer._in_flight == []  # (and the tensors it read let go)
+        writer.wait_before_forward()
+        assert writer.loading == set() and writer._in_flight == writer._running == []
 
 
 @CUDA
-def test_background_loads_run_on_their_own_stream_and_the_forward_stream_never_waits(tmp_path):
-    """With the fused write the loads are queued on the writer's stream: the forward stream has
-    nothing of theirs queued (an event recorded on it right after the issue completes while the
-    load stream still waits for a sleep queued on it)."""
+def test_background_loads_run_beside_the_step_that_issues_them_and_before_the_next(tmp_path):
+    """With the fused write the loads are queued on the writer's stream: the forward stream of
+    the step that issues them has nothing of theirs queued (an event recorded on it right after
+    the issue completes while the load stream still waits for a sleep queued on it). They are
+    reported at once, and the next step's forward stream waits for their writes: an event
+    recorded on it after :meth:`wait_before_forward` completes only once they are in the cache."""
     pytest.importorskip("triton")
     tiers = make_tiers(tmp_path, PinnedHostStore())
     writer, _ = writers_for(tiers, "cuda")
@@ -341,8 +357,12 @@ def test_background_loads_run_on_their_own_stream_and_the_forward_stream_never_w
     forward_free = torch.cuda.Event()
     forward_free.record(torch.cuda.current_stream())
     forward_free.synchronize()  # returns at once if the forward stream holds none of the load's work
-    assert writer.loading == {"r", "s"}  # (the load, behind the sleep, has not run: not reported)
-    assert writer.finished() == set()
-    load_stream.synchronize()
-    assert writer.finished() == {"r", "s"}
+    assert writer.loading == {"r", "s"}
+    assert writer.finished() == {"r", "s"} and writer.loading == set()  # reported before they ran
+    writer.wait_before_forward()  # the next step
+    next_forward = torch.cuda.Event()
+    next_forward.record(torch.cuda.current_stream())
+    assert not next_forward.query()  # behind the load, itself behind the sleep
+    next_forward.synchronize()
     check_written(writer, specs, cache.layers)
+    assert writer.finished() == set()

@@ -89,8 +89,8 @@ def test_a_request_is_alone_only_in_a_step_with_nothing_else_to_run():
     assert load.alone("r1")
     load.arrived("r2")
     assert not load.alone("r1") and not load.alone("r2")  # each would share the step with the other
-    load.admitted("r1", 0)  # r1 loads in the background: nothing of it runs in this step
-    assert load.alone("r2")
+    load.admitted("r1", 16)
+    assert not load.alone("r2")
     load.admitted("r2", 16)
     load.step_built(["r2"])  # r2 decodes in the next step
     load.arrived("r3")

@@ -149,7 +149,8 @@ class InferScaleConnector(compat.KVConnectorBase_V1):
     def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
         plan = self._plans.get(request.request_id)
         parked = request.request_id in self._beside and num_external_tokens > 0  # loads first: in no step's work yet
-        self.load.admitted(request.request_id, 0 if parked else request.num_tokens - (plan.claim_len if plan else 0))
+        # (a request parked to load counts too: it joins the batch in a step or two, prefilling as much)
+        self.load.admitted(request.request_id, request.num_tokens - (plan.claim_len if plan else 0))
         if parked:  # the request is not scheduled: its blocks are known only here
             self._background.allocated(request.request_id, plan, compat.allocated_block_ids(blocks))
         elif num_external_tokens > 0:
@@ -247,8 +248,10 @@ class InferScaleConnector(compat.KVConnectorBase_V1):
 
     def start_load_kv(self, forward_context, **kwargs: Any) -> None:
         """Queue this step's loads; the forward pass waits for each layer in
-        :meth:`wait_for_layer_load`, or for all of them now when it will not ask. Background
-        loads wait for :meth:`get_finished`, after the forward pass was launched."""
+        :meth:`wait_for_layer_load`, or for all of them now when it will not ask. Before them,
+        the forward stream waits for the background loads reported last step; this step's wait
+        for :meth:`get_finished`, after the forward pass was launched."""
+        self.background.wait_before_forward()  # loads reported last step: in place before this step's work
         meta = self._get_connector_metadata()
         self._background_queue += getattr(meta, "background_loads", ())
         loads = getattr(meta, "loads", ())
@@ -272,8 +275,10 @@ class InferScaleConnector(compat.KVConnectorBase_V1):
             writer.wait_all()
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
-        """The background loads that arrived (or failed) since the last step, aborted requests' too
-        (vLLM frees their blocks then); this step's are issued now, after the forward pass."""
+        """This step's background loads, issued now, after the forward pass was launched, and
+        reported at once with any of earlier steps whose users' reads have ended (or that failed,
+        or whose requests were aborted while they waited: vLLM frees their blocks then); the next
+        step's forward stream waits for their writes (:meth:`start_load_kv`)."""
         background = getattr(self, "background", None)
         if background is None:
             return None, None

@@ -9,9 +9,10 @@ elsewhere:
   pinned host memory to the GPU first (one DMA per run of facts back to back in the user's
   buffer, on the copy engines: no SM waits on the bus); then the stream waits for the work the
   forward stream had queued when the load was issued (the request's blocks were free a step ago:
-  an earlier step may still read or zero them); then one kernel rotates the keys and writes every layer into the request's blocks; then
-  an event. The forward stream never waits for any of it. One stream for all loads: a load's
-  copies start once the loads issued before it have been written.
+  an earlier step may still read or zero them); then one kernel rotates the keys and writes every
+  layer into the request's blocks; then an event. The forward pass of the step that issues it
+  never waits for any of it. One stream for all loads: a load's copies start once the loads
+  issued before it have been written.
 * where the fused write cannot run (the CPU, a cache it cannot address): as a synchronous load is
   written, on the forward stream (on the CPU it is done when the call returns).
 
@@ -19,11 +20,17 @@ A load whose user the memory tier does not hold waits, unissued, while the user 
 store of record on a thread of its own (:mod:`~inferscale.inject.user_fills`); the engine's thread
 goes on with the batch.
 
-A load is reported (:meth:`BackgroundWriter.finished`) once its event has completed, when the K/V
-is in the cache, never before: vLLM schedules the request on that word, and does not free or
-reuse its blocks until then, even when the request was aborted meanwhile (the connector contract:
-a request aborted while it loads is freed when its load is reported). A load that failed is
-reported as finished too, in the same pass as its blocks (:meth:`BackgroundWriter.take_load_errors`),
+A load is reported (:meth:`BackgroundWriter.finished`) in the step that issues it, its writes
+still queued: from the next step on vLLM may schedule the request, or, when it was aborted, free
+its blocks and hand them to another request. Both happen on the forward stream, and the next
+step's forward stream first waits for the writes of every load reported
+(:meth:`BackgroundWriter.wait_before_forward`, called where the step starts loading), so that no
+work of a later step reaches those blocks before the K/V is in them, while the host never waits.
+Waiting on the host for the writes to complete before reporting (checking their events at the
+next step) cost a request at least one engine step more, and vLLM's asynchronous scheduling
+learns of a report a step late already. A load that waits for its user's read is reported only
+once issued; one whose request finished meanwhile is dropped and reported unwritten. A load that
+failed is reported too, in the same pass as its blocks (:meth:`BackgroundWriter.take_load_errors`),
 so that vLLM recomputes them or ends the request (``kv_load_failure_policy``). The tensors a load
 reads are kept until its event has completed.
 """
@@ -132,7 +139,9 @@ class BackgroundWriter(KVWriter):
         self.fills = UserFills(self.tiers)
         self._waiting: list[tuple[LoadSpec, list[concurrent.futures.Future]]] = []  # for their users' reads
         self._read_first: set[str] = set()  # requests whose loads waited for a read of the store of record
-        self._in_flight: list[InFlight] = []
+        self._in_flight: list[InFlight] = []  # issued (or dropped, refused), not reported yet
+        self._running: list[InFlight] = []  # reported, their writes perhaps still queued (their tensors kept)
+        self._unwaited: list[torch.cuda.Event] = []  # writes reported that the forward stream does not wait for yet
         self._arrived_errors: set[int] = set()
 
     def register(self, num_layers: int, device: torch.device, dtype: torch.dtype) -> None:
@@ -140,18 +149,17 @@ class BackgroundWriter(KVWriter):
         self.layer_loads = LoadStream(device)
 
     def step(self, loads: Sequence[LoadSpec], cache: PagedCache | None, finished_req_ids: set[str]) -> set[str]:
-        """One engine step's work, after its forward pass was launched: the requests whose loads
-        arrived since the last step (:meth:`finished`; those of requests that finished while they
-        waited for their users' reads among them, :meth:`drop`), then ``loads`` issued, with those
-        of earlier steps now ready (:meth:`start`), or refused where ``cache`` is None (its layout
-        was not understood). A load is thus reported a step after it was issued at the earliest."""
+        """One engine step's work, after its forward pass was launched: ``loads`` issued, with those
+        of earlier steps whose users have been read since (:meth:`start`), or refused where
+        ``cache`` is None (its layout was not understood); the loads of requests that finished
+        while they waited for their users' reads dropped (:meth:`drop`); then the requests of
+        every load issued, refused or dropped (:meth:`finished`)."""
         self.drop(finished_req_ids)
-        arrived = self.finished()
         if cache is None:
             self.refuse(loads)
         else:
             self.start(loads, cache)
-        return arrived
+        return self.finished()
 
     def start(self, loads: Sequence[LoadSpec], cache: PagedCache) -> None:
         """Issue ``loads``, and the loads of earlier steps whose users have been read since; a load
@@ -200,14 +208,30 @@ class BackgroundWriter(KVWriter):
             self._in_flight.append(InFlight(_ids(loads), {block for spec in loads for block in spec.blocks}, None, []))
 
     def finished(self) -> set[str]:
-        """The requests whose loads have arrived (or failed) since the last call; the blocks of
-        those that failed are :meth:`take_load_errors`' until then."""
-        arrived = [load.arrived() for load in self._in_flight]
-        done = [load for load, has in zip(self._in_flight, arrived) if has]
-        self._in_flight = [load for load, has in zip(self._in_flight, arrived) if not has]
-        for load in done:
+        """The requests whose loads were issued (or failed, were refused or dropped) since the last
+        call, their writes perhaps still queued: work queued on the forward stream after
+        :meth:`wait_before_forward` finds them done. The blocks of those that failed are
+        :meth:`take_load_errors`' from now on."""
+        reported, self._in_flight = self._in_flight, []
+        for load in reported:
             self._arrived_errors |= load.errors
-        return {req_id for load in done for req_id in load.req_ids}
+            if load.done is not None:
+                self._unwaited.append(load.done)
+                self._running.append(load)
+        return {req_id for load in reported for req_id in load.req_ids}
+
+    def wait_before_forward(self) -> None:
+        """Make the current (forward) stream wait for the writes of every load reported since the
+        last call (no host wait), before the step's own work: its requests may be scheduled, or
+        its blocks handed to others, from here on. The tensors of loads whose writes have run are
+        let go."""
+        if self._unwaited:
+            stream = torch.cuda.current_stream(self.layer_loads.device)
+            for event in self._unwaited:
+                stream.wait_event(event)
+            self._unwaited = []
+        if self._running:
+            self._running = [load for load in self._running if not load.arrived()]
 
     def take_load_errors(self) -> set[int]:
         """The cache blocks of the failed loads :meth:`finished` has reported since the last call."""
@@ -223,7 +247,7 @@ class BackgroundWriter(KVWriter):
     def wait(self) -> None:
         """Block until every load issued has run and every read has ended (the engine is shutting down)."""
         self.fills.close()
-        for load in self._in_flight:
+        for load in self._in_flight + self._running:
             if load.done is not None:
                 load.done.synchronize()
 

@@ -13,7 +13,10 @@ being scheduled holds:
 
 * the requests waiting to be admitted (arrived, neither admitted nor finished);
 * the requests decoding: those scheduled in the last step and not finished since, one token each;
-* the tokens of the requests admitted so far in this step (their prompt less what is injected).
+* the tokens of the requests admitted so far in this step (their prompt less what is injected),
+  those vLLM parks to load their memory in the background included: they join the batch a step
+  or two later, prefilling as much, and a burst of them is load as much as a burst scheduled at
+  once.
 
 A request has room (:meth:`EngineLoad.has_room`) while at most ``max_waiting`` other requests wait
 and the step holds at most ``max_step_tokens`` tokens of other requests' work. Its own question
@@ -73,7 +76,8 @@ class EngineLoad:
 
     def alone(self, req_id: str) -> bool:
         """Whether ``req_id`` would run alone in the step being scheduled: no other request decodes,
-        is admitted into it with tokens to prefill (one loading in the background has none) or waits."""
+        is admitted into it with tokens to prefill (one parked to load in the background included) or
+        waits."""
         decoding = len(self._decoding) - (req_id in self._decoding)
         admitted = sum(1 for other, tokens in self._admitted.items() if tokens and other != req_id)
         return decoding == 0 and admitted == 0 and self.waiting_besides(req_id) == 0
