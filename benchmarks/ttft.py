@@ -399,7 +399,7 @@ def plot(result: dict, path: Path) -> None:
 #: several joined by "+", e.g. pinned:programs0+groups4)
 STORE_OPTIONS = {"copy": {"pinned_reads": "copy"}, "overlap": {"pinned_reads": "overlap"},
                  "launch": {"write_graphs": False}, "graphs": {"pinned_reads": "overlap", "pinned_read_graphs": True},
-                 "async": {"async_loads": "always"}, "sync": {"async_loads": "never"}}
+                 "async": {"async_loads": "always"}, "sync": {"async_loads": "never"}, "auto": {"async_loads": "auto"}}
 COUNTED_OPTIONS = {"programs": "pinned_read_programs", "groups": "pinned_read_launches",
                    "copybelow": "pinned_copy_below_mib"}
 
@@ -465,7 +465,7 @@ def main() -> None:
                         "layers, no graphs), pinned:graphs pinned_read_graphs = true (the default), "
                         "pinned:copybelow0 pinned_copy_below_mib = 0 (every read in place), "
                         "pinned:async async_loads = \"always\" (loaded beside the batch), pinned:sync "
-                        "async_loads = \"never\" (before the forward pass)")
+                        "async_loads = \"never\" (before the forward pass), pinned:auto async_loads = \"auto\"")
     parser.add_argument("--recompute", default="0", help="recompute budgets (tokens) to time KV injection with")
     parser.add_argument("--fused-write", action="store_true", help="Config.tuning.fused_write: one kernel per step")
     parser.add_argument("--layerwise-write", action="store_true",

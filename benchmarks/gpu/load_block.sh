@@ -9,18 +9,19 @@
 #   host      host_path.py from the pinned store at k = 50: the host time of a load's sources, facts
 #             copied a run at a time against a copy per fact (a minute)
 #   stores    vllm_serve_load.py at 100 users, B = 0, 3 interleaved repeats of 20 s: hbm, pinned read
-#             before the forward pass (async_loads never), pinned loaded beside the batch (always)
+#             before the forward pass (async_loads never), pinned loaded beside the batch (auto)
 #   default   the adaptive tail at 1/10/30/100 users, 3 repeats, on the store STORE (pinned) and ASYNC
 #   fp8       pinned, beside the batch, K/V at rest in fp8 (100 users, 3 repeats)
-#   ttft      ttft.py, lone requests at k = 10/50: hbm, pinned:sync, pinned:async
+#   ttft      ttft.py, lone requests at k = 10/50: hbm, pinned:sync, pinned:auto (alone: before the
+#             forward pass), pinned:async (always beside the batch)
 #   users1000 benchmarks/tier_users.py (its docstring's GPU command)
 set -uo pipefail
 RUN=${RUN:-/tmp/run}
 STEPS=${STEPS:-tests host stores default fp8 ttft users1000}
-STORE=${STORE:-pinned} ASYNC=${ASYNC:-always} SECONDS_ROW=${SECONDS_ROW:-20} REPEATS=${REPEATS:-3}
-# the stores step: which store:async_loads pairs, at which budgets (a short block: SPECS="pinned:always
+STORE=${STORE:-pinned} ASYNC=${ASYNC:-auto} SECONDS_ROW=${SECONDS_ROW:-20} REPEATS=${REPEATS:-3}
+# the stores step: which store:async_loads pairs, at which budgets (a short block: SPECS="pinned:auto
 # hbm:never" STORE_BUDGETS=0,adaptive)
-SPECS=${SPECS:-hbm:never pinned:never pinned:always} STORE_BUDGETS=${STORE_BUDGETS:-0}
+SPECS=${SPECS:-hbm:never pinned:never pinned:auto} STORE_BUDGETS=${STORE_BUDGETS:-0}
 source benchmarks/gpu/setup.sh
 NOW=/tmp/site:$PWD
 load=(python3 benchmarks/vllm_serve_load.py --shape qwen2.5-7b --cuda-graphs --gpu-memory-utilization 0.5
@@ -58,9 +59,9 @@ if has fp8; then
     --async-loads "$ASYNC" --kv-dtype-at-rest fp8_e4m3 --out "$RUN/load_fp8" 2>&1 | quiet | tail -12
 fi
 if has ttft; then
-  stamp "TTFT, lone requests, k = 10/50: hbm, pinned:sync, pinned:async"
+  stamp "TTFT, lone requests, k = 10/50: hbm, pinned:sync, pinned:auto, pinned:async"
   PYTHONPATH=$NOW timeout 900 python3 benchmarks/ttft.py --cuda-graphs --shape llama-3.1-8b --ks 10,50 --reps 20 \
-    --kv-stores hbm,pinned:sync,pinned:async --out "$RUN/ttft_stores.json" 2>&1 | quiet | tail -16
+    --kv-stores hbm,pinned:sync,pinned:auto,pinned:async --out "$RUN/ttft_stores.json" 2>&1 | quiet | tail -16
 fi
 if has users1000 && [[ -f benchmarks/tier_users.py ]]; then
   stamp "the 1,000-user tier run"
