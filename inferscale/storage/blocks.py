@@ -96,8 +96,9 @@ def copy_rows(held: HeldBlocks, rows: np.ndarray, device: torch.device) -> HeldB
     facts are a few runs): a handful of host calls whatever the number of facts, where a copy of
     each fact costs an allocation and a copy call apiece (~1 ms of the engine's thread for 50).
     Host blocks bound for a GPU are copied with ``non_blocking=True`` (one DMA a run, on the
-    current stream). An fp8 layout's dequant stays where it is held. None where the blocks do not
-    all lie in that buffer, or the dequant does not lie on ``device``: copy each block instead."""
+    current stream); others as ``Tensor.to`` copies them. An fp8 layout's dequant stays where it
+    is held. None where the blocks do not all lie in that buffer, or the dequant does not lie on
+    ``device``: copy each block instead."""
     if not held.blocks or len(held.blocks) != len(held.addresses) or not len(rows):
         return None
     if held.layout.fp8 and held.dequant and held.dequant[0].device != device:
@@ -116,11 +117,11 @@ def copy_rows(held: HeldBlocks, rows: np.ndarray, device: torch.device) -> HeldB
     run_first = first[opens]
     run_stop = np.append(stop[np.flatnonzero(opens)[1:] - 1], stop[-1])
     run_at = np.concatenate(([0], np.cumsum(run_stop - run_first)))  # each run's offset in the buffer
-    host = torch.empty(0, dtype=torch.uint8).set_(storage)
+    held_bytes = torch.empty(0, dtype=torch.uint8, device=held.blocks[0].device).set_(storage)
     buffer = torch.empty(int(run_at[-1]), dtype=torch.uint8, device=device)
-    non_blocking = device.type == "cuda"
+    non_blocking = device.type == "cuda" and held_bytes.device.type == "cpu"
     for run in range(len(run_first)):
-        source = host[run_first[run] - base:run_stop[run] - base]
+        source = held_bytes[run_first[run] - base:run_stop[run] - base]
         buffer[run_at[run]:run_at[run + 1]].copy_(source, non_blocking=non_blocking)
     moved = buffer.data_ptr() + run_at[run_of] + (first - run_first[run_of])  # each block's copy, by address
     addresses = moved[np.searchsorted(first, starts)]
