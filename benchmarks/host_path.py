@@ -60,7 +60,6 @@ from inferscale.inject.sources import (K_ADDR, LAYER_STRIDE, POSITION, SCALE, SL
 from inferscale.inject.loader import LoadSpec, SegmentLoader, load_blocks  # noqa: E402
 from inferscale.inject.planner import plan_request  # noqa: E402
 from inferscale.inject.write_graphs import WriteGraphs  # noqa: E402
-from inferscale.storage.blocks import HeldBlocks  # noqa: E402
 from inferscale.storage.hbm import HBMStore  # noqa: E402
 from inferscale.storage.pinned import PinnedHostStore  # noqa: E402
 
@@ -128,9 +127,7 @@ def per_fact_sources(loader: SegmentLoader, store: PinnedHostStore, spec: LoadSp
     from the pinned store): an allocation and a copy call per fact, and each block checked."""
     loader._hold(spec.user_id)
     prefix = loader._prefix(False)
-    fact_ids = spec.request.fact_ids
-    facts = HeldBlocks.of(store.blocks(spec.user_id, fact_ids, loader.device),
-                          store._moved(spec.user_id, fact_ids, loader.device, "dequant"), prefix.layout)
+    facts = store._copy_each(spec.user_id, spec.request.fact_ids, loader.device)
     return segment_sources(prefix, facts, spec.start, spec.end, spec.blocks, spec.block_size, spec.key_scale)[0]
 
 
@@ -232,7 +229,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default="benchmarks/results/host_path.json")
     args = parser.parse_args(argv)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    ref = median_ms(python_ref, args.reps // 4, cold=False)
+    ref = median_ms(python_ref, max(1, args.reps // 4), cold=False)
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for k in (int(k) for k in args.ks.split(",")):

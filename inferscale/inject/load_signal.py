@@ -66,9 +66,10 @@ class EngineLoad:
         self._decoding.discard(req_id)
         self._admitted.pop(req_id, None)
 
-    def step_tokens(self) -> int:
-        """Tokens the step being scheduled holds so far."""
-        return len(self._decoding) + sum(self._admitted.values())
+    def step_tokens(self, besides: str | None = None) -> int:
+        """Tokens the step being scheduled holds so far (``besides``' own left out)."""
+        return (len(self._decoding) - (besides in self._decoding)
+                + sum(tokens for req_id, tokens in self._admitted.items() if req_id != besides))
 
     def waiting_besides(self, req_id: str) -> int:
         """Requests waiting to be admitted, ``req_id`` left out."""
@@ -78,9 +79,7 @@ class EngineLoad:
         """Whether ``req_id`` would run alone in the step being scheduled: no other request decodes,
         is admitted into it with tokens to prefill (one parked to load in the background included) or
         waits."""
-        decoding = len(self._decoding) - (req_id in self._decoding)
-        admitted = sum(1 for other, tokens in self._admitted.items() if tokens and other != req_id)
-        return decoding == 0 and admitted == 0 and self.waiting_besides(req_id) == 0
+        return self.step_tokens(besides=req_id) == 0 and self.waiting_besides(req_id) == 0
 
     def has_room(self, req_id: str) -> bool:
         """Whether ``req_id`` may have its tail prefilled in the step being scheduled."""

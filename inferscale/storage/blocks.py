@@ -79,9 +79,14 @@ class HeldBlocks:
                           np.concatenate((self.lengths, other.lengths)), self.layout, self.dequant + other.dequant,
                           np.concatenate((self.dequant_addresses, other.dequant_addresses)))
 
+    @property
+    def packed(self) -> bool:
+        """Whether the blocks lie in one buffer (:func:`copy_rows`), not one tensor each."""
+        return len(self.blocks) != len(self.addresses)
+
     def select(self, rows: Sequence[int]) -> HeldBlocks:
         """The blocks at ``rows``, in that order (of blocks held one tensor each)."""
-        if len(self.blocks) != len(self.addresses):
+        if self.packed:
             raise ValueError("blocks packed into one buffer are not selected by row")
         index = np.asarray(rows, dtype=np.int64)
         return HeldBlocks(tuple(self.blocks[i] for i in rows), self.addresses[index], self.lengths[index],
@@ -99,7 +104,7 @@ def copy_rows(held: HeldBlocks, rows: np.ndarray, device: torch.device) -> HeldB
     current stream); others as ``Tensor.to`` copies them. An fp8 layout's dequant stays where it
     is held. None where the blocks do not all lie in that buffer, or the dequant does not lie on
     ``device``: copy each block instead."""
-    if not held.blocks or len(held.blocks) != len(held.addresses) or not len(rows):
+    if not held.blocks or held.packed or not len(rows):
         return None
     if held.layout.fp8 and held.dequant and held.dequant[0].device != device:
         return None

@@ -191,10 +191,14 @@ class ResidentStore(KVStore):
         if not len(rows):  # (a pinned store's blocks wanted on a GPU, from here on)
             return HeldBlocks.empty(user.layout), None
         copied = copy_rows(held, rows, target)  # a copy per run of facts back to back in the user's buffer
-        if copied is not None:
-            return copied, None
-        return HeldBlocks.of(self.blocks(user_id, fact_ids, target), self._moved(user_id, fact_ids, target, "dequant"),
-                             user.layout), None
+        return (self._copy_each(user_id, fact_ids, target) if copied is None else copied), None
+
+    def _copy_each(self, user_id: str, fact_ids: Sequence[str], device: torch.device) -> HeldBlocks:
+        """The facts' blocks copied to ``device`` one by one (an allocation and a copy each), with
+        their dequant there: where :func:`copy_rows` cannot pack them."""
+        layout = self._users[user_id].layout
+        return HeldBlocks.of(self.blocks(user_id, fact_ids, device), self._moved(user_id, fact_ids, device, "dequant"),
+                             layout)
 
     def token_ids(self, user_id: str, fact_ids: Sequence[str]) -> list[tuple[int, ...]]:
         user = self._require(user_id, self._users.get(user_id))
