@@ -54,6 +54,7 @@ import uuid
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import engine_profile  # noqa: E402
 import load_rows  # noqa: E402
 import serve_start  # noqa: E402
 from served import REPO  # noqa: E402
@@ -290,7 +291,8 @@ async def timed_row(pool, processes: int, url: str, requests: Requests, system: 
     return [r for results, _ in done for r in results], sum(cpu for _, cpu in done)
 
 
-async def run(url: str, requests: Requests, args, systems: list[str], levels: list[int]) -> tuple[dict, list[dict]]:
+async def run(url: str, requests: Requests, args, systems: list[str], levels: list[int],
+              profiler: engine_profile.RowProfiler | None = None) -> tuple[dict, list[dict]]:
     from concurrent.futures import ProcessPoolExecutor
     from multiprocessing import get_context
 
@@ -315,6 +317,8 @@ async def run(url: str, requests: Requests, args, systems: list[str], levels: li
         rows = []
         for level, repeat, system in rounds(levels, args.repeats, systems):
             snapshot = scrape(url)
+            if profiler:
+                profiler.start(f"{level}u_{system}_{repeat}", args.seconds)
             results, cpu = await timed_row(pool, args.clients, url, requests, system, users[:level],
                                            args.seconds, args.stream, (level, system, repeat))
             await asyncio.sleep(0.5)  # the engine's last stats reach /metrics
@@ -326,12 +330,16 @@ async def run(url: str, requests: Requests, args, systems: list[str], levels: li
             row["client_cpu_ms_per_request"] = cpu * 1e3 / max(1, len(results))
             row["client_cpu_share"] = cpu / max(row["seconds"], 1e-9) / row["client_processes"]
             row.update(histogram_summary(snapshot, scrape(url)))
+            if profiler:
+                row["profile"] = profiler.collect()
             rows.append(row)
             print(f"{level:4d} users {system:11s} #{repeat} {row['requests_per_s']:8.2f} req/s  B mean "
                   f"{row.get('budget_mean', float('nan')):5.0f}  engine TTFT mean "
                   f"{row.get('ttft_mean_ms', 0):8.1f} ms (p50 ≤ {row.get('ttft_p50_le_ms', 0):.0f}, p99 ≤ "
                   f"{row.get('ttft_p99_le_ms', 0):.0f})  latency p50 {row['latency_p50_ms'] or 0:8.1f} ms  "
                   f"client CPU {100 * row['client_cpu_share']:.0f} %  failed {row['failed']}", flush=True)
+            for name, summary in row.get("profile", {}).items():
+                print(engine_profile.line(name, summary), flush=True)
     after = connector_counters(scrape(url))
     check["connector_counts_during_runs"] = {k: after[k] - before.get(k, 0.0) for k in after}
     print(f"connector counters during the timed runs: {check['connector_counts_during_runs']}", flush=True)
@@ -532,6 +540,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--default", default=None, metavar="METHOD=SYSTEM",
                         help="name the product's default: the accuracy method (as benchmarks/locomo_accuracy.py "
                              "names it) that SYSTEM (e.g. kv@0) serves; its rows and the JSON carry the name")
+    parser.add_argument("--profile", metavar="DIR", default=None,
+                        help="sample the server's processes (API server, engine core) with py-spy during every "
+                             "timed row into DIR; each row's JSON gets their busy share and hottest functions "
+                             "(benchmarks/engine_profile.py; py-spy from $PY_SPY or PATH)")
     parser.add_argument("--out", default="benchmarks/results/vllm_serve_load")
     parser.add_argument("vllm_args", nargs="*", help="more `vllm serve` arguments (after --)")
     args = parser.parse_args(argv)
@@ -543,6 +555,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.repeats < 1:
         parser.error("--repeats must be at least 1")
     default = parse_default(args.default, systems, parser)
+    if args.profile and not engine_profile.py_spy():
+        parser.error("--profile needs py-spy: set PY_SPY to its binary or put it on PATH")
 
     from inferscale.config import BackendSpec, Config
 
@@ -566,7 +580,9 @@ def main(argv: list[str] | None = None) -> int:
     proc, url = start_server(model, config, args, log)
     try:
         requests = Requests(str(model), config, prefix, tokens, args.k, args.question_tokens, args.max_tokens)
-        check, runs = asyncio.run(run(url, requests, args, systems, levels))
+        profiler = engine_profile.RowProfiler(engine_profile.py_spy(), proc.pid, Path(args.profile)) \
+            if args.profile else None
+        check, runs = asyncio.run(run(url, requests, args, systems, levels, profiler))
     finally:
         serve_start.stop(proc, dump=False)
         shutil.rmtree(work, ignore_errors=True)  # the users' K/V: tens of GB at 100 users

@@ -15,6 +15,8 @@
 #   ttft      ttft.py, lone requests at k = 10/50: hbm, pinned:sync, pinned:auto (alone: before the
 #             forward pass), pinned:async (always beside the batch)
 #   users1000 benchmarks/tier_users.py (its docstring's GPU command)
+# PROFILE=1: the stores step also samples the server's processes with py-spy during every row
+# (vllm_serve_load.py --profile; the static binary carried as .gpu/py-spy): where the engine's host time goes.
 set -uo pipefail
 RUN=${RUN:-/tmp/run}
 STEPS=${STEPS:-tests host stores default fp8 ttft users1000}
@@ -24,6 +26,7 @@ STORE=${STORE:-pinned} ASYNC=${ASYNC:-auto} SECONDS_ROW=${SECONDS_ROW:-20} REPEA
 SPECS=${SPECS:-hbm:never pinned:never pinned:auto} STORE_BUDGETS=${STORE_BUDGETS:-0}
 source benchmarks/gpu/setup.sh
 NOW=/tmp/site:$PWD
+[[ -f .gpu/py-spy ]] && chmod +x .gpu/py-spy && export PY_SPY=$PWD/.gpu/py-spy
 load=(python3 benchmarks/vllm_serve_load.py --shape qwen2.5-7b --cuda-graphs --gpu-memory-utilization 0.5
       --seconds "$SECONDS_ROW" ${LOAD_ARGS:-})  # LOAD_ARGS: more vllm_serve_load.py options, e.g. "--facts 60"
 quiet() { grep --line-buffered -v " INFO \| DEBUG "; }
@@ -40,11 +43,13 @@ if has host; then
     --out "$RUN/host_path_pinned.json" 2>&1 | quiet | tail -6
 fi
 if has stores; then
+  show=${PROFILE:+48}; show=${show:-12}  # lines of each run's output kept in the log (a profile adds 3 a row)
   for spec in $SPECS; do
     store=${spec%%:*} mode=${spec##*:}
     stamp "load: $store, async_loads $mode, 100 users, B = $STORE_BUDGETS, $REPEATS repeats"
     PYTHONPATH=$NOW timeout 900 "${load[@]}" --users 100 --budgets "$STORE_BUDGETS" --repeats "$REPEATS" --kv-store "$store" \
-      --async-loads "$mode" --out "$RUN/load_${store}_${mode}" 2>&1 | quiet | tail -12
+      --async-loads "$mode" --out "$RUN/load_${store}_${mode}" \
+      ${PROFILE:+--profile "$RUN/profile_${store}_${mode}"} 2>&1 | quiet | tail -n "$show"
     rm -rf /tmp/vllm_serve_load_* 2>/dev/null
   done
 fi

@@ -1,0 +1,151 @@
+"""Where a load row's host time goes: py-spy samples of the server's Python processes.
+
+Under load, vLLM's engine core thread (the scheduler, the connector's scheduler side, the model
+runner's host work) can set the pace of every step instead of the GPU, and one API server process
+parses every request and answer. ``vllm_serve_load.py --profile DIR`` samples each of the server's
+processes with py-spy (https://github.com/benfred/py-spy, not a Python dependency: the binary named
+by ``$PY_SPY`` or found on ``PATH``) during every timed row, without stopping them
+(``--nonblocking``), into ``DIR/<users>u_<system>_<round>_<process>.txt`` (py-spy's raw collapsed
+stacks, one thread per stack root), and :func:`summarize` reads one back:
+
+* ``busy``: the busiest thread's samples over the samples a row of that length holds at the rate:
+  the share of the row it was not idle (a thread spinning on the GPU counts as busy: its frames
+  say where, e.g. a synchronize);
+* ``waiting``: the part of ``busy`` spent in a waiting function (:data:`WAITS`: spinning on a
+  queue, a condition, a socket or the GPU), and ``working`` the rest: the thread's real host work;
+* ``self``: the functions the busiest thread was in (leaf frames), as shares of the row;
+* ``inferscale``: the share of the row inside InferScale's own code (any frame of the package).
+
+    PY_SPY=/path/to/py-spy python benchmarks/vllm_serve_load.py ... --profile /tmp/run/profile
+    python benchmarks/engine_profile.py /tmp/run/profile/100u_kv@0_0_EngineCore.txt   # one file's summary
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+from collections import Counter
+from pathlib import Path
+
+#: samples a second
+RATE = 100
+#: leaf functions that wait (vLLM's shared-memory queues spin on sched_yield; torch waits for the GPU
+#: in synchronize)
+WAITS = ("sched_yield", "wait", "acquire_read", "dequeue", "poll", "select", "synchronize", "recv", "sleep")
+_OURS = re.compile(r"[(/]inferscale/")  # py-spy names a file relative to its sys.path entry
+_THREAD = re.compile(r"^(?:process \d+:[^;]*;)?thread \((0x[0-9A-Fa-f]+)\)")
+
+
+def py_spy() -> str | None:
+    """The py-spy binary: ``$PY_SPY``, else the one on PATH (None: no profile)."""
+    found = os.environ.get("PY_SPY") or shutil.which("py-spy")
+    return found if found and os.access(found, os.X_OK) else None
+
+
+def server_processes(root_pid: int) -> dict[str, int]:
+    """The server's Python processes by name: the root (``APIServer``: `vllm serve` answers HTTP
+    there with one API server) and each child whose process title vLLM set (``VLLM::EngineCore``
+    → ``EngineCore``)."""
+    import psutil
+
+    root = psutil.Process(root_pid)
+    found = {"APIServer": root_pid}
+    for child in root.children(recursive=True):
+        try:
+            title = " ".join(child.cmdline())
+        except psutil.Error:
+            continue
+        if title.startswith("VLLM::"):
+            found[title.split("::", 1)[1].split()[0]] = child.pid
+    return found
+
+
+class RowProfiler:
+    """Samples the server's processes (:func:`server_processes` of ``root_pid``) row by row into ``out``."""
+
+    def __init__(self, binary: str, root_pid: int, out: Path):
+        self.binary, self.root_pid, self.out = binary, root_pid, out
+        self._running: list[tuple[str, Path, subprocess.Popen]] = []
+        self._seconds = 0.0
+
+    def start(self, tag: str, seconds: float) -> None:
+        """One recorder per process for ``seconds`` (the row's length), writing ``out/<tag>_<name>.txt``."""
+        self.out.mkdir(parents=True, exist_ok=True)
+        self._seconds = seconds
+        for name, pid in server_processes(self.root_pid).items():
+            path = self.out / f"{tag}_{name}.txt"
+            command = [self.binary, "record", "--pid", str(pid), "--duration", str(max(1, round(seconds))),
+                       "--rate", str(RATE), "--nonblocking", "--threads", "--format", "raw", "-o", str(path)]
+            self._running.append((name, path, subprocess.Popen(command, stdout=subprocess.DEVNULL,
+                                                               stderr=subprocess.DEVNULL)))
+
+    def collect(self, timeout: float = 30.0) -> dict[str, dict | None]:
+        """Wait for the row's recorders; each process's :func:`summarize`."""
+        found = {}
+        for name, path, rec in self._running:
+            try:
+                rec.wait(timeout)
+            except subprocess.TimeoutExpired:
+                rec.kill()
+            found[name] = summarize(path, self._seconds)
+        self._running = []
+        return found
+
+
+def summarize(path: Path, seconds: float, rate: int = RATE, top: int = 8) -> dict | None:
+    """A raw file's busiest thread: its busy share, its leaf functions and InferScale's share of
+    the row (None: no file, e.g. py-spy could not attach)."""
+    if not path.exists():
+        return None
+    threads: Counter[str] = Counter()
+    leaves: dict[str, Counter[str]] = {}
+    ours: Counter[str] = Counter()
+    for line in path.read_text(errors="replace").splitlines():
+        stack, _, count = line.rpartition(" ")
+        if not count.isdigit():
+            continue
+        n = int(count)
+        match = _THREAD.match(stack)
+        thread = match.group(1) if match else "?"
+        threads[thread] += n
+        leaves.setdefault(thread, Counter())[_frame(stack.rsplit(";", 1)[-1])] += n
+        if _OURS.search(stack):
+            ours[thread] += n
+    if not threads:
+        return {"busy": 0.0, "waiting": 0.0, "working": 0.0, "self": [], "inferscale": 0.0}
+    busiest, samples = threads.most_common(1)[0]
+    expected = max(1.0, seconds * rate)
+    waiting = sum(n for name, n in leaves[busiest].items() if _waits(name))
+    return {"busy": round(samples / expected, 3), "waiting": round(waiting / expected, 3),
+            "working": round((samples - waiting) / expected, 3), "threads": len(threads),
+            "self": [(name, round(n / expected, 3)) for name, n in leaves[busiest].most_common(top)],
+            "inferscale": round(ours[busiest] / expected, 3)}
+
+
+def _waits(frame: str) -> bool:
+    name = frame.split(" (", 1)[0].rsplit(".", 1)[-1]
+    return any(w in name.lower() for w in WAITS)
+
+
+def _frame(frame: str) -> str:
+    """``function (path/to/file.py:line)`` as ``function (file.py)``."""
+    name, _, where = frame.partition(" (")
+    return f"{name} ({Path(where.rstrip(')').rsplit(':', 1)[0]).name})" if where else name
+
+
+def line(name: str, summary: dict | None) -> str:
+    if summary is None:
+        return f"  {name}: no profile"
+    leaves = ", ".join(f"{f} {100 * s:.0f}%" for f, s in summary["self"][:4])
+    return (f"  {name}: working {100 * summary.get('working', 0):.0f}% of the row (busy "
+            f"{100 * summary['busy']:.0f}%), InferScale {100 * summary['inferscale']:.1f}%; {leaves}")
+
+
+if __name__ == "__main__":
+    for arg in sys.argv[1:]:
+        print(arg)
+        print(json.dumps(summarize(Path(arg), float(os.environ.get("SECONDS_ROW", "15"))), indent=1))

@@ -1,0 +1,40 @@
+"""benchmarks/engine_profile.py: reading py-spy's raw stacks back into a row's busy, waiting and working shares."""
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+import engine_profile  # noqa: E402
+
+RAW = """\
+thread (0x7F01);run_busy_loop (vllm/v1/engine/core.py:700);schedule (vllm/v1/core/sched/scheduler.py:300) 300
+thread (0x7F01);run_busy_loop (vllm/v1/engine/core.py:700);get_num_new_matched_tokens (inferscale/connector/vllm_adapter.py:130);plan_request (inferscale/inject/planner.py:74) 100
+thread (0x7F01);run_busy_loop (vllm/v1/engine/core.py:700);sched_yield (vllm/distributed/utils.py:46) 500
+thread (0x7F02);Thread.run (threading.py:982);Condition.wait (threading.py:327) 40
+"""
+
+
+def test_summary_of_the_busiest_thread(tmp_path):
+    path = tmp_path / "100u_kv@0_0_EngineCore.txt"
+    path.write_text(RAW)
+    summary = engine_profile.summarize(path, seconds=10.0, rate=100)  # 1,000 samples a thread at most
+    assert summary["busy"] == 0.9 and summary["waiting"] == 0.5 and summary["working"] == 0.4
+    assert summary["inferscale"] == 0.1 and summary["threads"] == 2
+    assert summary["self"][0] == ("sched_yield (utils.py)", 0.5)
+    assert ("plan_request (planner.py)", 0.1) in summary["self"]
+    assert "working 40% of the row (busy 90%), InferScale 10.0%" in engine_profile.line("EngineCore", summary)
+
+
+def test_no_file_no_profile(tmp_path):
+    assert engine_profile.summarize(tmp_path / "missing.txt", 10.0) is None
+    assert engine_profile.line("Worker", None) == "  Worker: no profile"
+
+
+def test_profile_needs_py_spy(monkeypatch):
+    import vllm_serve_load
+
+    monkeypatch.setenv("PY_SPY", "/nonexistent/py-spy")
+    with pytest.raises(SystemExit):
+        vllm_serve_load.main(["--shape", "smoke", "--profile", "/tmp/unused"])
