@@ -13,7 +13,7 @@
 #   default   the adaptive tail at 1/10/30/100 users, 3 repeats, on the store STORE (pinned) and ASYNC
 #   fp8       pinned, beside the batch, K/V at rest in fp8 (100 users, 3 repeats)
 #   ttft      ttft.py, lone requests at k = 10/50: hbm, pinned:sync, pinned:auto (alone: before the
-#             forward pass), pinned:async (always beside the batch)
+#             forward pass), pinned:async (always beside the batch); TTFT_STORES picks fewer
 #   users1000 benchmarks/tier_users.py (its docstring's GPU command)
 # PROFILE=1: the stores step also samples the server's processes with py-spy during every row
 # (vllm_serve_load.py --profile; the static binary carried as .gpu/py-spy): where the engine's host time goes.
@@ -64,9 +64,9 @@ if has fp8; then
     --async-loads "$ASYNC" --kv-dtype-at-rest fp8_e4m3 --out "$RUN/load_fp8" 2>&1 | quiet | tail -12
 fi
 if has ttft; then
-  stamp "TTFT, lone requests, k = 10/50: hbm, pinned:sync, pinned:auto, pinned:async"
+  stamp "TTFT, lone requests, k = 10/50: ${TTFT_STORES:-hbm,pinned:sync,pinned:auto,pinned:async}"
   PYTHONPATH=$NOW timeout 900 python3 benchmarks/ttft.py --cuda-graphs --shape llama-3.1-8b --ks 10,50 --reps 20 \
-    --kv-stores hbm,pinned:sync,pinned:auto,pinned:async --out "$RUN/ttft_stores.json" 2>&1 | quiet | tail -16
+    --kv-stores "${TTFT_STORES:-hbm,pinned:sync,pinned:auto,pinned:async}" --out "$RUN/ttft_stores.json" 2>&1 | quiet | tail -16
 fi
 if has users1000 && [[ -f benchmarks/tier_users.py ]]; then
   stamp "the 1,000-user tier run"
