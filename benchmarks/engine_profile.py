@@ -145,6 +145,33 @@ def line(name: str, summary: dict | None) -> str:
             f"{100 * summary['busy']:.0f}%), InferScale {100 * summary['inferscale']:.1f}%; {leaves}")
 
 
+def table(runs: list[dict]) -> str:
+    """Markdown: per users, system and process, the median over the rounds of the busiest thread's
+    working / busy / InferScale shares (min-max of working), and its hottest functions in the first round."""
+    groups: dict[tuple, list[dict]] = {}
+    for run in runs:
+        for name, summary in (run.get("profile") or {}).items():
+            if summary is not None:
+                groups.setdefault((run["users"], run["system"], name), []).append(summary)
+    if not groups:
+        return ""
+    lines = ["| users | system | process | working % of the row (min-max) | busy % | InferScale % | hottest functions (first round) |",
+             "|---|---|---|---|---|---|---|"]
+    for (users, system, name), found in groups.items():
+        working = sorted(100 * s["working"] for s in found)
+        hottest = ", ".join(f"{f} {100 * share:.1f}" for f, share in found[0]["self"][:4])
+        lines.append(f"| {users} | {system} | {name} | {_median(working):.0f} ({working[0]:.0f}-{working[-1]:.0f}) | "
+                     f"{_median([100 * s['busy'] for s in found]):.0f} | "
+                     f"{_median([100 * s['inferscale'] for s in found]):.1f} | {hottest} |")
+    return "\n".join(lines) + "\n"
+
+
+def _median(values: list[float]) -> float:
+    import statistics
+
+    return statistics.median(values)
+
+
 if __name__ == "__main__":
     for arg in sys.argv[1:]:
         print(arg)

@@ -436,6 +436,11 @@ def table(result: dict) -> str:
                      f"{r.get('queue_mean_ms', 0):.1f} | {r.get('latency_p50_ms') or 0:.1f} / "
                      f"{r.get('latency_p99_ms') or 0:.1f} | {r.get('client_cpu_share', float('nan')):.0%} | "
                      f"{r['failed']} |")
+    profile = engine_profile.table(result.get("runs", []))
+    if profile:
+        lines += ["", "Where the server's processes spent each row (py-spy, `--profile`; benchmarks/engine_profile.py): "
+                  "the busiest thread's share of the row at work, busy (waits included) and inside InferScale.", "",
+                  profile.rstrip("\n")]
     return "\n".join(lines) + "\n"
 
 

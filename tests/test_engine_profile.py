@@ -38,3 +38,16 @@ def test_profile_needs_py_spy(monkeypatch):
     monkeypatch.setenv("PY_SPY", "/nonexistent/py-spy")
     with pytest.raises(SystemExit):
         vllm_serve_load.main(["--shape", "smoke", "--profile", "/tmp/unused"])
+
+
+def test_table_takes_the_median_over_rounds():
+    def summary(working):
+        return {"busy": working + 0.1, "waiting": 0.1, "working": working, "inferscale": 0.02,
+                "self": [("schedule (scheduler.py)", 0.2)]}
+
+    runs = [{"users": 100, "system": "kv@0", "profile": {"EngineCore": summary(w), "APIServer": None}}
+            for w in (0.5, 0.7, 0.6)]
+    runs.append({"users": 100, "system": "none"})  # a row run without --profile
+    text = engine_profile.table(runs)
+    assert text.count("\n") == 3 and "| 100 | kv@0 | EngineCore | 60 (50-70) | 70 | 2.0 | schedule (scheduler.py) 20.0 |" in text
+    assert engine_profile.table([{"users": 1, "system": "none"}]) == ""
