@@ -34,7 +34,9 @@ output tokens/s, the engine's time to the first token (vLLM's own histogram on `
 mean, p50/p99 as bucket bounds), the client's latency p50/p99, failed requests. Answers are not
 streamed unless ``--stream`` (then no request's report, so no budget, reaches the client): one Python
 client parsing a hundred streams of server-sent events (and the API server producing them) limited
-requests/s before the engine did, for every system alike. Writes ``<out>.json``, ``<out>.md`` and ``<out>.png``.
+requests/s before the engine did, for every system alike. With ``--profile DIR`` py-spy samples the
+server's processes during every row (:mod:`engine_profile`): whether the engine's thread, the API server or
+the GPU set the pace. Writes ``<out>.json``, ``<out>.md`` and ``<out>.png``.
 """
 
 from __future__ import annotations
