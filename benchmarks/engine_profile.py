@@ -11,8 +11,9 @@ stacks, one thread per stack root), and :func:`summarize` reads one back:
 * ``busy``: the busiest thread's samples over the samples a row of that length holds at the rate:
   the share of the row it was not idle (a thread spinning on the GPU counts as busy: its frames
   say where, e.g. a synchronize);
-* ``waiting``: the part of ``busy`` spent in a waiting function (:data:`WAITS`: spinning on a
-  queue, a condition, a socket or the GPU), and ``working`` the rest: the thread's real host work;
+* ``waiting``: the part of ``busy`` spent in a waiting function (:data:`WAITS`, by exact name:
+  spinning on a queue, a condition, a socket or the GPU), and ``working`` the rest: the thread's
+  real host work;
 * ``self``: the functions the busiest thread was in (leaf frames), as shares of the row;
 * ``inferscale``: the share of the row inside InferScale's own code (any frame of the package).
 
@@ -26,6 +27,7 @@ import json
 import os
 import re
 import shutil
+import statistics
 import subprocess
 import sys
 from collections import Counter
@@ -33,9 +35,11 @@ from pathlib import Path
 
 #: samples a second
 RATE = 100
-#: leaf functions that wait (vLLM's shared-memory queues spin on sched_yield; torch waits for the GPU
-#: in synchronize)
-WAITS = ("sched_yield", "wait", "acquire_read", "dequeue", "poll", "select", "synchronize", "recv", "sleep")
+#: leaf functions that wait, by name (vLLM's shared-memory queues spin on sched_yield; torch waits for
+#: the GPU in synchronize); a name that only contains one (wait_for_layer_load) works, and so does any
+#: function of InferScale's own (HeldBlocks.select)
+WAITS = frozenset({"sched_yield", "wait", "_wait", "acquire_read", "dequeue", "poll", "select", "synchronize",
+                   "recv", "recv_multipart", "sleep"})
 _OURS = re.compile(r"[(/]inferscale/")  # py-spy names a file relative to its sys.path entry
 _THREAD = re.compile(r"^(?:process \d+:[^;]*;)?thread \((0x[0-9A-Fa-f]+)\)")
 
@@ -68,7 +72,8 @@ class RowProfiler:
     """Samples the server's processes (:func:`server_processes` of ``root_pid``) row by row into ``out``."""
 
     def __init__(self, binary: str, root_pid: int, out: Path):
-        self.binary, self.root_pid, self.out = binary, root_pid, out
+        self.binary, self.out = binary, out
+        self.pids = server_processes(root_pid)  # the server is up: its processes stay for the run
         self._running: list[tuple[str, Path, subprocess.Popen]] = []
         self._seconds = 0.0
 
@@ -76,7 +81,7 @@ class RowProfiler:
         """One recorder per process for ``seconds`` (the row's length), writing ``out/<tag>_<name>.txt``."""
         self.out.mkdir(parents=True, exist_ok=True)
         self._seconds = seconds
-        for name, pid in server_processes(self.root_pid).items():
+        for name, pid in self.pids.items():
             path = self.out / f"{tag}_{name}.txt"
             command = [self.binary, "record", "--pid", str(pid), "--duration", str(max(1, round(seconds))),
                        "--rate", str(RATE), "--nonblocking", "--threads", "--format", "raw", "-o", str(path)]
@@ -104,6 +109,7 @@ def summarize(path: Path, seconds: float, rate: int = RATE, top: int = 8) -> dic
     threads: Counter[str] = Counter()
     leaves: dict[str, Counter[str]] = {}
     ours: Counter[str] = Counter()
+    waits: Counter[str] = Counter()
     for line in path.read_text(errors="replace").splitlines():
         stack, _, count = line.rpartition(" ")
         if not count.isdigit():
@@ -112,14 +118,17 @@ def summarize(path: Path, seconds: float, rate: int = RATE, top: int = 8) -> dic
         match = _THREAD.match(stack)
         thread = match.group(1) if match else "?"
         threads[thread] += n
-        leaves.setdefault(thread, Counter())[_frame(stack.rsplit(";", 1)[-1])] += n
+        leaf = stack.rsplit(";", 1)[-1]
+        leaves.setdefault(thread, Counter())[_frame(leaf)] += n
+        if _waits(leaf):
+            waits[thread] += n
         if _OURS.search(stack):
             ours[thread] += n
     if not threads:
         return {"busy": 0.0, "waiting": 0.0, "working": 0.0, "self": [], "inferscale": 0.0}
     busiest, samples = threads.most_common(1)[0]
     expected = max(1.0, seconds * rate)
-    waiting = sum(n for name, n in leaves[busiest].items() if _waits(name))
+    waiting = waits[busiest]
     return {"busy": round(samples / expected, 3), "waiting": round(waiting / expected, 3),
             "working": round((samples - waiting) / expected, 3), "threads": len(threads),
             "self": [(name, round(n / expected, 3)) for name, n in leaves[busiest].most_common(top)],
@@ -127,8 +136,8 @@ def summarize(path: Path, seconds: float, rate: int = RATE, top: int = 8) -> dic
 
 
 def _waits(frame: str) -> bool:
-    name = frame.split(" (", 1)[0].rsplit(".", 1)[-1]
-    return any(w in name.lower() for w in WAITS)
+    """Whether a leaf frame waits: its function's name is one of :data:`WAITS`, outside InferScale."""
+    return frame.split(" (", 1)[0].rsplit(".", 1)[-1] in WAITS and not _OURS.search(frame)
 
 
 def _frame(frame: str) -> str:
@@ -141,7 +150,7 @@ def line(name: str, summary: dict | None) -> str:
     if summary is None:
         return f"  {name}: no profile"
     leaves = ", ".join(f"{f} {100 * s:.0f}%" for f, s in summary["self"][:4])
-    return (f"  {name}: working {100 * summary.get('working', 0):.0f}% of the row (busy "
+    return (f"  {name}: working {100 * summary['working']:.0f}% of the row (busy "
             f"{100 * summary['busy']:.0f}%), InferScale {100 * summary['inferscale']:.1f}%; {leaves}")
 
 
@@ -160,16 +169,10 @@ def table(runs: list[dict]) -> str:
     for (users, system, name), found in groups.items():
         working = sorted(100 * s["working"] for s in found)
         hottest = ", ".join(f"{f} {100 * share:.1f}" for f, share in found[0]["self"][:4])
-        lines.append(f"| {users} | {system} | {name} | {_median(working):.0f} ({working[0]:.0f}-{working[-1]:.0f}) | "
-                     f"{_median([100 * s['busy'] for s in found]):.0f} | "
-                     f"{_median([100 * s['inferscale'] for s in found]):.1f} | {hottest} |")
+        lines.append(f"| {users} | {system} | {name} | {statistics.median(working):.0f} ({working[0]:.0f}-{working[-1]:.0f}) | "
+                     f"{statistics.median([100 * s['busy'] for s in found]):.0f} | "
+                     f"{statistics.median([100 * s['inferscale'] for s in found]):.1f} | {hottest} |")
     return "\n".join(lines) + "\n"
-
-
-def _median(values: list[float]) -> float:
-    import statistics
-
-    return statistics.median(values)
 
 
 if __name__ == "__main__":

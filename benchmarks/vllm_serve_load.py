@@ -562,7 +562,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.repeats < 1:
         parser.error("--repeats must be at least 1")
     default = parse_default(args.default, systems, parser)
-    if args.profile and not engine_profile.py_spy():
+    spy = engine_profile.py_spy() if args.profile else None
+    if args.profile and not spy:
         parser.error("--profile needs py-spy: set PY_SPY to its binary or put it on PATH")
 
     from inferscale.config import BackendSpec, Config
@@ -587,8 +588,7 @@ def main(argv: list[str] | None = None) -> int:
     proc, url = start_server(model, config, args, log)
     try:
         requests = Requests(str(model), config, prefix, tokens, args.k, args.question_tokens, args.max_tokens)
-        profiler = engine_profile.RowProfiler(engine_profile.py_spy(), proc.pid, Path(args.profile)) \
-            if args.profile else None
+        profiler = engine_profile.RowProfiler(spy, proc.pid, Path(args.profile)) if spy else None
         check, runs = asyncio.run(run(url, requests, args, systems, levels, profiler))
     finally:
         serve_start.stop(proc, dump=False)

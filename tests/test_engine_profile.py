@@ -51,3 +51,12 @@ def test_table_takes_the_median_over_rounds():
     text = engine_profile.table(runs)
     assert text.count("\n") == 3 and "| 100 | kv@0 | EngineCore | 60 (50-70) | 70 | 2.0 | schedule (scheduler.py) 20.0 |" in text
     assert engine_profile.table([{"users": 1, "system": "none"}]) == ""
+
+
+def test_a_wait_is_told_by_its_whole_name(tmp_path):
+    path = tmp_path / "rows.txt"
+    path.write_text("thread (0x1);step (core.py:1);wait_for_layer_load (inferscale/connector/vllm_adapter.py:264) 30\n"
+                    "thread (0x1);step (core.py:1);HeldBlocks.select (inferscale/storage/blocks.py:87) 20\n"
+                    "thread (0x1);step (core.py:1);Event.synchronize (torch/cuda/streams.py:1) 50\n")
+    summary = engine_profile.summarize(path, seconds=1.0, rate=100)
+    assert summary["waiting"] == 0.5 and summary["working"] == 0.5  # only synchronize waits
