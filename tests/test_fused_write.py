@@ -98,7 +98,7 @@ def check(case: int, device: str = "cpu", pinned: bool = False, via: str = "laun
         keys = rope.rotate_range(stacked[0][:, start:, heads], start)
         keys[:, lengths[0] - start:] *= key_scale
         expected.append((mine.to(device), keys.to(dst_dtype), stacked[1][:, start:, heads].to(dst_dtype)))
-    sources = Sources.join(parts).to(torch.device(device))
+    sources = Sources.join(parts).to(torch.device(device), pinned=via == "capped")  # staged as a background load's
     caches = [flash_attention_views(num_blocks, rank_heads, block_size, head_size, dst_dtype, device)
               for _ in range(layers)]
     views = CacheViews.of([(k, v) for _, k, v in caches])
@@ -144,7 +144,9 @@ def write_counted_with_decoys(views, sources, free_slots, cos, sin, head0, rotar
 def write_through_graphs(views, parts, caches, expected, cos, sin, head0, rotary, neox) -> None:
     """Graph replays: both requests; then, into zeroed caches, the second alone (the staging
     buffer still holds more columns: the count must stop them); then both again, from the
-    same graph and from one captured for a new rotary table (the same values)."""
+    same graph and from one captured for a new rotary table (the same values); then writes
+    while the earlier replays are still queued, each from a replica of its own."""
+    from inferscale.inject import write_graphs
     from inferscale.inject.sources import Sources
     from inferscale.inject.write_graphs import WriteGraphs
 
@@ -160,10 +162,24 @@ def write_through_graphs(views, parts, caches, expected, cos, sin, head0, rotary
     done.synchronize()  # the event it returns is recorded after the replay
     alone = expected[1][0]
     verify(caches, expected[1:], alone, views.block_size, parts[1].dtype, views.dtype)
-    assert graphs.write(both, cos, sin) is not None and len(graphs._graphs) == 1  # replayed, not captured again
-    first, = graphs._graphs.values()
+    key = (64, (both.dtype, both.num_heads), None, None)
+    assert graphs.write(both, cos, sin) is not None and len(graphs._graphs[key]) == 1  # replayed, not captured again
+    first, = graphs._graphs[key]
     assert graphs.write(both, cos.clone(), sin.clone()) is not None  # a rotary table made anew: captured again
-    assert graphs._graphs[(64, (both.dtype, both.num_heads), None, None)] is not first
+    renewed, = graphs._graphs[key]
+    assert renewed is not first
+    torch.cuda.synchronize()
+    # replays still queued (behind a sleep on the stream): each write takes a replica of its own, up to
+    # REPLICAS, then none (the kernel is launched instead); every replica wrote the same
+    for cache, _, _ in caches:
+        cache.zero_()
+    torch.cuda._sleep(50_000_000)
+    queued = [graphs.write(parts[1], cos, sin) for _ in range(write_graphs.REPLICAS + 1)]
+    assert all(queued[:-1]) and queued[-1] is None
+    assert len({id(graph) for graph in graphs._graphs[key]}) == write_graphs.REPLICAS
+    torch.cuda.synchronize()
+    verify(caches, expected[1:], alone, views.block_size, parts[1].dtype, views.dtype)
+    assert graphs.write(both, cos, sin) is not None and len(graphs._graphs[key]) == write_graphs.REPLICAS
     torch.cuda.synchronize()
 
 
@@ -184,7 +200,7 @@ def write_through_grouped_graphs(views, parts, caches, cos, sin, head0, rotary, 
     torch.cuda._sleep(50_000_000)  # tens of milliseconds on the stream the replay is queued on
     events = graphs.write(both, cos, sin, groups, 3)
     assert events is not None and [layers for layers, _ in events] == list(groups)
-    assert len(graphs._graphs) == 1  # replayed, not captured again
+    assert [len(replicas) for replicas in graphs._graphs.values()] == [1]  # replayed, not captured again
     reader = torch.cuda.Stream()
     with torch.cuda.stream(reader):
         reader.wait_event(events[0][1])

@@ -134,6 +134,8 @@ def copying(config: Config) -> Config:
 class BackgroundWriter(KVWriter):
     """Issues background loads (:meth:`start`) and tells which have arrived (:meth:`finished`)."""
 
+    pins_tables = True  # the load stream waits for the forward pass before each write
+
     def __init__(self, config: Config, *args, **kwargs):
         super().__init__(copying(config), *args, **kwargs)
         self.fills = UserFills(self.tiers)

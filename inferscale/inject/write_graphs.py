@@ -19,13 +19,19 @@ records (an *external* event: the forward stream, outside the graph, can wait
 for it), so that one graph launch replaces a Triton launch, an event and its
 record per group.
 
-One graph per capacity (powers of two) and way of launching (the groups, the
-programs per layer), captured when a step first needs it, so that few programs
-run idle, and captured again when the rotary table it reads has grown (the old
-graphs are kept until their last replay has run). Where a graph cannot serve a
-step (more tokens than the largest capacity, or its staging buffer still to be
-read by an earlier step the GPU has not reached), the caller launches the kernel
-as usual; a capture that fails turns graphs off for good, with a warning.
+Graphs per capacity (powers of two) and way of launching (the groups, the
+programs per layer), captured when a step first needs one, so that few programs
+run idle, and captured again when the rotary table they read has grown (the old
+graphs are kept until their last replay has run). A graph's staging buffer may be
+written again only once the GPU has run its last replay, and a step's write can
+still be queued when the next step comes: a background load's write waits on its
+stream for the forward pass of the step that issued it, which the engine's host,
+a step ahead under asynchronous scheduling, has only just launched. So each
+capacity keeps up to :data:`REPLICAS` graphs, each with its own buffers, and a
+step replays the first one the GPU is done with. Where no graph can serve a step
+(more tokens than the largest capacity, every replica still queued), the caller
+launches the kernel as usual; a capture that fails turns graphs off for good,
+with a warning.
 """
 
 from __future__ import annotations
@@ -44,6 +50,9 @@ logger = logging.getLogger(__name__)
 
 #: capacities of the graphs, in tokens: 64, 128, ..., 16384
 CAPACITIES = tuple(64 << i for i in range(9))
+#: graphs kept per capacity and way of launching, each with its own staging buffer: the one a step
+#: replays may still be queued at the next step, and (behind the forward pass) at the one after
+REPLICAS = 3
 
 
 @dataclass
@@ -66,7 +75,7 @@ class WriteGraphs:
         self.cache, self.head0, self.rotary_dim, self.neox = cache, head0, rotary_dim, neox
         self.capacities = capacities
         self.device = cache.bases.device
-        self._graphs: dict[tuple, _Graph] = {}  # (capacity, stored dtype and heads, groups, programs)
+        self._graphs: dict[tuple, list[_Graph]] = {}  # (capacity, stored dtype and heads, groups, programs)
         self._retired: list[_Graph] = []  # graphs of an older rotary table, kept until their last replay has run
         self._rotary: tuple[torch.Tensor, torch.Tensor] | None = None  # the cos/sin the graphs read
         self.enabled = self.device.type == "cuda" and fused_write.available()
@@ -91,12 +100,8 @@ class WriteGraphs:
         elif self._retired:
             self._retired = [graph for graph in self._retired if not graph.done.query()]
         key = (capacity, (sources.dtype, sources.num_heads), None if groups is None else tuple(groups), programs)
-        graph = self._graphs.get(key)
+        graph = self._idle(key)
         if graph is None:
-            graph = self._capture(key)
-            if graph is None:
-                return None
-        elif not graph.done.query():  # an earlier replay has not read the staging buffer yet
             return None
         graph.rows[:, :count] = sources.table.numpy()
         graph.count[0] = count
@@ -104,10 +109,19 @@ class WriteGraphs:
         graph.done.record()
         return graph.groups
 
+    def _idle(self, key: tuple) -> _Graph | None:
+        """A graph of ``key`` whose last replay has run (its staging buffer may be written): one
+        kept, else one captured now while fewer than :data:`REPLICAS` are kept; None if none."""
+        replicas = self._graphs.setdefault(key, [])
+        for graph in replicas:
+            if graph.done.query():
+                return graph
+        return self._capture(key) if len(replicas) < REPLICAS else None
+
     def _retire(self) -> None:
         """Drop the graphs; one the GPU may still be replaying (an earlier step, with
         asynchronous scheduling) is kept, with the rotary table it reads, until it has run."""
-        self._retired += [graph for graph in self._graphs.values() if not graph.done.query()]
+        self._retired += [graph for replicas in self._graphs.values() for graph in replicas if not graph.done.query()]
         self._graphs.clear()
 
     def _capture(self, key: tuple) -> _Graph | None:
@@ -117,7 +131,7 @@ class WriteGraphs:
             self.enabled = False
             logger.warning("inferscale: CUDA graphs of the fused write are off (%s: %s)", type(exc).__name__, exc)
             return None
-        self._graphs[key] = graph
+        self._graphs[key].append(graph)
         return graph
 
     def _make(self, capacity: int, stored: tuple[torch.dtype, int], groups: tuple[range, ...] | None,

@@ -62,6 +62,10 @@ def by_stored_kind(ready: list) -> list[list]:
 class KVWriter:
     """Writes each step's loads (:class:`LoadSpec`) for this rank's ``heads`` into the paged cache."""
 
+    #: whether a sources table is staged in pinned memory before its copy (:meth:`Sources.to`): where
+    #: the stream it is copied on has work queued ahead of it
+    pins_tables = False
+
     def __init__(self, config: Config, tiers: Tiers, rope: RotaryEmbedding, heads: slice, head_size: int,
                  stats: ConnectorStats, counts: bool = True):
         self.config, self.tiers, self.rope, self.heads, self.head_size = config, tiers, rope, heads, head_size
@@ -199,7 +203,7 @@ class KVWriter:
                 for layers, event in events if host else ():  # the sources kept until the last group has run
                     self.layer_loads.group_queued(layers, [sources] if layers == groups[-1] else None, event)
                 return sources, events[-1][1]
-        sources = sources.to(self.loader.device)
+        sources = sources.to(self.loader.device, pinned=self.pins_tables)
         neox = self.rope.style == "neox"
         for layers in groups or [None]:
             fused_write.write_tokens(self._cache_views, sources, cos, sin, self.heads.start,
