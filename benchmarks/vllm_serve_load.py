@@ -25,6 +25,14 @@
    * ``prompt`` — the same token ids prefilled (prompt injection; a fresh cache salt per request, so
      vLLM's prefix cache never serves them).
 
+``--kv-store`` may name several stores side by side (``hbm,pinned:auto``: ``STORE[:ASYNC_LOADS]``, the
+mode ``--async-loads`` where none is named): one server each on the same GPU, started one after the
+other (``--gpu-memory-utilization`` is each one's share: 0.4 for two 7B-shape servers on 80 GB), all up
+for the whole run; the KV rows become ``kv@B on STORE`` and each round runs every store's rows back to
+back, so that the stores are compared within the same minute, not across server starts (the question
+alone moved 240-308 req/s between rounds of one start on an H100, more than a 5 % gap); prompt injection
+and the question alone run on the first server.
+
 With ``--repeats N`` each number of users runs N rounds, each round every system once in the order
 prompt, kv@..., none, and each row reports the median over its rounds with the spread (min-max); its
 ratios to prompt injection and to the question alone are taken within each round
@@ -53,6 +61,7 @@ import sys
 import tempfile
 import time
 import uuid
+from dataclasses import dataclass
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -155,8 +164,45 @@ class Requests:
 
 def request_budget(system: str) -> int | None:
     """The budget a ``kv@B`` system's requests carry: B, or none for ``kv@adaptive`` (the connector's own)."""
-    budget = system.split("@")[1]
+    budget = split_system(system)[0].split("@")[1]
     return None if budget == "adaptive" else int(budget)
+
+
+#: what joins a KV system to the server (store) that serves it: ``kv@0 on pinned:auto``
+ON = " on "
+#: the stores a server may hold, and the modes of loading ``--async-loads`` names
+STORES, ASYNC_LOADS = ("hbm", "pinned"), ("auto", "always", "never")
+
+
+def split_system(system: str) -> tuple[str, str | None]:
+    """``kv@0 on hbm`` → (``kv@0``, ``hbm``); a system of the only (or the first) server → (system, None)."""
+    base, _, label = system.partition(ON)
+    return base, label or None
+
+
+def server_specs(value: str, async_loads: str | None) -> list[tuple[str, str, str | None]]:
+    """``--kv-store`` (comma-separated ``STORE[:ASYNC_LOADS]``) as (label, store, async_loads) per
+    server, a spec without a mode taking ``async_loads`` (None: Tuning's default); a ValueError for an
+    unknown store or mode, or a store named twice alike."""
+    specs = []
+    for spec in filter(None, (part.strip() for part in value.split(","))):
+        store, _, mode = spec.partition(":")
+        if store not in STORES or (mode and mode not in ASYNC_LOADS):
+            raise ValueError(f"{spec!r}: expected STORE[:ASYNC_LOADS] with STORE one of {', '.join(STORES)} "
+                             f"and ASYNC_LOADS one of {', '.join(ASYNC_LOADS)}")
+        specs.append((spec, store, mode or async_loads))
+    if not specs:
+        raise ValueError("no store named")
+    if len({label for label, _, _ in specs}) < len(specs):
+        raise ValueError(f"a store named twice in {value!r}")
+    return specs
+
+
+def run_systems(kv: list[str], labels: list[str]) -> list[str]:
+    """Every system a round runs: the question alone, each KV system on each server (one server:
+    the KV systems as named), prompt injection."""
+    served = kv if len(labels) == 1 else [f"{system}{ON}{label}" for system in kv for label in labels]
+    return ["none", *served, "prompt"]
 
 
 def kv_systems(budgets: str) -> list[str]:
@@ -238,6 +284,22 @@ def summarize(system: str, users: int, results: list[dict], seconds: float, max_
             **load_rows.budget_summary(reports)}
 
 
+@dataclass
+class Server:
+    """One `vllm serve` of the run: its label (the ``--kv-store`` spec), process, URL and connector config."""
+
+    label: str
+    proc: subprocess.Popen
+    url: str
+    config: object
+
+
+def server_of(system: str, servers: list[Server]) -> Server:
+    """The server that runs ``system``: the one its label names, else the first."""
+    label = split_system(system)[1]
+    return next((server for server in servers if server.label == label), servers[0])
+
+
 def start_server(model: Path, config, args, log: Path) -> tuple[subprocess.Popen, str]:
     """``serve_start.start`` with the connector and this run's options; an error if it never answers."""
     from inferscale.connector.engine import kv_transfer_config
@@ -293,17 +355,39 @@ async def timed_row(pool, processes: int, url: str, requests: Requests, system: 
     return [r for results, _ in done for r in results], sum(cpu for _, cpu in done)
 
 
-async def run(url: str, requests: Requests, args, systems: list[str], levels: list[int],
-              profiler: engine_profile.RowProfiler | None = None) -> tuple[dict, list[dict]]:
+async def warm_up(servers: list[Server], requests: Requests, systems: list[str], users: list[str]) -> list[dict]:
+    """Every user once on every server (not timed): each memory tier loads each user, and the
+    reports say what was injected."""
+    checks = []
+    for server in servers:
+        kv = [s for s in systems if s.startswith("kv@") and server_of(s, servers) is server]
+        if kv:
+            client = make_client(server.url, len(users))
+            checks += await asyncio.gather(*(one(client, requests, kv[0], u, stream=False) for u in users))
+            await client.close()
+    return checks
+
+
+def counters(servers: list[Server]) -> dict:
+    """The connector's counters of each server (of the only one: as they are)."""
+    found = {server.label: connector_counters(scrape(server.url)) for server in servers}
+    return found[servers[0].label] if len(servers) == 1 else found
+
+
+def counted_since(before: dict, after: dict) -> dict:
+    if after and all(isinstance(v, dict) for v in after.values()):  # one entry per server
+        return {label: counted_since(before.get(label, {}), counts) for label, counts in after.items()}
+    return {k: after[k] - before.get(k, 0.0) for k in after}
+
+
+async def run(servers: list[Server], requests: Requests, args, systems: list[str], levels: list[int],
+              profilers: dict[str, engine_profile.RowProfiler] | None = None) -> tuple[dict, list[dict]]:
     from concurrent.futures import ProcessPoolExecutor
     from multiprocessing import get_context
 
-    client = make_client(url, max(levels))
+    profilers = profilers or {}
     users = sorted(requests.tokens, key=lambda u: int(u[4:]))
-    kv = [s for s in systems if s.startswith("kv@")]
-    # every user once (not timed): the memory tier loads each user, and the report says what was injected
-    checks = await asyncio.gather(*(one(client, requests, kv[0], u, stream=False) for u in users)) if kv else []
-    await client.close()
+    checks = await warm_up(servers, requests, systems, users)
     injected = [((c.get("report") or {}).get("inferscale") or {}) for c in checks]
     check = {"users": len(checks), "failed": sum(not c["ok"] for c in checks),
              "reports": injected[:2], "errors": sorted({c.get("error", "") for c in checks if not c["ok"]})[:3]}
@@ -313,14 +397,16 @@ async def run(url: str, requests: Requests, args, systems: list[str], levels: li
     # graphs and kernels for each shape warm up
     with ProcessPoolExecutor(args.clients, mp_context=get_context("spawn")) as pool:
         for system in systems:
-            await timed_row(pool, args.clients, url, requests, system, users[:4 * args.clients], 1.0, False,
-                            ("warm", system))
-        before = connector_counters(scrape(url))
+            await timed_row(pool, args.clients, server_of(system, servers).url, requests, system,
+                            users[:4 * args.clients], 1.0, False, ("warm", system))
+        before = counters(servers)
         rows = []
         for level, repeat, system in rounds(levels, args.repeats, systems):
+            server = server_of(system, servers)
+            url, profiler = server.url, profilers.get(server.label)
             snapshot = scrape(url)
             if profiler:
-                profiler.start(f"{level}u_{system}_{repeat}", args.seconds)
+                profiler.start(f"{level}u_{system}_{repeat}".replace(" ", "_"), args.seconds)
             results, cpu = await timed_row(pool, args.clients, url, requests, system, users[:level],
                                            args.seconds, args.stream, (level, system, repeat))
             await asyncio.sleep(0.5)  # the engine's last stats reach /metrics
@@ -335,15 +421,14 @@ async def run(url: str, requests: Requests, args, systems: list[str], levels: li
             if profiler:
                 row["profile"] = profiler.collect()
             rows.append(row)
-            print(f"{level:4d} users {system:11s} #{repeat} {row['requests_per_s']:8.2f} req/s  B mean "
+            print(f"{level:4d} users {system:{max(map(len, systems))}s} #{repeat} {row['requests_per_s']:8.2f} req/s  B mean "
                   f"{row.get('budget_mean', float('nan')):5.0f}  engine TTFT mean "
                   f"{row.get('ttft_mean_ms', 0):8.1f} ms (p50 ≤ {row.get('ttft_p50_le_ms', 0):.0f}, p99 ≤ "
                   f"{row.get('ttft_p99_le_ms', 0):.0f})  latency p50 {row['latency_p50_ms'] or 0:8.1f} ms  "
                   f"client CPU {100 * row['client_cpu_share']:.0f} %  failed {row['failed']}", flush=True)
             for name, summary in row.get("profile", {}).items():
                 print(engine_profile.line(name, summary), flush=True)
-    after = connector_counters(scrape(url))
-    check["connector_counts_during_runs"] = {k: after[k] - before.get(k, 0.0) for k in after}
+    check["connector_counts_during_runs"] = counted_since(before, counters(servers))
     print(f"connector counters during the timed runs: {check['connector_counts_during_runs']}", flush=True)
     return check, rows
 
@@ -404,6 +489,15 @@ def _clients(rows: list[dict]) -> str:
     return "one process drives every user" if most == 1 else f"the users spread over up to {most} processes"
 
 
+def _stores(result: dict) -> str:
+    servers = result.get("servers") or []
+    if len(servers) < 2:
+        return f"KV store {result['kv_store']}"
+    each = ", ".join(f"{s['label']} (async_loads {s['async_loads']})" for s in servers)
+    return (f"KV stores side by side, one `vllm serve` each on one device, every round running each one's rows "
+            f"back to back: {each}; prompt injection and the question alone on {servers[0]['label']}'s server")
+
+
 def table(result: dict) -> str:
     rows = result["rows"]
     counts = result["warm_up"].get("connector_counts_during_runs", {})
@@ -414,7 +508,7 @@ def table(result: dict) -> str:
     lines = [f"# Load through `vllm serve`: {result['model']}", "", f"`{result['command']}`", "",
              f"{result['facts_per_user']} facts a user, k = {result['k']} ({result['memory_tokens']} memory tokens), "
              f"{result['question_tokens']}-token questions, {result['max_tokens']} output tokens, "
-             f"{each}, KV store {result['kv_store']}. Recompute budget: what the connector chose per request "
+             f"{each}, {_stores(result)}. Recompute budget: what the connector chose per request "
              f"(mean, and B: requests), from each request's report; kv@adaptive is the default "
              f"(adaptive tail, thresholds {json.dumps(result.get('tail_thresholds', {}))}). Client CPU: the "
              f"benchmark client's CPU time over the row's span, per client process ({_clients(rows)}; near 100 % "
@@ -492,12 +586,15 @@ def add_engine_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--start-timeout", type=float, default=600)
 
 
-def tuning_of(args):
-    """``Config.tuning`` from :func:`add_engine_options`' switches (Tuning's defaults where none was given)."""
+def tuning_of(args, async_loads: str | None = None):
+    """``Config.tuning`` from :func:`add_engine_options`' switches (Tuning's defaults where none was
+    given), loading as ``async_loads`` says where it is given."""
     from inferscale.config import Tuning
 
     given = {name: getattr(args, name) for name in ("tail_max_step_tokens", "tail_max_waiting", "pinned_reads",
                                                     "async_loads") if getattr(args, name) is not None}
+    if async_loads is not None:
+        given["async_loads"] = async_loads
     return Tuning(fused_write=not args.layerwise_write, **given)
 
 
@@ -542,7 +639,9 @@ def main(argv: list[str] | None = None) -> int:
                         "requests/s before the engine does)")
     parser.add_argument("--clients", type=int, default=max(1, min(4, (os.cpu_count() or 2) // 4)),
                         help="client processes, the users spread over them (default: a quarter of the cores, 1-4)")
-    parser.add_argument("--kv-store", default="hbm", choices=["hbm", "pinned"])
+    parser.add_argument("--kv-store", default="hbm", metavar="STORE[:ASYNC_LOADS],...",
+                        help="the store (hbm, pinned), or several side by side on one GPU, a server each, with "
+                             "their own async_loads where named: 'hbm,pinned:auto' (see the module)")
     add_engine_options(parser)
     parser.add_argument("--default", default=None, metavar="METHOD=SYSTEM",
                         help="name the product's default: the accuracy method (as benchmarks/locomo_accuracy.py "
@@ -556,9 +655,14 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     levels = [int(u) for u in args.users.split(",")]
     try:
-        systems = ["none", *kv_systems(args.budgets), "prompt"]
+        kv = kv_systems(args.budgets)
     except ValueError as exc:
         parser.error(f"--budgets: {exc}")
+    try:
+        specs = server_specs(args.kv_store, args.async_loads)
+    except ValueError as exc:
+        parser.error(f"--kv-store: {exc}")
+    systems = run_systems(kv, [label for label, _, _ in specs])
     if args.repeats < 1:
         parser.error("--repeats must be at least 1")
     default = parse_default(args.default, systems, parser)
@@ -578,20 +682,26 @@ def main(argv: list[str] | None = None) -> int:
     memory_bytes = max(levels) * args.facts * args.fact_tokens * kv_bytes_per_token(cfg)
     print(f"{max(levels)} users × {args.facts} facts: {memory_bytes / 2**30:.1f} GiB of K/V written in "
           f"{time.monotonic() - began:.0f} s", flush=True)
-    store = BackendSpec(args.kv_store, {"max_bytes": int(memory_bytes * 1.25) + (1 << 30)})
-    # every kv@B request carries its own budget; kv@adaptive's carry none: the connector's default
-    config = Config(model=str(model), data_dir=str(work), kv_store=store, recompute_tokens="adaptive",
-                    kv_dtype_at_rest=args.kv_dtype_at_rest, tuning=tuning_of(args))
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    log = out.parent / f"{out.name}_server.log"
-    proc, url = start_server(model, config, args, log)
+    servers: list[Server] = []
     try:
+        for label, store, async_loads in specs:  # one after another: each sizes its KV cache from what is free
+            # every kv@B request carries its own budget; kv@adaptive's carry none: the connector's default
+            config = Config(model=str(model), data_dir=str(work), recompute_tokens="adaptive",
+                            kv_store=BackendSpec(store, {"max_bytes": int(memory_bytes * 1.25) + (1 << 30)}),
+                            kv_dtype_at_rest=args.kv_dtype_at_rest, tuning=tuning_of(args, async_loads))
+            name = f"{out.name}_server" + (f"_{label.replace(':', '_')}" if len(specs) > 1 else "")
+            proc, url = start_server(model, config, args, out.parent / f"{name}.log")
+            servers.append(Server(label, proc, url, config))
+        config = servers[0].config
         requests = Requests(str(model), config, prefix, tokens, args.k, args.question_tokens, args.max_tokens)
-        profiler = engine_profile.RowProfiler(spy, proc.pid, Path(args.profile)) if spy else None
-        check, runs = asyncio.run(run(url, requests, args, systems, levels, profiler))
+        profilers = {s.label: engine_profile.RowProfiler(spy, s.proc.pid, Path(args.profile)) for s in servers} \
+            if spy else None
+        check, runs = asyncio.run(run(servers, requests, args, systems, levels, profilers))
     finally:
-        serve_start.stop(proc, dump=False)
+        for server in servers:
+            serve_start.stop(server.proc, dump=False)
         shutil.rmtree(work, ignore_errors=True)  # the users' K/V: tens of GB at 100 users
     device = device_name()
     mode = "CUDA graphs" if args.cuda_graphs else "eager"
@@ -601,9 +711,12 @@ def main(argv: list[str] | None = None) -> int:
               "command": " ".join(["python", *sys.argv]), "facts_per_user": args.facts, "k": args.k,
               "memory_tokens": args.prefix_tokens + args.k * args.fact_tokens, "question_tokens": args.question_tokens,
               "max_tokens": args.max_tokens, "seconds": args.seconds, "kv_store": args.kv_store,
+              "servers": [{"label": s.label, "kv_store": s.config.kv_store.name,
+                           "async_loads": s.config.tuning.async_loads} for s in servers],
               "kv_dtype_at_rest": args.kv_dtype_at_rest,
               "fused_write": not args.layerwise_write, "pinned_reads": config.tuning.pinned_reads,
-              "async_loads": config.tuning.async_loads,
+              "async_loads": (config.tuning.async_loads if len(servers) == 1 else
+                              {s.label: s.config.tuning.async_loads for s in servers}),
               "memory_gib": memory_bytes / 2**30, "repeats": args.repeats,
               "tail_thresholds": {k: getattr(config.tuning, k) for k in ("tail_max_step_tokens", "tail_max_waiting")},
               "warm_up": check, "rows": load_rows.aggregate(runs), "runs": runs}

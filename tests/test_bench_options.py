@@ -144,6 +144,7 @@ def test_prefix_cache_goal_reads_the_interval_of_kv_minus_the_cached_head():
 def load_module():
     spec = importlib.util.spec_from_file_location("serve_load_bench", REPO / "benchmarks" / "vllm_serve_load.py")
     module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # (its dataclasses look their module up)
     spec.loader.exec_module(module)
     return module
 
@@ -279,3 +280,49 @@ def test_the_budgets_chosen_are_pooled_over_the_repeats():
     fixed = rows.budget_summary([{"fallback": None, "recompute_budget": 0, "recomputed_tokens": 0,
                                   "engine_busy": None}])
     assert fixed["busy_share"] is None and rows.aggregate([_run(1, "kv@0", 0, 1.0, **fixed)])[0]["busy_share"] is None
+
+
+def test_the_load_run_sets_stores_side_by_side_a_server_each():
+    load = load_module()
+    assert load.server_specs("pinned", "auto") == [("pinned", "pinned", "auto")]
+    assert load.server_specs("hbm:never, pinned", None) == [("hbm:never", "hbm", "never"), ("pinned", "pinned", None)]
+    for bad in ("disk", "pinned:sometimes", "hbm,hbm", "", "pinned:auto,pinned:auto"):
+        with pytest.raises(ValueError):
+            load.server_specs(bad, None)
+    # one server: the systems as ever; several: each KV system on each, a store's rows back to back
+    assert load.run_systems(["kv@0"], ["pinned"]) == ["none", "kv@0", "prompt"]
+    both = load.run_systems(["kv@0", "kv@adaptive"], ["hbm", "pinned:auto"])
+    assert both == ["none", "kv@0 on hbm", "kv@0 on pinned:auto", "kv@adaptive on hbm", "kv@adaptive on pinned:auto",
+                    "prompt"]
+    assert [load.request_budget(s) for s in both[1:-1]] == [0, 0, None, None]
+    servers = [load.Server(label, None, f"http://{label}", None) for label in ("hbm", "pinned:auto")]
+    assert [load.server_of(s, servers).label for s in both] == ["hbm", "hbm", "pinned:auto", "hbm", "pinned:auto",
+                                                                 "hbm"]
+    # counters over the timed runs, per server when there are several
+    assert load.counted_since({"a": 1.0}, {"a": 3.0, "b": 2.0}) == {"a": 2.0, "b": 2.0}
+    assert load.counted_since({"hbm": {"a": 1.0}}, {"hbm": {"a": 4.0}, "pinned": {"a": 1.0}}) == {
+        "hbm": {"a": 3.0}, "pinned": {"a": 1.0}}
+
+
+def test_stores_side_by_side_are_compared_within_each_round():
+    """Each store's ratio to prompt injection is taken in the rounds it ran, so a round where the
+    machine was slower moves every store alike; the table names each server's store and mode."""
+    load = load_module()
+    import load_rows
+
+    rates = {"prompt": (40.0, 30.0), "kv@0 on hbm": (200.0, 150.0), "kv@0 on pinned:auto": (190.0, 144.0),
+             "none": (300.0, 225.0)}
+    runs = [{"users": 100, "system": system, "repeat": repeat, "requests_per_s": rate[repeat], "requests": 10,
+             "failed": 0, "output_tokens_per_s": 1.0, "latency_p50_ms": 1.0, "latency_p99_ms": 1.0}
+            for repeat in (0, 1) for system, rate in rates.items()]
+    rows = {row["system"]: row for row in load_rows.aggregate(runs)}
+    assert rows["kv@0 on hbm"]["x_prompt"]["min"] == rows["kv@0 on hbm"]["x_prompt"]["max"] == 5.0
+    assert rows["kv@0 on pinned:auto"]["x_prompt"]["median"] == pytest.approx((4.75 + 4.8) / 2)
+    result = {"model": "m", "command": "c", "facts_per_user": 60, "k": 50, "memory_tokens": 1032,
+              "question_tokens": 16, "max_tokens": 32, "seconds": 20, "repeats": 2, "kv_store": "hbm,pinned:auto",
+              "servers": [{"label": "hbm", "kv_store": "hbm", "async_loads": "never"},
+                          {"label": "pinned:auto", "kv_store": "pinned", "async_loads": "auto"}],
+              "warm_up": {}, "rows": list(rows.values()), "runs": runs}
+    table = load.table(result)
+    assert "side by side" in table and "pinned:auto (async_loads auto)" in table
+    assert "| 100 | kv@0 on pinned:auto | 167.00 (144.00-190.00) |" in table

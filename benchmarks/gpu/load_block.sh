@@ -3,13 +3,15 @@
 # the GPU tests of background loads and of fp8 at rest, then throughput under load for every store
 # and read mode side by side, the adaptive default at 1/10/30/100 users, fp8 at rest, lone-request
 # TTFT, and the 1,000-user tier run.
-#   RUN=/tmp/run STEPS="tests host stores default fp8 ttft users1000" bash benchmarks/gpu/load_block.sh
+#   RUN=/tmp/run STEPS="tests host side default fp8 ttft users1000" bash benchmarks/gpu/load_block.sh
 # Needs /tmp/parts/vllm-0.26.0-site.tar.zst.NN and .gpu/zstd. Each step writes under $RUN.
 #   tests     pytest: background writer and loads (CUDA graphs), the fused write (fp8 decode), fp8 at rest
 #   host      host_path.py from the pinned store at k = 50: the host time of a load's sources, facts
 #             copied a run at a time against a copy per fact (a minute)
-#   stores    vllm_serve_load.py at 100 users, B = 0, 3 interleaved repeats of 20 s: hbm, pinned read
-#             before the forward pass (async_loads never), pinned loaded beside the batch (auto)
+#   side      vllm_serve_load.py at 100 users, B = 0, 3 interleaved repeats of 20 s, the stores of SIDE side
+#             by side in one run (a server each on the GPU, SIDE_GPU_UTIL each; a round runs every store's
+#             rows back to back): hbm and pinned read before the forward pass (async_loads never) by default
+#   stores    the same, one run (and server start) per store:async_loads pair of SPECS, one after another
 #   default   the adaptive tail at 1/10/30/100 users, 3 repeats, on the store STORE (pinned) and ASYNC
 #   fp8       pinned, beside the batch, K/V at rest in fp8 (100 users, 3 repeats)
 #   ttft      ttft.py, lone requests at k = 10/50: hbm, pinned:sync, pinned:auto (alone: before the
@@ -24,6 +26,8 @@ STORE=${STORE:-pinned} ASYNC=${ASYNC:-auto} SECONDS_ROW=${SECONDS_ROW:-20} REPEA
 # the stores step: which store:async_loads pairs, at which budgets (a short block: SPECS="pinned:auto
 # hbm:never" STORE_BUDGETS=0,adaptive)
 SPECS=${SPECS:-hbm:never pinned:never pinned:auto} STORE_BUDGETS=${STORE_BUDGETS:-0}
+# the side step: the stores side by side (two 7B-shape servers fit an 80 GB GPU at 0.4 each)
+SIDE=${SIDE:-hbm:never,pinned:never} SIDE_GPU_UTIL=${SIDE_GPU_UTIL:-0.4}
 # more vllm_serve_load.py options for every load step; 60 facts a user by default: 100 users' memory is
 # written in ~20 s instead of 71 (200 facts), and a request reads 50 of them either way
 LOAD_ARGS=${LOAD_ARGS-"--facts 60"}
@@ -44,6 +48,14 @@ if has host; then
   stamp "host path: the pinned store's sources at k = 50, a run of facts per copy against a copy per fact"
   PYTHONPATH=$NOW timeout 600 python3 benchmarks/host_path.py --kv-store pinned --ks 50 --reps 100 \
     --out "$RUN/host_path_pinned.json" 2>&1 | quiet | tail -6
+fi
+if has side; then
+  stamp "load: $SIDE side by side, 100 users, B = $STORE_BUDGETS, $REPEATS repeats"
+  show=${PROFILE:+64}; show=${show:-16}
+  PYTHONPATH=$NOW timeout 1500 "${load[@]}" --gpu-memory-utilization "$SIDE_GPU_UTIL" --users 100 --budgets "$STORE_BUDGETS" \
+    --repeats "$REPEATS" --kv-store "$SIDE" --out "$RUN/load_side" ${PROFILE:+--profile "$RUN/profile_side"} 2>&1 | quiet \
+    | tail -n "$show"
+  rm -rf /tmp/vllm_serve_load_* 2>/dev/null
 fi
 if has stores; then
   show=${PROFILE:+48}; show=${show:-12}  # lines of each run's output kept in the log (a profile adds 3 a row)
