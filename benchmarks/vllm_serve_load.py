@@ -25,8 +25,9 @@
    * ``prompt`` — the same token ids prefilled (prompt injection; a fresh cache salt per request, so
      vLLM's prefix cache never serves them).
 
-``--kv-store`` may name several stores side by side (``hbm,pinned:auto``: ``STORE[:ASYNC_LOADS]``, the
-mode ``--async-loads`` where none is named): one server each on the same GPU, started one after the
+``--kv-store`` may name several stores side by side (``hbm,pinned:auto``:
+``STORE[:ASYNC_LOADS[:PINNED_READS]]``, ``--async-loads`` and ``--pinned-reads`` where a spec names
+none; ``pinned:never:overlap,pinned:never:copy`` sets two ways of reading host memory side by side): one server each on the same GPU, started one after the
 other (``--gpu-memory-utilization`` is each one's share: 0.4 for two 7B-shape servers on 80 GB), all up
 for the whole run; the KV rows become ``kv@B on STORE`` and each round runs every store's rows back to
 back, so that the stores are compared within the same minute, not across server starts (the question
@@ -170,8 +171,9 @@ def request_budget(system: str) -> int | None:
 
 #: what joins a KV system to the server (store) that serves it: ``kv@0 on pinned:auto``
 ON = " on "
-#: the stores a server may hold, and the modes of loading ``--async-loads`` names
-STORES, ASYNC_LOADS = ("hbm", "pinned"), ("auto", "always", "never")
+#: the stores a server may hold, and the tuning a ``--kv-store`` spec may name after it, in order
+STORES = ("hbm", "pinned")
+SPEC_TUNING = (("async_loads", ("auto", "always", "never")), ("pinned_reads", ("overlap", "copy")))
 
 
 def split_system(system: str) -> tuple[str, str | None]:
@@ -180,17 +182,19 @@ def split_system(system: str) -> tuple[str, str | None]:
     return base, label or None
 
 
-def server_specs(value: str, async_loads: str | None) -> list[tuple[str, str, str | None]]:
-    """``--kv-store`` (comma-separated ``STORE[:ASYNC_LOADS]``) as (label, store, async_loads) per
-    server, a spec without a mode taking ``async_loads`` (None: Tuning's default); a ValueError for an
-    unknown store or mode, or a store named twice alike."""
+def server_specs(value: str) -> list[tuple[str, str, dict[str, str]]]:
+    """``--kv-store`` (comma-separated ``STORE[:ASYNC_LOADS[:PINNED_READS]]``) as (label, store, the
+    ``Config.tuning`` fields the spec names) per server; a ValueError for an unknown store or value,
+    or a spec given twice."""
     specs = []
     for spec in filter(None, (part.strip() for part in value.split(","))):
-        store, _, mode = spec.partition(":")
-        if store not in STORES or (mode and mode not in ASYNC_LOADS):
-            raise ValueError(f"{spec!r}: expected STORE[:ASYNC_LOADS] with STORE one of {', '.join(STORES)} "
-                             f"and ASYNC_LOADS one of {', '.join(ASYNC_LOADS)}")
-        specs.append((spec, store, mode or async_loads))
+        store, *values = spec.split(":")
+        if store not in STORES or len(values) > len(SPEC_TUNING) or any(
+                v not in allowed for v, (_, allowed) in zip(values, SPEC_TUNING)):
+            raise ValueError(f"{spec!r}: expected STORE[:ASYNC_LOADS[:PINNED_READS]], STORE one of "
+                             f"{', '.join(STORES)}, " + ", ".join(f"{name.upper()} one of {', '.join(allowed)}"
+                                                                 for name, allowed in SPEC_TUNING))
+        specs.append((spec, store, {name: v for v, (name, _) in zip(values, SPEC_TUNING)}))
     if not specs:
         raise ValueError("no store named")
     if len({label for label, _, _ in specs}) < len(specs):
@@ -493,7 +497,8 @@ def _stores(result: dict) -> str:
     servers = result.get("servers") or []
     if len(servers) < 2:
         return f"KV store {result['kv_store']}"
-    each = ", ".join(f"{s['label']} (async_loads {s['async_loads']})" for s in servers)
+    each = ", ".join(f"{s['label']} (async_loads {s['async_loads']}, pinned_reads {s.get('pinned_reads', '?')})"
+                     for s in servers)
     return (f"KV stores side by side, one `vllm serve` each on one device, every round running each one's rows "
             f"back to back: {each}; prompt injection and the question alone on {servers[0]['label']}'s server")
 
@@ -586,16 +591,14 @@ def add_engine_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--start-timeout", type=float, default=600)
 
 
-def tuning_of(args, async_loads: str | None = None):
+def tuning_of(args, **overrides: str):
     """``Config.tuning`` from :func:`add_engine_options`' switches (Tuning's defaults where none was
-    given), loading as ``async_loads`` says where it is given."""
+    given), with ``overrides`` (a ``--kv-store`` spec's) over them."""
     from inferscale.config import Tuning
 
     given = {name: getattr(args, name) for name in ("tail_max_step_tokens", "tail_max_waiting", "pinned_reads",
                                                     "async_loads") if getattr(args, name) is not None}
-    if async_loads is not None:
-        given["async_loads"] = async_loads
-    return Tuning(fused_write=not args.layerwise_write, **given)
+    return Tuning(fused_write=not args.layerwise_write, **{**given, **overrides})
 
 
 def device_name() -> str:
@@ -639,9 +642,9 @@ def main(argv: list[str] | None = None) -> int:
                         "requests/s before the engine does)")
     parser.add_argument("--clients", type=int, default=max(1, min(4, (os.cpu_count() or 2) // 4)),
                         help="client processes, the users spread over them (default: a quarter of the cores, 1-4)")
-    parser.add_argument("--kv-store", default="hbm", metavar="STORE[:ASYNC_LOADS],...",
+    parser.add_argument("--kv-store", default="hbm", metavar="STORE[:ASYNC_LOADS[:PINNED_READS]],...",
                         help="the store (hbm, pinned), or several side by side on one GPU, a server each, with "
-                             "their own async_loads where named: 'hbm,pinned:auto' (see the module)")
+                             "their own async_loads and pinned_reads where named: 'hbm,pinned:auto' (see the module)")
     add_engine_options(parser)
     parser.add_argument("--default", default=None, metavar="METHOD=SYSTEM",
                         help="name the product's default: the accuracy method (as benchmarks/locomo_accuracy.py "
@@ -659,7 +662,7 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as exc:
         parser.error(f"--budgets: {exc}")
     try:
-        specs = server_specs(args.kv_store, args.async_loads)
+        specs = server_specs(args.kv_store)
     except ValueError as exc:
         parser.error(f"--kv-store: {exc}")
     systems = run_systems(kv, [label for label, _, _ in specs])
@@ -686,11 +689,11 @@ def main(argv: list[str] | None = None) -> int:
     out.parent.mkdir(parents=True, exist_ok=True)
     servers: list[Server] = []
     try:
-        for label, store, async_loads in specs:  # one after another: each sizes its KV cache from what is free
+        for label, store, tuning in specs:  # one after another: each sizes its KV cache from what is free
             # every kv@B request carries its own budget; kv@adaptive's carry none: the connector's default
             config = Config(model=str(model), data_dir=str(work), recompute_tokens="adaptive",
                             kv_store=BackendSpec(store, {"max_bytes": int(memory_bytes * 1.25) + (1 << 30)}),
-                            kv_dtype_at_rest=args.kv_dtype_at_rest, tuning=tuning_of(args, async_loads))
+                            kv_dtype_at_rest=args.kv_dtype_at_rest, tuning=tuning_of(args, **tuning))
             name = f"{out.name}_server" + (f"_{label.replace(':', '_')}" if len(specs) > 1 else "")
             proc, url = start_server(model, config, args, out.parent / f"{name}.log")
             servers.append(Server(label, proc, url, config))
@@ -712,7 +715,8 @@ def main(argv: list[str] | None = None) -> int:
               "memory_tokens": args.prefix_tokens + args.k * args.fact_tokens, "question_tokens": args.question_tokens,
               "max_tokens": args.max_tokens, "seconds": args.seconds, "kv_store": args.kv_store,
               "servers": [{"label": s.label, "kv_store": s.config.kv_store.name,
-                           "async_loads": s.config.tuning.async_loads} for s in servers],
+                           "async_loads": s.config.tuning.async_loads,
+                           "pinned_reads": s.config.tuning.pinned_reads} for s in servers],
               "kv_dtype_at_rest": args.kv_dtype_at_rest,
               "fused_write": not args.layerwise_write, "pinned_reads": config.tuning.pinned_reads,
               "async_loads": (config.tuning.async_loads if len(servers) == 1 else

@@ -284,11 +284,20 @@ def test_the_budgets_chosen_are_pooled_over_the_repeats():
 
 def test_the_load_run_sets_stores_side_by_side_a_server_each():
     load = load_module()
-    assert load.server_specs("pinned", "auto") == [("pinned", "pinned", "auto")]
-    assert load.server_specs("hbm:never, pinned", None) == [("hbm:never", "hbm", "never"), ("pinned", "pinned", None)]
-    for bad in ("disk", "pinned:sometimes", "hbm,hbm", "", "pinned:auto,pinned:auto"):
+    assert load.server_specs("pinned") == [("pinned", "pinned", {})]
+    assert load.server_specs("hbm:never, pinned:auto:copy") == [
+        ("hbm:never", "hbm", {"async_loads": "never"}),
+        ("pinned:auto:copy", "pinned", {"async_loads": "auto", "pinned_reads": "copy"})]
+    for bad in ("disk", "pinned:sometimes", "pinned:never:dma", "pinned:never:copy:x", "pinned::copy", "hbm,hbm", "",
+                "pinned:auto,pinned:auto"):
         with pytest.raises(ValueError):
-            load.server_specs(bad, None)
+            load.server_specs(bad)
+    # a spec's tuning over the command line's, the command line's over Tuning's defaults
+    args = load.argparse.Namespace(tail_max_step_tokens=None, tail_max_waiting=None, pinned_reads="copy",
+                                   async_loads="always", layerwise_write=False)
+    assert (load.tuning_of(args).async_loads, load.tuning_of(args).pinned_reads) == ("always", "copy")
+    tuning = load.tuning_of(args, **load.server_specs("pinned:never:overlap")[0][2])
+    assert (tuning.async_loads, tuning.pinned_reads) == ("never", "overlap")
     # one server: the systems as ever; several: each KV system on each, a store's rows back to back
     assert load.run_systems(["kv@0"], ["pinned"]) == ["none", "kv@0", "prompt"]
     both = load.run_systems(["kv@0", "kv@adaptive"], ["hbm", "pinned:auto"])
@@ -320,9 +329,10 @@ def test_stores_side_by_side_are_compared_within_each_round():
     assert rows["kv@0 on pinned:auto"]["x_prompt"]["median"] == pytest.approx((4.75 + 4.8) / 2)
     result = {"model": "m", "command": "c", "facts_per_user": 60, "k": 50, "memory_tokens": 1032,
               "question_tokens": 16, "max_tokens": 32, "seconds": 20, "repeats": 2, "kv_store": "hbm,pinned:auto",
-              "servers": [{"label": "hbm", "kv_store": "hbm", "async_loads": "never"},
-                          {"label": "pinned:auto", "kv_store": "pinned", "async_loads": "auto"}],
+              "servers": [{"label": "hbm", "kv_store": "hbm", "async_loads": "never", "pinned_reads": "overlap"},
+                          {"label": "pinned:auto", "kv_store": "pinned", "async_loads": "auto",
+                           "pinned_reads": "overlap"}],
               "warm_up": {}, "rows": list(rows.values()), "runs": runs}
     table = load.table(result)
-    assert "side by side" in table and "pinned:auto (async_loads auto)" in table
+    assert "side by side" in table and "pinned:auto (async_loads auto, pinned_reads overlap)" in table
     assert "| 100 | kv@0 on pinned:auto | 167.00 (144.00-190.00) |" in table

@@ -10,7 +10,8 @@
 #             copied a run at a time against a copy per fact (a minute)
 #   side      vllm_serve_load.py at 100 users, B = 0, 3 interleaved repeats of 20 s, the stores of SIDE side
 #             by side in one run (a server each on the GPU, SIDE_GPU_UTIL each; a round runs every store's
-#             rows back to back): hbm and pinned read before the forward pass (async_loads never) by default
+#             rows back to back): hbm and pinned read before the forward pass (async_loads never) by default;
+#             a spec may name pinned_reads too (SIDE="pinned:never:overlap,pinned:never:copy")
 #   stores    the same, one run (and server start) per store:async_loads pair of SPECS, one after another
 #   default   the adaptive tail at 1/10/30/100 users, 3 repeats, on the store STORE (pinned) and ASYNC
 #   fp8       pinned, beside the batch, K/V at rest in fp8 (100 users, 3 repeats)
