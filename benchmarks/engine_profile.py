@@ -35,9 +35,9 @@ from pathlib import Path
 
 #: samples a second
 RATE = 100
-#: leaf functions that wait, by name (vLLM's shared-memory queues spin on sched_yield; torch waits for
-#: the GPU in synchronize); a name that only contains one (wait_for_layer_load) works, and so does any
-#: function of InferScale's own (HeldBlocks.select)
+#: leaf functions that wait, by their whole name (vLLM's shared-memory queues spin on sched_yield; torch
+#: waits for the GPU in synchronize); a name that only contains one (wait_for_layer_load) counts as work,
+#: and so does any function of InferScale's own (HeldBlocks.select)
 WAITS = frozenset({"sched_yield", "wait", "_wait", "acquire_read", "dequeue", "poll", "select", "synchronize",
                    "recv", "recv_multipart", "sleep"})
 _OURS = re.compile(r"[(/]inferscale/")  # py-spy names a file relative to its sys.path entry

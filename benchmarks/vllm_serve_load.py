@@ -372,16 +372,21 @@ async def warm_up(servers: list[Server], requests: Requests, systems: list[str],
     return checks
 
 
-def counters(servers: list[Server]) -> dict:
-    """The connector's counters of each server (of the only one: as they are)."""
-    found = {server.label: connector_counters(scrape(server.url)) for server in servers}
-    return found[servers[0].label] if len(servers) == 1 else found
+def counters(servers: list[Server]) -> dict[str, dict[str, float]]:
+    """The connector's counters of each server, by label."""
+    return {server.label: connector_counters(scrape(server.url)) for server in servers}
 
 
-def counted_since(before: dict, after: dict) -> dict:
-    if after and all(isinstance(v, dict) for v in after.values()):  # one entry per server
-        return {label: counted_since(before.get(label, {}), counts) for label, counts in after.items()}
-    return {k: after[k] - before.get(k, 0.0) for k in after}
+def counted_since(before: dict[str, dict[str, float]], after: dict[str, dict[str, float]]) -> dict:
+    """What each server counted between two :func:`counters` snapshots (the only server's: as they are)."""
+    counted = {label: {k: v - before[label].get(k, 0.0) for k, v in counts.items()} for label, counts in after.items()}
+    return next(iter(counted.values())) if len(counted) == 1 else counted
+
+
+def per_server(servers: list[Server], name: str):
+    """A ``Config.tuning`` field of the run: the only server's, else each server's by label."""
+    values = {server.label: getattr(server.config.tuning, name) for server in servers}
+    return next(iter(values.values())) if len(values) == 1 else values
 
 
 async def run(servers: list[Server], requests: Requests, args, systems: list[str], levels: list[int],
@@ -497,7 +502,7 @@ def _stores(result: dict) -> str:
     servers = result.get("servers") or []
     if len(servers) < 2:
         return f"KV store {result['kv_store']}"
-    each = ", ".join(f"{s['label']} (async_loads {s['async_loads']}, pinned_reads {s.get('pinned_reads', '?')})"
+    each = ", ".join(f"{s['label']} (async_loads {s['async_loads']}, pinned_reads {s['pinned_reads']})"
                      for s in servers)
     return (f"KV stores side by side, one `vllm serve` each on one device, every round running each one's rows "
             f"back to back: {each}; prompt injection and the question alone on {servers[0]['label']}'s server")
@@ -718,9 +723,8 @@ def main(argv: list[str] | None = None) -> int:
                            "async_loads": s.config.tuning.async_loads,
                            "pinned_reads": s.config.tuning.pinned_reads} for s in servers],
               "kv_dtype_at_rest": args.kv_dtype_at_rest,
-              "fused_write": not args.layerwise_write, "pinned_reads": config.tuning.pinned_reads,
-              "async_loads": (config.tuning.async_loads if len(servers) == 1 else
-                              {s.label: s.config.tuning.async_loads for s in servers}),
+              "fused_write": not args.layerwise_write, "pinned_reads": per_server(servers, "pinned_reads"),
+              "async_loads": per_server(servers, "async_loads"),
               "memory_gib": memory_bytes / 2**30, "repeats": args.repeats,
               "tail_thresholds": {k: getattr(config.tuning, k) for k in ("tail_max_step_tokens", "tail_max_waiting")},
               "warm_up": check, "rows": load_rows.aggregate(runs), "runs": runs}

@@ -308,8 +308,8 @@ def test_the_load_run_sets_stores_side_by_side_a_server_each():
     assert [load.server_of(s, servers).label for s in both] == ["hbm", "hbm", "pinned:auto", "hbm", "pinned:auto",
                                                                  "hbm"]
     # counters over the timed runs, per server when there are several
-    assert load.counted_since({"a": 1.0}, {"a": 3.0, "b": 2.0}) == {"a": 2.0, "b": 2.0}
-    assert load.counted_since({"hbm": {"a": 1.0}}, {"hbm": {"a": 4.0}, "pinned": {"a": 1.0}}) == {
+    assert load.counted_since({"hbm": {"a": 1.0}}, {"hbm": {"a": 3.0, "b": 2.0}}) == {"a": 2.0, "b": 2.0}
+    assert load.counted_since({"hbm": {"a": 1.0}, "pinned": {}}, {"hbm": {"a": 4.0}, "pinned": {"a": 1.0}}) == {
         "hbm": {"a": 3.0}, "pinned": {"a": 1.0}}
 
 

@@ -50,24 +50,19 @@ if has host; then
   PYTHONPATH=$NOW timeout 600 python3 benchmarks/host_path.py --kv-store pinned --ks 50 --reps 100 \
     --out "$RUN/host_path_pinned.json" 2>&1 | quiet | tail -6
 fi
-if has side; then
-  stamp "load: $SIDE side by side, 100 users, B = $STORE_BUDGETS, $REPEATS repeats"
-  show=${PROFILE:+64}; show=${show:-16}
-  PYTHONPATH=$NOW timeout 1500 "${load[@]}" --gpu-memory-utilization "$SIDE_GPU_UTIL" --users 100 --budgets "$STORE_BUDGETS" \
-    --repeats "$REPEATS" --kv-store "$SIDE" --out "$RUN/load_side" ${PROFILE:+--profile "$RUN/profile_side"} 2>&1 | quiet \
-    | tail -n "$show"
+# one load run at 100 users of SPEC (vllm_serve_load.py's --kv-store: a store, or stores side by side) into
+# $RUN/load_NAME (and $RUN/profile_NAME with PROFILE), more options after: stores_run NAME SPEC TIMEOUT [OPTION...]
+stores_run() {
+  local name=$1 spec=$2 limit=$3 show=${PROFILE:+64}; shift 3
+  show=${show:-16}  # lines of its output kept in the log (a profile adds 3 a row)
+  stamp "load: $spec, 100 users, B = $STORE_BUDGETS, $REPEATS repeats"
+  PYTHONPATH=$NOW timeout "$limit" "${load[@]}" "$@" --users 100 --budgets "$STORE_BUDGETS" --repeats "$REPEATS" \
+    --kv-store "$spec" --out "$RUN/load_$name" ${PROFILE:+--profile "$RUN/profile_$name"} 2>&1 | quiet | tail -n "$show"
   rm -rf /tmp/vllm_serve_load_* 2>/dev/null
-fi
+}
+has side && stores_run side "$SIDE" 1500 --gpu-memory-utilization "$SIDE_GPU_UTIL"
 if has stores; then
-  show=${PROFILE:+48}; show=${show:-12}  # lines of each run's output kept in the log (a profile adds 3 a row)
-  for spec in $SPECS; do
-    store=${spec%%:*} mode=${spec##*:}
-    stamp "load: $store, async_loads $mode, 100 users, B = $STORE_BUDGETS, $REPEATS repeats"
-    PYTHONPATH=$NOW timeout 900 "${load[@]}" --users 100 --budgets "$STORE_BUDGETS" --repeats "$REPEATS" --kv-store "$store" \
-      --async-loads "$mode" --out "$RUN/load_${store}_${mode}" \
-      ${PROFILE:+--profile "$RUN/profile_${store}_${mode}"} 2>&1 | quiet | tail -n "$show"
-    rm -rf /tmp/vllm_serve_load_* 2>/dev/null
-  done
+  for spec in $SPECS; do stores_run "${spec//:/_}" "$spec" 900; done
 fi
 if has default; then
   stamp "load: the adaptive default ($STORE, async_loads $ASYNC) at 1/10/30/100 users, 3 repeats"
