@@ -366,3 +366,29 @@ def test_background_loads_run_beside_the_step_that_issues_them_and_before_the_ne
     next_forward.synchronize()
     check_written(writer, specs, cache.layers)
     assert writer.finished() == set()
+
+
+@CUDA
+def test_a_steps_copies_of_host_memory_run_while_the_forward_stream_is_busy(tmp_path):
+    """A synchronous step that copies a pinned store's facts to the GPU (pinned_reads = "copy")
+    queues the copies on the copy stream, which waits for nothing: they complete while a sleep
+    queued on the forward stream before the step still runs. The write waits for the sleep and the
+    copies both, and lands intact."""
+    pytest.importorskip("triton")
+    tiers = make_tiers(tmp_path, PinnedHostStore())
+    _, writer = writers_for(tiers, "cuda")
+    cache, specs = CudaCache(), gpu_specs(tiers)
+    writer.write_step(specs, cache)  # (first use: the memory tier filled, graphs captured)
+    torch.cuda.synchronize()
+    for layer, _, _ in cache.layers:
+        layer.fill_(7.0)
+    torch.cuda._sleep(1 << 30)  # ~0.5 s of the forward stream
+    slept = torch.cuda.Event()
+    slept.record(torch.cuda.current_stream())
+    writer.write_step(specs, cache)
+    copied = torch.cuda.Event()
+    copied.record(writer.layer_loads.copies)
+    copied.synchronize()
+    assert not slept.query(), "the copies waited for the forward stream"
+    torch.cuda.synchronize()
+    check_written(writer, specs, cache.layers)

@@ -106,6 +106,9 @@ class LoadStream:
 
     # KVWriter's calls while it issues (LayerLoads' interface)
 
+    def copying(self) -> contextlib.AbstractContextManager:
+        return contextlib.nullcontext()  # (the copies run first on the load stream already)
+
     def layer_queued(self, index: int) -> None:
         return None
 

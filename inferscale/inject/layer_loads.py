@@ -11,7 +11,10 @@ layers at once before it starts. The fused write (one kernel for every layer)
 is queued on the forward stream itself: the forward would wait for all of it
 before layer 0 anyway, and a side stream only cost host time; stream order then
 makes the forward's kernels follow it with no wait at all (on the step's path
-every host call counts: the forward pass is paced by the host).
+every host call counts: the forward pass is paced by the host). Copies of host
+memory to the GPU that the fused write then reads (a pinned store's facts, not
+read in place) run on a copy stream of their own that waits for nothing, so
+that the bus is busy while the GPU still works on earlier steps.
 
 On a CPU there are no streams: loads run in order, before the forward pass.
 """
@@ -29,6 +32,8 @@ class LayerLoads:
         self.device = device
         self.num_layers = num_layers
         self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        #: where copies from host memory run (:meth:`copying`): they wait for nothing
+        self.copies = torch.cuda.Stream(device) if device.type == "cuda" else None
         self.events = [torch.cuda.Event() for _ in range(num_layers)] if self.stream else []
         self._pending: dict[int, torch.cuda.Event] = {}
         self._waited: set[int] = set()  # ids of events the forward stream already waits for
@@ -58,6 +63,22 @@ class LayerLoads:
                 yield
         finally:
             self._on_side = False
+
+    @contextlib.contextmanager
+    def copying(self) -> Iterator[None]:
+        """Queue the copies inside, from host memory into GPU buffers of their own, on the copy
+        stream, which waits for no other: nothing earlier on the GPU touches those buffers, so the
+        copy engines move them while the forward stream still runs the steps before (vLLM
+        schedules a step ahead of the GPU) instead of after them. The current stream waits for
+        them when the block ends, before the writes that read them."""
+        if self.copies is None:
+            yield
+            return
+        try:
+            with torch.cuda.stream(self.copies):
+                yield
+        finally:
+            torch.cuda.current_stream(self.device).wait_stream(self.copies)
 
     def layer_queued(self, index: int) -> None:
         """Layer ``index``'s cache writes are queued (call inside :meth:`issuing`)."""

@@ -118,6 +118,11 @@ class SegmentLoader:
         return reads_in_place(sum(spec.end - spec.start for spec in specs), self.token_bytes(num_layers, head_size),
                               self.in_place_from)
 
+    def copies_from_host(self, in_place: bool) -> bool:
+        """Whether :meth:`sources` copies the facts from pinned host memory to a GPU (the store holds
+        them there, and they are not read in place)."""
+        return self.device.type == "cuda" and self.store.pinned and not (in_place and self.host_in_place)
+
     def token_bytes(self, num_layers: int, head_size: int) -> int:
         """The bytes of one token's K/V that a load reads from the memory tier for this rank's heads:
         one per element kept in fp8, the cache dtype's size otherwise."""

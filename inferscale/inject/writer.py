@@ -16,6 +16,8 @@ engine-start self-test confirmed; nothing is written where none was); a load tha
 
 from __future__ import annotations
 
+import contextlib
+
 import logging
 import time
 from collections.abc import Sequence
@@ -161,14 +163,17 @@ class KVWriter:
         """One kernel writes every layer for every request of the step, queued on the forward
         stream itself (nothing to synchronise; the forward's wait at layer 0 is then free). From
         host memory, a few launches of a group of layers each, on the side stream: each layer's
-        attention waits for its group only."""
+        attention waits for its group only. Copies from host memory run first, on the copy stream
+        (:meth:`LayerLoads.copying`)."""
         ready: list[tuple[LoadSpec, Sources, str]] = []
-        for spec in loads:
-            try:
-                tier = self._tier(spec)
-                ready.append((spec, self.loader.sources(spec, self.num_layers, self.head_size, in_place), tier))
-            except Exception as exc:  # never crash the engine: report the blocks, vLLM recomputes
-                self._load_failed(spec, exc)
+        copies = self.layer_loads.copying() if self.loader.copies_from_host(in_place) else contextlib.nullcontext()
+        with copies:
+            for spec in loads:
+                try:
+                    tier = self._tier(spec)
+                    ready.append((spec, self.loader.sources(spec, self.num_layers, self.head_size, in_place), tier))
+                except Exception as exc:  # never crash the engine: report the blocks, vLLM recomputes
+                    self._load_failed(spec, exc)
         keep, done = [], None  # done: an event recorded after the last work queued, if one was
         for group in by_stored_kind(ready):  # one group unless facts were stored in two dtypes
             try:
