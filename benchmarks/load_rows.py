@@ -12,6 +12,8 @@ from collections import Counter
 
 #: the systems every ratio is taken against
 PROMPT, NONE = "prompt", "none"
+#: what joins a KV system to the store (server) serving it, where several run side by side: ``kv@0 on pinned:auto``
+ON = " on "
 #: per-run numbers that are summed over the repeats rather than taken at their median
 SUMMED = ("requests", "failed", "reported")
 
@@ -48,15 +50,16 @@ def spread(values: list[float]) -> dict:
     return {"median": statistics.median(values), "min": min(values), "max": max(values)} if values else {}
 
 
-def aggregate(runs: list[dict]) -> list[dict]:
+def aggregate(runs: list[dict], first_store: str | None = None) -> list[dict]:
     """One row per (users, system): the median of every per-run number with the spread of
     requests/s, the within-round ratios to prompt injection (``x_prompt``) and to the question alone
-    (``x_none``), and the budgets pooled over every repeat."""
+    (``x_none``), and the budgets pooled over every repeat. With stores side by side, a KV system
+    ``kv@B on STORE`` also gets its within-round ratio to ``kv@B on first_store`` (``x_first_store``)."""
     keys = list(dict.fromkeys((r["users"], r["system"]) for r in runs))
-    return [_row(runs, users, system) for users, system in keys]
+    return [_row(runs, users, system, first_store) for users, system in keys]
 
 
-def _row(runs: list[dict], users: int, system: str) -> dict:
+def _row(runs: list[dict], users: int, system: str, first_store: str | None = None) -> dict:
     mine = [r for r in runs if (r["users"], r["system"]) == (users, system)]
     row = {"users": users, "system": system, "repeats": len(mine)}
     for key in mine[0]:
@@ -69,6 +72,9 @@ def _row(runs: list[dict], users: int, system: str) -> dict:
     row["errors"] = sorted({e for r in mine for e in r.get("errors", [])})[:5]
     for name, base in (("x_prompt", PROMPT), ("x_none", NONE)):
         row[name] = spread(ratios(runs, system, users, base))
+    kv, on, _ = system.partition(ON)
+    if first_store and on:
+        row["x_first_store"] = spread(ratios(runs, system, users, f"{kv}{ON}{first_store}"))
     row.update(_pooled_budgets(mine))
     return row
 

@@ -169,8 +169,7 @@ def request_budget(system: str) -> int | None:
     return None if budget == "adaptive" else int(budget)
 
 
-#: what joins a KV system to the server (store) that serves it: ``kv@0 on pinned:auto``
-ON = " on "
+ON = load_rows.ON
 #: the stores a server may hold, and the tuning a ``--kv-store`` spec may name after it, in order
 STORES = ("hbm", "pinned")
 SPEC_TUNING = (("async_loads", ("auto", "always", "never")), ("pinned_reads", ("overlap", "copy")))
@@ -512,6 +511,9 @@ def table(result: dict) -> str:
     rows = result["rows"]
     counts = result["warm_up"].get("connector_counts_during_runs", {})
     repeats = result.get("repeats", 1)
+    servers = result.get("servers") or []
+    # side by side: each KV row against the same budget's row on the first store, within each round
+    first = f"× kv@B on {servers[0]['label']} | " if len(servers) > 1 else ""
     each = (f"{result['seconds']:.0f} s closed loop per row" if repeats == 1 else
             f"each row the median of {repeats} interleaved rounds of {result['seconds']:.0f} s (min-max; the ratios "
             "taken within each round)")
@@ -523,10 +525,10 @@ def table(result: dict) -> str:
              f"(adaptive tail, thresholds {json.dumps(result.get('tail_thresholds', {}))}). Client CPU: the "
              f"benchmark client's CPU time over the row's span, per client process ({_clients(rows)}; near 100 % "
              "the client, not the server, sets the pace).", "",
-             "| users | system | requests/s | × prompt injection | × question alone | recompute budget | "
+             f"| users | system | requests/s | × prompt injection | × question alone | {first}recompute budget | "
              "output tok/s | engine TTFT mean ms | engine TTFT p50 / p99 ≤ ms | queue mean ms | "
              "client latency p50 / p99 ms | client CPU | failed |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "|---|---|---|---|---|" + "---|" * bool(first) + "---|---|---|---|---|---|---|---|"]
     if counts:
         lines[6:6] = [f"The connector's counters over the timed runs: {json.dumps(counts)}.", ""]
     if result.get("default"):
@@ -536,7 +538,9 @@ def table(result: dict) -> str:
         system = f"{r['system']} (default)" if r.get("method") else r["system"]
         spread = r.get("requests_per_s_spread") or load_rows.spread([r["requests_per_s"]])
         lines.append(f"| {r['users']} | {system} | {load_rows.cell(spread)} | {load_rows.cell(r.get('x_prompt'))} | "
-                     f"{load_rows.cell(r.get('x_none'))} | {load_rows.budget_cell(r)} | "
+                     f"{load_rows.cell(r.get('x_none'))} | "
+                     + (f"{load_rows.cell(r.get('x_first_store'), 3)} | " if first else "")
+                     + f"{load_rows.budget_cell(r)} | "
                      f"{r['output_tokens_per_s']:.0f} | {r.get('ttft_mean_ms', 0):.1f} | "
                      f"{r.get('ttft_p50_le_ms', 0):.0f} / {r.get('ttft_p99_le_ms', 0):.0f} | "
                      f"{r.get('queue_mean_ms', 0):.1f} | {r.get('latency_p50_ms') or 0:.1f} / "
@@ -727,7 +731,7 @@ def main(argv: list[str] | None = None) -> int:
               "async_loads": per_server(servers, "async_loads"),
               "memory_gib": memory_bytes / 2**30, "repeats": args.repeats,
               "tail_thresholds": {k: getattr(config.tuning, k) for k in ("tail_max_step_tokens", "tail_max_waiting")},
-              "warm_up": check, "rows": load_rows.aggregate(runs), "runs": runs}
+              "warm_up": check, "rows": load_rows.aggregate(runs, specs[0][0] if len(specs) > 1 else None), "runs": runs}
     rows = result["rows"]
     if default:
         result["default"] = {"method": default[0], "system": default[1]}

@@ -324,9 +324,12 @@ def test_stores_side_by_side_are_compared_within_each_round():
     runs = [{"users": 100, "system": system, "repeat": repeat, "requests_per_s": rate[repeat], "requests": 10,
              "failed": 0, "output_tokens_per_s": 1.0, "latency_p50_ms": 1.0, "latency_p99_ms": 1.0}
             for repeat in (0, 1) for system, rate in rates.items()]
-    rows = {row["system"]: row for row in load_rows.aggregate(runs)}
+    rows = {row["system"]: row for row in load_rows.aggregate(runs, "hbm")}
     assert rows["kv@0 on hbm"]["x_prompt"]["min"] == rows["kv@0 on hbm"]["x_prompt"]["max"] == 5.0
     assert rows["kv@0 on pinned:auto"]["x_prompt"]["median"] == pytest.approx((4.75 + 4.8) / 2)
+    # and each store against the first, round by round (190 / 200, 144 / 150)
+    assert rows["kv@0 on pinned:auto"]["x_first_store"] == pytest.approx({"median": 0.955, "min": 0.95, "max": 0.96})
+    assert rows["kv@0 on hbm"]["x_first_store"]["median"] == 1.0 and "x_first_store" not in rows["prompt"]
     result = {"model": "m", "command": "c", "facts_per_user": 60, "k": 50, "memory_tokens": 1032,
               "question_tokens": 16, "max_tokens": 32, "seconds": 20, "repeats": 2, "kv_store": "hbm,pinned:auto",
               "servers": [{"label": "hbm", "kv_store": "hbm", "async_loads": "never", "pinned_reads": "overlap"},
@@ -336,3 +339,4 @@ def test_stores_side_by_side_are_compared_within_each_round():
     table = load.table(result)
     assert "side by side" in table and "pinned:auto (async_loads auto, pinned_reads overlap)" in table
     assert "| 100 | kv@0 on pinned:auto | 167.00 (144.00-190.00) |" in table
+    assert "| × kv@B on hbm |" in table and "| 0.955 (0.950-0.960) |" in table
