@@ -378,8 +378,8 @@ def test_layer_groups_cover_every_layer_once_in_order(num_layers, launches):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="pinned host memory addressed by a GPU")
 def test_loader_reads_pinned_blocks_in_place_when_asked():
     """pinned_reads = "overlap": the sources point into the pinned store's own blocks, unless the
-    step asks for a copy (a small read, Config.tuning.pinned_copy_below_mib); "copy": always into copies
-    on the GPU, whatever the step asks."""
+    step asks for a copy (a small read, Config.tuning.pinned_copy_below_mib, or a GPU still busy with
+    earlier work); "copy": always into copies on the GPU, whatever the step asks."""
     from inferscale.compose.request import SegmentRequest
     from inferscale.compose.segment import PREFIX_FACT, SYSTEM_USER
     from inferscale.inject.loader import LoadSpec, SegmentLoader
@@ -403,8 +403,12 @@ def test_loader_reads_pinned_blocks_in_place_when_asked():
                 assert all(b.is_pinned() for b in sources.blocks)
             else:
                 assert all(b.is_cuda for b in sources.blocks)
-        # the step's choice: 7 tokens of 2 layers × K and V × 1 head × 8 float32 = 896 bytes
+        # the step's choice: 7 tokens of 2 layers × K and V × 1 head × 8 float32 = 896 bytes, on an idle GPU
+        torch.cuda.synchronize()
         assert loader.step_in_place([spec], 2, 8) is host_in_place
+        torch.cuda._sleep(50_000_000)  # the GPU still runs an earlier step: the step copies instead
+        assert loader.step_in_place([spec], 2, 8) is False
+        torch.cuda.synchronize()
         loader.in_place_from = 897
         assert loader.step_in_place([spec], 2, 8) is False
 

@@ -31,8 +31,10 @@ class Tuning:
     fused_write: bool = True
     #: how the fused write reads facts held in pinned host memory (kv_store "pinned"): "overlap"
     #: (the kernel reads host memory in place, a group of layers per launch on a side stream, each
-    #: layer's attention waiting only for its group) or "copy" (one DMA per run of facts back to
-    #: back in host memory, then the kernel, all before the forward pass)
+    #: layer's attention waiting only for its group, where the GPU has nothing queued; a step
+    #: issued while it still runs earlier ones is copied as "copy" does) or "copy" (one DMA per run
+    #: of facts back to back in host memory on a copy stream that waits for nothing, then the
+    #: kernel, before the forward pass)
     pinned_reads: str = "overlap"
     #: with pinned_reads = "overlap": at most this many programs of the kernel per layer, each
     #: writing every n-th token (0: one program per token). Reads of host memory wait on the bus;

@@ -112,11 +112,13 @@ class SegmentLoader:
 
     def step_in_place(self, specs: Sequence[LoadSpec], num_layers: int, head_size: int) -> bool:
         """Whether a step loading ``specs`` reads pinned host memory in place (:attr:`host_in_place`,
-        and enough bytes for it, :func:`reads_in_place`), else copies them to the device first."""
+        enough bytes for it, :func:`reads_in_place`, and a GPU with nothing queued: the reads then
+        overlap this step's forward pass), else copies them to the device first (while the GPU
+        still runs the steps before, if it does: under load the copies ride the bus beside them)."""
         if not self.host_in_place:
             return False
         return reads_in_place(sum(spec.end - spec.start for spec in specs), self.token_bytes(num_layers, head_size),
-                              self.in_place_from)
+                              self.in_place_from) and torch.cuda.current_stream(self.device).query()
 
     def copies_from_host(self, in_place: bool) -> bool:
         """Whether :meth:`sources` copies the facts from pinned host memory to a GPU (the store holds
