@@ -423,12 +423,19 @@ def test_a_loader_off_the_gpu_never_reads_in_place():
     assert not loader.host_in_place and loader.step_in_place([spec], 2, 8) is False
 
 
-@pytest.mark.parametrize("tokens, token_bytes, from_bytes, expected", [
-    (52, 131072, 96 << 20, False), (532, 131072, 96 << 20, False), (768, 131072, 96 << 20, True),
-    (1032, 131072, 96 << 20, True), (1, 1, 0, True), (0, 131072, 1, False)])
-def test_only_reads_past_the_threshold_go_in_place(tokens, token_bytes, from_bytes, expected):
-    """Config.tuning.pinned_copy_below_mib: Llama-3.1-8B's 128 KiB a token, 96 MiB: 1 or 25 facts of 20
-    tokens (and the 32-token prefix) are copied first, 50 are read in place; 0 reads all in place."""
+@pytest.mark.parametrize("tokens, from_bytes, at_most, idle, expected", [
+    (52, 96 << 20, 1 << 30, True, False), (532, 96 << 20, 1 << 30, True, False), (768, 96 << 20, 1 << 30, True, True),
+    (1032, 96 << 20, 1 << 30, True, True), (1032, 96 << 20, 1 << 30, False, False),
+    (10320, 96 << 20, 1 << 30, False, True), (10320, 96 << 20, None, False, False), (532, 96 << 20, 0, False, False),
+    (1032, 96 << 20, 0, False, True), (1, 0, 1 << 30, True, True), (0, 1, 1 << 30, True, False)])
+def test_reads_go_in_place_past_the_threshold_on_an_idle_gpu_or_past_the_copy_bound(tokens, from_bytes, at_most, idle,
+                                                                                   expected):
+    """Llama-3.1-8B's 128 KiB a token, pinned_copy_below_mib = 96 MiB: 1 or 25 facts of 20 tokens (and the
+    32-token prefix) are copied first; 50 are read in place on an idle GPU, copied beside the steps a busy
+    one still runs; 500 (a burst past pinned_copy_above_mib, 1 GiB) are read in place (no bound: copied);
+    a bound of 0 reads in place whatever the GPU does, below_mib 0 whatever the size."""
     from inferscale.inject.loader import reads_in_place
 
-    assert reads_in_place(tokens, token_bytes, from_bytes) is expected
+    asked = []
+    assert reads_in_place(tokens * 131072, from_bytes, at_most, lambda: asked.append(1) or idle) is expected
+    assert len(asked) <= 1

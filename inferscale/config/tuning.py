@@ -57,6 +57,11 @@ class Tuning:
     #: in-place read costs about the same fixed host time (its launch, the forward's waits) at any
     #: size; 0 reads every step in place
     pinned_copy_below_mib: float = 96.0
+    #: with pinned_reads = "overlap": a step that loads more MiB than this reads them in place even
+    #: while the GPU still runs earlier steps (where it would otherwise copy them, beside those
+    #: steps): a copy takes a GPU buffer of that size outside the memory vLLM sizes its cache from;
+    #: 0 reads every step from pinned_copy_below_mib on in place, busy GPU or not
+    pinned_copy_above_mib: float = 1024.0
     #: when a request's memory is loaded (inject/load_mode.py): "always" in the background (the
     #: request waits in vLLM's WAITING_FOR_REMOTE_KVS while the batch runs; the K/V is copied on a
     #: stream of its own and the request joins the batch once it has arrived), "never" before the
@@ -84,9 +89,10 @@ class Tuning:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < least:
                 raise ConfigError(f"tuning {name} must be an integer ≥ {least}, got {value!r}")
-        value = self.pinned_copy_below_mib
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < float("inf"):
-            raise ConfigError(f"tuning pinned_copy_below_mib must be a number ≥ 0, got {value!r}")
+        for name in ("pinned_copy_below_mib", "pinned_copy_above_mib"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < float("inf"):
+                raise ConfigError(f"tuning {name} must be a number ≥ 0, got {value!r}")
         for name, allowed in (("pinned_reads", PINNED_READS), ("async_loads", ASYNC_LOADS)):
             if getattr(self, name) not in allowed:
                 raise ConfigError(f"tuning {name} must be one of {', '.join(allowed)}, got {getattr(self, name)!r}")

@@ -7,7 +7,7 @@ store of record on first use and then kept by the store (pinned host or HBM).
 from __future__ import annotations
 
 import functools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -79,13 +79,16 @@ _HOST = torch.device("cpu")
 
 class SegmentLoader:
     def __init__(self, store: MemoryTier, record: StoreOfRecord, rope: RotaryEmbedding, heads: slice,
-                 device: torch.device | str, dtype: torch.dtype, host_in_place: bool = False, in_place_from: int = 0):
+                 device: torch.device | str, dtype: torch.dtype, host_in_place: bool = False, in_place_from: int = 0,
+                 copy_at_most: int | None = None):
         self.store, self.record, self.rope = store, record, rope
         self.heads, self.device, self.dtype = heads, torch.device(device), dtype
         #: the fused write's sources may point into pinned host blocks where they lie (no copy), for a
         #: step that loads at least ``in_place_from`` bytes (Config.tuning.pinned_copy_below_mib)
         self.host_in_place = host_in_place and self.device.type == "cuda" and store.pinned
         self.in_place_from = in_place_from
+        #: nor one that loads more than ``copy_at_most`` bytes (Config.tuning.pinned_copy_above_mib; None: no bound)
+        self.copy_at_most = copy_at_most
         #: the instruction prefix's blocks where a step reads them (host or device): (its version, its blocks)
         self._prefix_held: dict[bool, tuple[str | None, HeldBlocks]] = {}
 
@@ -112,13 +115,12 @@ class SegmentLoader:
 
     def step_in_place(self, specs: Sequence[LoadSpec], num_layers: int, head_size: int) -> bool:
         """Whether a step loading ``specs`` reads pinned host memory in place (:attr:`host_in_place`,
-        enough bytes for it, :func:`reads_in_place`, and a GPU with nothing queued: the reads then
-        overlap this step's forward pass), else copies them to the device first (while the GPU
-        still runs the steps before, if it does: under load the copies ride the bus beside them)."""
+        then :func:`reads_in_place`), else copies them to the device first."""
         if not self.host_in_place:
             return False
-        return reads_in_place(sum(spec.end - spec.start for spec in specs), self.token_bytes(num_layers, head_size),
-                              self.in_place_from) and torch.cuda.current_stream(self.device).query()
+        nbytes = sum(spec.end - spec.start for spec in specs) * self.token_bytes(num_layers, head_size)
+        return reads_in_place(nbytes, self.in_place_from, self.copy_at_most,
+                              lambda: torch.cuda.current_stream(self.device).query())
 
     def copies_from_host(self, in_place: bool) -> bool:
         """Whether :meth:`sources` copies the facts from pinned host memory to a GPU (the store holds
@@ -225,11 +227,19 @@ class SegmentLoader:
             ensure_user(self.store, self.record, user)
 
 
-def reads_in_place(num_tokens: int, token_bytes: int, in_place_from: int) -> bool:
-    """Whether a step loading ``num_tokens`` tokens of ``token_bytes`` bytes each reads pinned
-    host memory in place (``Config.tuning.pinned_copy_below_mib``): only from ``in_place_from`` bytes on,
-    where the bus time it hides outweighs its fixed cost; smaller steps are copied first."""
-    return num_tokens * token_bytes >= in_place_from
+def reads_in_place(nbytes: int, in_place_from: int, copy_at_most: int | None, gpu_idle: Callable[[], bool]) -> bool:
+    """Whether a step loading ``nbytes`` of pinned host memory reads them in place rather than
+    copying them to the GPU first. Fewer than ``in_place_from`` bytes (``Config.tuning.pinned_copy_below_mib``)
+    are copied: an in-place read's fixed cost outweighs the bus time it hides. More than
+    ``copy_at_most`` (``pinned_copy_above_mib``) are read in place: a copy would need a GPU buffer that
+    large beside vLLM's own memory. In between, in place only where the GPU has nothing queued
+    (``gpu_idle()``, asked last: a lone request, whose reads then overlap its own forward pass); a
+    step issued while the GPU still runs the ones before is copied, on the copy engines, beside them."""
+    if nbytes < in_place_from:
+        return False
+    if copy_at_most is not None and nbytes > copy_at_most:
+        return True
+    return gpu_idle()
 
 
 def _check_range(spec: LoadSpec, segment_len: int) -> None:

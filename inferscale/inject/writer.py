@@ -88,7 +88,8 @@ class KVWriter:
         self.num_layers = num_layers
         self.loader = SegmentLoader(self.tiers.memory, self.tiers.record, self.rope, self.heads, device, dtype,
                                     host_in_place=config.tuning.pinned_reads == "overlap",
-                                    in_place_from=int(config.tuning.pinned_copy_below_mib * 2**20))
+                                    in_place_from=int(config.tuning.pinned_copy_below_mib * 2**20),
+                                    copy_at_most=int(config.tuning.pinned_copy_above_mib * 2**20))
         self.layer_loads = LayerLoads(device, num_layers)
         #: whether the fused write may run here (its sources table's loop compiled now, not on the
         #: first request's path); whether it can, the cache layout decides (:meth:`_fused_views`)
