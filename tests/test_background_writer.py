@@ -52,6 +52,28 @@ def test_auto_loads_a_lone_request_before_the_forward_pass(mode, expected):
     assert load_mode(mode, "pinned", "cuda").beside_batch(alone=True) is expected
 
 
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 2000), st.booleans()), max_size=12), st.none() | st.integers(0, 4 << 20))
+def test_a_step_issues_copies_within_the_bound_in_order_and_always_one(loads, at_most):
+    """pinned_copy_above_mib beside the batch: the loads a step issues are ready ones, their copies
+    within the bound unless it is the first one alone; a ready load left out would have passed it."""
+    from inferscale.inject.background import issued_within
+
+    tokens, ready = [n for n, _ in loads], [ok for _, ok in loads]
+    taken = issued_within(tokens, 1024, ready, at_most)
+    assert len(taken) == len(loads) and all(ok for ok, t in zip(ready, taken) if t)
+    total = sum(n * 1024 for n, t in zip(tokens, taken) if t)
+    assert at_most is None or total <= at_most or sum(taken) == 1
+    if any(ready):
+        assert taken[ready.index(True)]  # the first ready load always goes
+    for i, (ok, t) in enumerate(zip(ready, taken)):
+        if ok and not t:
+            before = sum(n * 1024 for n, t2 in zip(tokens[:i], taken[:i]) if t2)
+            assert at_most is not None and before and before + tokens[i] * 1024 > at_most
+    if at_most is None:
+        assert taken == ready
+
+
 def test_async_loads_takes_three_values():
     assert Tuning().async_loads == "never"  # (until measured on a GPU)
     assert Config(tuning={"async_loads": "always"}).tuning.async_loads == "always"

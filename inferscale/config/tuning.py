@@ -60,7 +60,9 @@ class Tuning:
     #: with pinned_reads = "overlap": a step that loads more MiB than this reads them in place even
     #: while the GPU still runs earlier steps (where it would otherwise copy them, beside those
     #: steps): a copy takes a GPU buffer of that size outside the memory vLLM sizes its cache from;
-    #: 0 reads every step from pinned_copy_below_mib on in place, busy GPU or not
+    #: 0 reads every step from pinned_copy_below_mib on in place, busy GPU or not. Loads beside the
+    #: batch (async_loads) always copy: a step issues at most this many MiB of them (and at least one
+    #: load), the rest the next step
     pinned_copy_above_mib: float = 1024.0
     #: when a request's memory is loaded (inject/load_mode.py): "always" in the background (the
     #: request waits in vLLM's WAITING_FOR_REMOTE_KVS while the batch runs; the K/V is copied on a

@@ -16,6 +16,9 @@ elsewhere:
 * where the fused write cannot run (the CPU, a cache it cannot address): as a synchronous load is
   written, on the forward stream (on the CPU it is done when the call returns).
 
+A step issues copies of at most ``Config.tuning.pinned_copy_above_mib`` (and always one load); the
+loads past it wait, unissued, for the next step (a burst of requests would otherwise take one GPU
+buffer of all their facts, beside the memory vLLM sized its cache from).
 A load whose user the memory tier does not hold waits, unissued, while the user is read from the
 store of record on a thread of its own (:mod:`~inferscale.inject.user_fills`); the engine's thread
 goes on with the batch.
@@ -178,6 +181,10 @@ class BackgroundWriter(KVWriter):
             if reads:
                 self._read_first.add(spec.req_id)
         done = [all(read.done() for read in reads) for _, reads in self._waiting]
+        if self.loader.copies_from_host(in_place=False):  # a step's copies take GPU buffers: bounded
+            token_bytes = self.loader.token_bytes(self.num_layers, self.head_size)
+            done = issued_within([spec.end - spec.start for spec, _ in self._waiting], token_bytes, done,
+                                 self.loader.copy_at_most)
         ready = [spec for (spec, _), ok in zip(self._waiting, done) if ok]
         self._waiting = [waiting for waiting, ok in zip(self._waiting, done) if not ok]
         if ready:
@@ -265,6 +272,20 @@ class BackgroundWriter(KVWriter):
         """The fused write, queued after the copies and after the forward stream's earlier work."""
         self.layer_loads.writes_follow_forward()
         return super()._launch_fused(sources, cos, sin)
+
+
+def issued_within(tokens: Sequence[int], token_bytes: int, ready: Sequence[bool], at_most: int | None) -> list[bool]:
+    """Which of the ready loads (``tokens`` each, in order) a step issues: in order, while their copies
+    come to at most ``at_most`` bytes (``Config.tuning.pinned_copy_above_mib``), and always the first
+    ready one; the others wait for the next step, so that a burst of requests never takes one GPU
+    buffer of all their facts."""
+    taken, total = [], 0
+    for count, ok in zip(tokens, ready):
+        nbytes = count * token_bytes
+        ok = ok and (at_most is None or not total or total + nbytes <= at_most)
+        total += nbytes if ok else 0
+        taken.append(ok)
+    return taken
 
 
 def _ids(loads: Sequence[LoadSpec]) -> tuple[str, ...]:
