@@ -28,7 +28,7 @@
 ``--kv-store`` may name several stores side by side (``hbm,pinned:auto``:
 ``STORE[:ASYNC_LOADS[:PINNED_READS]]``, ``--async-loads`` and ``--pinned-reads`` where a spec names
 none; ``pinned:never:overlap,pinned:never:copy`` sets two ways of reading host memory side by side): one server each on the same GPU, started one after the
-other (``--gpu-memory-utilization`` is each one's share: 0.4 for two 7B-shape servers on 80 GB), all up
+other (``--gpu-memory-utilization`` is each one's share: 0.36 for two 7B-shape servers on 80 GB, with room for what vLLM does not count), all up
 for the whole run; the KV rows become ``kv@B on STORE`` and each round runs every store's rows back to
 back, so that the stores are compared within the same minute, not across server starts (the question
 alone moved 240-308 req/s between rounds of one start on an H100, more than a 5 % gap); prompt injection
