@@ -282,7 +282,7 @@ def issued_within(tokens: Sequence[int], token_bytes: int, ready: Sequence[bool]
     taken, total = [], 0
     for count, ok in zip(tokens, ready):
         nbytes = count * token_bytes
-        ok = ok and (at_most is None or not total or total + nbytes <= at_most)
+        ok = ok and (at_most is None or not any(taken) or total + nbytes <= at_most)
         total += nbytes if ok else 0
         taken.append(ok)
     return taken

@@ -84,11 +84,11 @@ class SegmentLoader:
         self.store, self.record, self.rope = store, record, rope
         self.heads, self.device, self.dtype = heads, torch.device(device), dtype
         #: the fused write's sources may point into pinned host blocks where they lie (no copy), for a
-        #: step that loads at least ``in_place_from`` bytes (Config.tuning.pinned_copy_below_mib)
+        #: step that loads at least ``in_place_from`` bytes (Config.tuning.pinned_copy_below_mib) and
+        #: either finds the GPU idle or loads more than ``copy_at_most`` (pinned_copy_above_mib; None:
+        #: no bound): :func:`reads_in_place`
         self.host_in_place = host_in_place and self.device.type == "cuda" and store.pinned
-        self.in_place_from = in_place_from
-        #: nor one that loads more than ``copy_at_most`` bytes (Config.tuning.pinned_copy_above_mib; None: no bound)
-        self.copy_at_most = copy_at_most
+        self.in_place_from, self.copy_at_most = in_place_from, copy_at_most
         #: the instruction prefix's blocks where a step reads them (host or device): (its version, its blocks)
         self._prefix_held: dict[bool, tuple[str | None, HeldBlocks]] = {}
 

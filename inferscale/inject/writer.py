@@ -17,7 +17,6 @@ engine-start self-test confirmed; nothing is written where none was); a load tha
 from __future__ import annotations
 
 import contextlib
-
 import logging
 import time
 from collections.abc import Sequence
