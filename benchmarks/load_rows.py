@@ -53,8 +53,9 @@ def spread(values: list[float]) -> dict:
 def aggregate(runs: list[dict], first_store: str | None = None) -> list[dict]:
     """One row per (users, system): the median of every per-run number with the spread of
     requests/s, the within-round ratios to prompt injection (``x_prompt``) and to the question alone
-    (``x_none``), and the budgets pooled over every repeat. With stores side by side, a KV system
-    ``kv@B on STORE`` also gets its within-round ratio to ``kv@B on first_store`` (``x_first_store``)."""
+    (``x_none``), and the budgets pooled over every repeat. With stores side by side (systems named
+    ``kv@B on STORE``), a KV system also gets its within-round ratio to ``kv@B on first_store``
+    (``x_first_store``); a run of one store has no such systems."""
     keys = list(dict.fromkeys((r["users"], r["system"]) for r in runs))
     return [_row(runs, users, system, first_store) for users, system in keys]
 

@@ -376,16 +376,20 @@ def counters(servers: list[Server]) -> dict[str, dict[str, float]]:
     return {server.label: connector_counters(scrape(server.url)) for server in servers}
 
 
+def only_or_each(by_label: dict):
+    """A run's value per server: the only server's as it is, else each server's by label."""
+    return next(iter(by_label.values())) if len(by_label) == 1 else by_label
+
+
 def counted_since(before: dict[str, dict[str, float]], after: dict[str, dict[str, float]]) -> dict:
-    """What each server counted between two :func:`counters` snapshots (the only server's: as they are)."""
-    counted = {label: {k: v - before[label].get(k, 0.0) for k, v in counts.items()} for label, counts in after.items()}
-    return next(iter(counted.values())) if len(counted) == 1 else counted
+    """What each server counted between two :func:`counters` snapshots (:func:`only_or_each`)."""
+    return only_or_each({label: {k: v - before[label].get(k, 0.0) for k, v in counts.items()}
+                         for label, counts in after.items()})
 
 
 def per_server(servers: list[Server], name: str):
-    """A ``Config.tuning`` field of the run: the only server's, else each server's by label."""
-    values = {server.label: getattr(server.config.tuning, name) for server in servers}
-    return next(iter(values.values())) if len(values) == 1 else values
+    """A ``Config.tuning`` field of the run (:func:`only_or_each`)."""
+    return only_or_each({server.label: getattr(server.config.tuning, name) for server in servers})
 
 
 async def run(servers: list[Server], requests: Requests, args, systems: list[str], levels: list[int],
@@ -731,7 +735,7 @@ def main(argv: list[str] | None = None) -> int:
               "async_loads": per_server(servers, "async_loads"),
               "memory_gib": memory_bytes / 2**30, "repeats": args.repeats,
               "tail_thresholds": {k: getattr(config.tuning, k) for k in ("tail_max_step_tokens", "tail_max_waiting")},
-              "warm_up": check, "rows": load_rows.aggregate(runs, specs[0][0] if len(specs) > 1 else None), "runs": runs}
+              "warm_up": check, "rows": load_rows.aggregate(runs, specs[0][0]), "runs": runs}
     rows = result["rows"]
     if default:
         result["default"] = {"method": default[0], "system": default[1]}
