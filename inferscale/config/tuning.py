@@ -69,9 +69,10 @@ class Tuning:
     #: stream of its own and the request joins the batch once it has arrived), "never" before the
     #: forward pass of the step that prefills the request (that step waits for its requests'
     #: reads), or "auto": in the background on a GPU where the memory tier (kv_store) is not "hbm",
-    #: unless the request would run alone in its step (then before the forward pass)
-    #: "never" until measured on a GPU against "auto" (benchmarks/vllm_serve_load.py --async-loads)
-    async_loads: str = "never"
+    #: unless the request would run alone in its step (then before the forward pass). "auto" by
+    #: measurement: pinned, 100 users on one H100, 1.21x "never"'s requests/s in one run
+    #: (benchmarks/results/load_side_1207f_pinned_never_pinned_auto_h100.md)
+    async_loads: str = "auto"
     #: with recompute_tokens = "adaptive": a request's tail is left to vLLM only while the step
     #: being scheduled holds at most this many tokens of other requests: one for each request
     #: decoding, those of each request admitted before it in the step (a tail included). A lone
