@@ -175,6 +175,7 @@ def test_a_load_that_waited_for_its_users_read_counts_as_the_store_of_records(ti
     counts = writer.stats.snapshot()
     assert (counts["store_hit.disk"], counts["store_hit.pinned"]) == (1, 1)
     assert counts["store_bytes.disk"] == tiers.record.nbytes("ann") and counts["store_bytes.pinned"] > 0
+    assert counts["load_steps.beside_batch"] == 2  # a step issued each
     assert writer.finished() == {"cold", "warm"} and writer.take_load_errors() == set()
 
 

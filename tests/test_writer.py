@@ -77,6 +77,7 @@ def test_each_layer_is_written_through_the_backend_op(tiers):
     assert stats.snapshot()["store_hit.disk"] == 1  # first use: loaded from the disk tier
     writer.write_step([spec], cache)
     assert stats.snapshot()["store_hit.pinned"] == 1
+    assert stats.snapshot()["load_steps.resident"] == 2  # on a CPU nothing crosses a bus
     assert writer.take_load_errors() == set()
 
 
@@ -91,6 +92,7 @@ def test_each_load_counts_the_tier_that_served_it_and_the_bytes_it_read_there(ti
         writer.write_step([spec], RecordingCache())
         counts = stats.take()
         counts.pop("host_seconds.load")
+        assert counts.pop("load_steps.resident") == 1  # a step of its own
         return counts
 
     first = spec_for(tiers.record, "ann")
@@ -175,7 +177,7 @@ def check_fused_step(tmp_path: str) -> None:
     assert counted.pop("host_seconds.load") > 0  # the step's loads were timed
     # the first loaded the whole user into the memory tier, the second read its tokens there
     assert counted == {"store_hit.disk": 1, "store_hit.pinned": 1, "store_bytes.disk": disk.nbytes("ann"),
-                       "store_bytes.pinned": (length - 3) * LAYERS * 2 * 2 * SIZE * 4}
+                       "store_bytes.pinned": (length - 3) * LAYERS * 2 * 2 * SIZE * 4, "load_steps.resident": 1}
     for spec in (first, second):
         expected = writer.loader.load(spec, LAYERS, SIZE)
         for layer, (_, key, value) in enumerate(cache.layers):

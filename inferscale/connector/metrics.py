@@ -18,6 +18,8 @@ and there hands it to the metrics the connector class registered
   scheduler, ``load`` and ``wait`` on the worker; divided by ``plan_calls`` or
   ``injected_requests``, the mean per call or per request)
 - ``vllm:inferscale_plan_calls_total`` (the scheduler's matches of a request with memory)
+- ``vllm:inferscale_load_steps_total{read}`` (worker steps that wrote loads, by how the K/V reached
+  the GPU: ``resident``, ``copied``, ``in_place``, ``beside_batch``; :data:`~inferscale.inject.stats.STEP_READS`)
 
 and a histogram, ``vllm:inferscale_recompute_budget_tokens`` (the recompute budget each request
 whose memory was matched got: with ``recompute_tokens = "adaptive"`` the cap while the engine had
@@ -40,6 +42,7 @@ from inferscale.inject.stats import (
     INJECTED_REQUESTS,
     INJECTED_TOKENS,
     PLAN_CALLS,
+    STEP_PREFIX,
     add_counts,
 )
 from inferscale.inject.report import CLIENT_CODES
@@ -87,6 +90,8 @@ class InferScalePromMetrics(compat.KVConnectorPromMetrics):
         self.host = self._counter("host_seconds", "Host time the connector spent on the request path, by step.",
                                   "step")
         self.plans = self._counter("plan_calls", "Times the scheduler matched a request against its memory.")
+        self.steps = self._counter("load_steps", "Worker steps that wrote loads, by how their K/V reached the GPU.",
+                                   "read")
         self.budgets = self._histogram("recompute_budget_tokens", "Recompute budget (memory tokens left to vLLM "
                                        "at most) of each request whose memory was matched.", BUDGET_BUCKETS)
         for engine in self.per_engine_labelvalues:
@@ -111,6 +116,8 @@ class InferScalePromMetrics(compat.KVConnectorPromMetrics):
                 self.host(engine_idx, key.removeprefix(HOST_PREFIX)).inc(value)
             elif key == PLAN_CALLS:
                 self.plans(engine_idx).inc(value)
+            elif key.startswith(STEP_PREFIX):
+                self.steps(engine_idx, key.removeprefix(STEP_PREFIX)).inc(value)
             elif key.startswith(BUDGET_PREFIX):
                 self._observe_budget(engine_idx, int(key.removeprefix(BUDGET_PREFIX)), int(value))
 

@@ -193,6 +193,7 @@ class BackgroundWriter(KVWriter):
     def _issue(self, loads: Sequence[LoadSpec], cache: PagedCache) -> None:
         began = time.perf_counter()
         fused = self._fused_views(cache) is not None
+        self._count_step("beside_batch")
         with self.layer_loads.issuing(beside=fused):
             if fused:
                 self._write_fused(loads, in_place=False)

@@ -27,6 +27,12 @@ BYTES_PREFIX = "store_bytes."
 #: memory), "load" (worker: queueing a step's loads), "wait" (worker: the forward stream's waits)
 HOST_PREFIX = "host_seconds."
 PLAN_CALLS = "plan_calls"
+#: worker steps that wrote loads, by how their K/V reached the GPU: "load_steps.<read>" (:data:`STEP_READS`)
+STEP_PREFIX = "load_steps."
+#: "resident": from the engine's own device memory (the hbm tier, or anything on a CPU); "copied": from
+#: pinned host memory, copied to the GPU first; "in_place": pinned host memory read in place by the
+#: write; "beside_batch": loads issued beside the batch (Config.tuning.async_loads), copied
+STEP_READS = ("resident", "copied", "in_place", "beside_batch")
 #: requests whose memory was matched, by the recompute budget they got: "recompute_budget.<tokens>"
 BUDGET_PREFIX = "recompute_budget."
 
@@ -56,6 +62,10 @@ class ConnectorStats:
     def record_host_time(self, step: str, seconds: float) -> None:
         """``seconds`` of host time in ``step``."""
         self._add({HOST_PREFIX + step: seconds})
+
+    def record_load_step(self, read: str) -> None:
+        """A worker step wrote loads whose K/V reached the GPU as ``read`` (one of :data:`STEP_READS`)."""
+        self._add({STEP_PREFIX + read: 1})
 
     def record_plan(self, seconds: float) -> None:
         """The scheduler matched a request with its memory in ``seconds``."""

@@ -104,6 +104,7 @@ class KVWriter:
         began = time.perf_counter()
         fused = self._fused_views(cache) is not None
         in_place = fused and self.loader.step_in_place(loads, self.num_layers, self.head_size)
+        self._count_step("in_place" if in_place else "copied" if self.loader.copies_from_host(False) else "resident")
         # one kernel from GPU memory runs before the forward on its own stream; reads of host
         # memory in place (pinned_reads = "overlap") and the per-layer path overlap it from a side stream
         with self.layer_loads.issuing(side_stream=not fused or in_place):
@@ -271,6 +272,10 @@ class KVWriter:
             return self.tiers.record.nbytes(spec.user_id)
         except Exception:  # noqa: BLE001 — a count is not worth a failed step
             return 0
+
+    def _count_step(self, read: str) -> None:
+        if self.counts:
+            self.stats.record_load_step(read)
 
     def _host_time(self, step: str, seconds: float) -> None:
         if self.counts:
