@@ -11,7 +11,8 @@
 #             copied a run at a time against a copy per fact (a minute)
 #   side      vllm_serve_load.py at 100 users, B = 0, 3 interleaved repeats of 20 s, the stores of SIDE side
 #             by side in one run (a server each on the GPU, SIDE_GPU_UTIL each; a round runs every store's
-#             rows back to back): hbm and pinned read before the forward pass (async_loads never) by default;
+#             rows back to back): hbm read before the forward pass and pinned beside the batch (its default,
+#             async_loads auto) by default;
 #             a spec may name pinned_reads too (SIDE="pinned:never:overlap,pinned:never:copy")
 #   stores    the same, one run (and server start) per store:async_loads pair of SPECS, one after another
 #   default   the adaptive tail at 1/10/30/100 users, 3 repeats, on the store STORE (pinned) and ASYNC
@@ -30,7 +31,7 @@ STORE=${STORE:-pinned} ASYNC=${ASYNC:-auto} SECONDS_ROW=${SECONDS_ROW:-20} REPEA
 SPECS=${SPECS:-hbm:never pinned:never pinned:auto} STORE_BUDGETS=${STORE_BUDGETS:-0}
 # the side step: the stores side by side (two 7B-shape servers fit an 80 GB GPU at 0.36 each, with room for
 # what vLLM does not count; three only an H200, at 0.27: benchmarks/gpu/README.md)
-SIDE=${SIDE:-hbm:never,pinned:never} SIDE_GPU_UTIL=${SIDE_GPU_UTIL:-0.36}
+SIDE=${SIDE:-hbm:never,pinned:auto} SIDE_GPU_UTIL=${SIDE_GPU_UTIL:-0.36}
 # more vllm_serve_load.py options for every load step; 60 facts a user by default: 100 users' memory is
 # written in ~20 s instead of 71 (200 facts), and a request reads 50 of them either way
 LOAD_ARGS=${LOAD_ARGS-"--facts 60"}
