@@ -5,6 +5,7 @@ its own stream, after the forward stream's earlier work."""
 
 from __future__ import annotations
 
+import collections
 import threading
 from pathlib import Path
 
@@ -190,6 +191,40 @@ class SlowDisk(DiskStore):
         self.reading.set()
         assert self.go.wait(60), "the test never let the read go"
         return super().read_user(user_id)
+
+
+class MeetingDisk(DiskStore):
+    """The store of record, each of whose reads of a user's K/V other than the instruction prefix's
+    waits until ``meet`` such reads are under way."""
+
+    def __init__(self, root: str, meet: int):
+        super().__init__(DiskStore.Options(root=root))
+        self.meeting, self.reads = threading.Barrier(meet, timeout=60), collections.Counter()
+
+    def read_user(self, user_id):
+        if user_id != SYSTEM_USER:
+            self.reads[user_id] += 1
+            self.meeting.wait()  # broken (an error) unless `meet` users are read at once
+        return super().read_user(user_id)
+
+
+def test_users_are_read_several_at_once_each_once(tmp_path):
+    """user_read_threads: three cold users' reads run at once (each waits for the other two), each
+    user read once however many loads wait for it; every load is written after its user's read."""
+    disk = MeetingDisk(str(tmp_path / "kv"), meet=3)
+    disk.put(SYSTEM_USER, {PREFIX_FACT: make_fact(5, layers=LAYERS, size=SIZE, seed=999)})
+    for user in ("ann", "bob", "cy"):
+        disk.put(user, make_facts(2, layers=LAYERS, size=SIZE))
+    memory = PinnedHostStore(PinnedHostStore.Options(device="cpu"))
+    ensure_user(memory, disk, SYSTEM_USER)
+    writer, _ = writers_for(Tiers(memory, disk), user_read_threads=3)
+    cache = RecordingCache()
+    writer.start([spec_for(disk, user, f"{user}-{n}") for n in range(2) for user in ("ann", "bob", "cy")], cache)
+    writer.fills.close()
+    writer.start([], cache)
+    assert disk.reads == {"ann": 1, "bob": 1, "cy": 1} and not disk.meeting.broken
+    assert len(cache.writes) == 6 * LAYERS and writer.take_load_errors() == set()
+    assert writer.finished() == {f"{user}-{n}" for n in range(2) for user in ("ann", "bob", "cy")}
 
 
 def test_a_load_waits_unissued_for_its_users_read_while_the_others_are_written(tmp_path):

@@ -76,7 +76,8 @@ BAD_TUNING = [{"pinned_reads": "zero-copy"}, {"fused_write": "yes"}, {"write_gra
               {"pinned_read_launches": 0}, {"pinned_read_launches": 2.5},
               {"pinned_copy_below_mib": -1}, {"pinned_copy_below_mib": "32"},
               {"pinned_copy_below_mib": float("nan")}, {"pinned_copy_below_mib": True},
-              {"pinned_copy_above_mib": -1}, {"pinned_copy_above_mib": float("inf")}, {"pinned_copy_above_mib": "1g"}]
+              {"pinned_copy_above_mib": -1}, {"pinned_copy_above_mib": float("inf")}, {"pinned_copy_above_mib": "1g"},
+              {"user_read_threads": 0}, {"user_read_threads": "4"}, {"user_read_threads": True}]
 
 
 @pytest.mark.parametrize("bad", BAD_TUNING)

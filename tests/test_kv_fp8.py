@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 from inferscale.kv import FactKV
 from inferscale.kv_fp8 import (FP8, FP8_E4M3, FP8_MAX, LIMIT, MODEL, SCALE_EXPONENTS, Fp8KV, at_rest, check_dequant,
-                               dequantize, dequantize_block, fp8_round_trip, quantize, quantize_block)
+                               dequantize, dequantize_block, fp8_round_trip, has_nan_code, quantize, quantize_block)
 
 DTYPES = [torch.bfloat16, torch.float16, torch.float32]
 
@@ -111,6 +111,7 @@ def test_kv_that_fp8_cannot_hold_is_refused(bad):
     (lambda d, c: d[0, 0, 0, -1].fill_(2.0 ** 120), "power of two"),
     (lambda d, c: d[0, 0, 0, 0].fill_(float("inf")), "offset"),
     (lambda d, c: c.view(torch.uint8)[0, 0, 0, 0, 0].fill_(0xFF), "NaN"),
+    (lambda d, c: c.view(torch.uint8)[1, 1, 2, 0, 3].fill_(0x7F), "NaN"),
 ])
 def test_damaged_scales_offsets_or_codes_are_refused(damage, message):
     codes, dequant = quantize_block(torch.randn(2, 2, 3, 1, 4))
@@ -118,3 +119,12 @@ def test_damaged_scales_offsets_or_codes_are_refused(damage, message):
     damage(dequant, codes)
     with pytest.raises(ValueError, match=message):
         check_dequant(dequant, codes)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.binary(min_size=0, max_size=600))
+def test_a_nan_code_is_found_wherever_it_lies(raw):
+    """Either NaN byte of e4m3 (0x7F, 0xFF), anywhere among any others, is found; no other byte is."""
+    codes = torch.frombuffer(bytearray(raw), dtype=torch.uint8).view(torch.float8_e4m3fn) if raw else \
+        torch.empty(0, dtype=torch.float8_e4m3fn)
+    assert has_nan_code(codes) == any(byte & 0x7F == 0x7F for byte in raw)

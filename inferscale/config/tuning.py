@@ -73,6 +73,10 @@ class Tuning:
     #: measurement: pinned, 100 users on one H100, 1.21x "never"'s requests/s in one run
     #: (benchmarks/results/load_side_1207f_pinned_never_pinned_auto_h100.md)
     async_loads: str = "auto"
+    #: loads beside the batch: users their memory tier does not hold are read from the store of
+    #: record on this many threads at once (a read is mostly checksum, file and copy work, which
+    #: release Python's lock; benchmarks/user_reads.py measures users/s against threads)
+    user_read_threads: int = 4
     #: with recompute_tokens = "adaptive": a request's tail is left to vLLM only while the step
     #: being scheduled holds at most this many tokens of other requests: one for each request
     #: decoding, those of each request admitted before it in the step (a tail included). A lone
@@ -88,7 +92,7 @@ class Tuning:
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"tuning {name} must be true or false, got {getattr(self, name)!r}")
         for name, least in (("pinned_read_programs", 0), ("pinned_read_launches", 1), ("tail_max_step_tokens", 0),
-                            ("tail_max_waiting", 0)):
+                            ("tail_max_waiting", 0), ("user_read_threads", 1)):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < least:
                 raise ConfigError(f"tuning {name} must be an integer ≥ {least}, got {value!r}")

@@ -20,7 +20,7 @@ A step issues copies of at most ``Config.tuning.pinned_copy_above_mib`` (and alw
 loads past it wait, unissued, for the next step (a burst of requests would otherwise take one GPU
 buffer of all their facts, beside the memory vLLM sized its cache from).
 A load whose user the memory tier does not hold waits, unissued, while the user is read from the
-store of record on a thread of its own (:mod:`~inferscale.inject.user_fills`); the engine's thread
+store of record on threads of their own (:mod:`~inferscale.inject.user_fills`); the engine's thread
 goes on with the batch.
 
 A load is reported (:meth:`BackgroundWriter.finished`) in the step that issues it, its writes
@@ -144,7 +144,7 @@ class BackgroundWriter(KVWriter):
 
     def __init__(self, config: Config, *args, **kwargs):
         super().__init__(copying(config), *args, **kwargs)
-        self.fills = UserFills(self.tiers)
+        self.fills = UserFills(self.tiers, config.tuning.user_read_threads)
         self._waiting: list[tuple[LoadSpec, list[concurrent.futures.Future]]] = []  # for their users' reads
         self._read_first: set[str] = set()  # requests whose loads waited for a read of the store of record
         self._in_flight: list[InFlight] = []  # issued (or dropped, refused), not reported yet

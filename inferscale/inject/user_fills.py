@@ -1,5 +1,6 @@
-"""Worker side, vLLM-free: users read from the store of record into the memory tier on a thread of
-their own, for background loads (:mod:`~inferscale.inject.background`).
+"""Worker side, vLLM-free: users read from the store of record into the memory tier on threads of
+their own (``Config.tuning.user_read_threads``, several users at once), for background loads
+(:mod:`~inferscale.inject.background`).
 
 A load written before the forward pass reads a user its memory tier does not hold from disk right
 there, on the engine's thread: every request of the step waits for the read (tens of milliseconds
@@ -7,7 +8,8 @@ for a large user). A background load need not: its request waits anyway, so its 
 this thread (:func:`~inferscale.storage.tiers.fill.ensure_user`, as the synchronous path reads it) and
 the load is issued at a later step, once the read is done, while the engine's thread goes on with
 the batch. The memory tier is made for this (readers take no lock; writers are serialised by its
-own); a user read twice at once loads the same version twice, which is harmless.
+own); a user is read by one thread at a time here, and a user read twice at once (here and by the
+engine's thread) loads the same version twice, which is harmless.
 
 A read that fails is not reported here: the load is issued when the read is done, whatever its
 outcome, and the loader, finding the user still missing, reads it again on the engine's thread,
@@ -25,8 +27,8 @@ from inferscale.storage.tiers import Tiers
 
 
 class UserFills:
-    def __init__(self, tiers: Tiers):
-        self.tiers = tiers
+    def __init__(self, tiers: Tiers, threads: int = 1):
+        self.tiers, self.threads = tiers, threads
         self._reads: dict[str, concurrent.futures.Future] = {}  # by user, under way (or just done)
         self._pool: concurrent.futures.ThreadPoolExecutor | None = None  # started on first use
 
@@ -56,5 +58,5 @@ class UserFills:
 
     def _start(self, user_id: str) -> concurrent.futures.Future:
         if self._pool is None:
-            self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="inferscale-user-fill")
+            self._pool = concurrent.futures.ThreadPoolExecutor(self.threads, thread_name_prefix="inferscale-user-fill")
         return self._pool.submit(ensure_user, self.tiers.memory, self.tiers.record, user_id)
