@@ -104,7 +104,7 @@ class KVWriter:
         began = time.perf_counter()
         fused = self._fused_views(cache) is not None
         in_place = fused and self.loader.step_in_place(loads, self.num_layers, self.head_size)
-        self._count_step("in_place" if in_place else "copied" if self.loader.copies_from_host(False) else "resident")
+        self._count_step("in_place" if in_place else "copied" if self.loader.copies_from_host(in_place=False) else "resident")
         # one kernel from GPU memory runs before the forward on its own stream; reads of host
         # memory in place (pinned_reads = "overlap") and the per-layer path overlap it from a side stream
         with self.layer_loads.issuing(side_stream=not fused or in_place):
