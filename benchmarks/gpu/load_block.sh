@@ -20,6 +20,8 @@
 #   ttft      ttft.py, lone requests at k = 10/50: hbm, pinned:sync, pinned:auto (alone: before the
 #             forward pass), pinned:async (always beside the batch); TTFT_STORES picks fewer
 #   users1000 benchmarks/tier_users.py (its docstring's GPU command)
+#   reads     benchmarks/user_reads.py: users read from disk into pinned host memory, users/s by threads
+#             (1/2/4/8) with the machine's CPUs and page-locked memory (about 2 minutes; no GPU work)
 # PROFILE=1: the stores step also samples the server's processes with py-spy during every row
 # (vllm_serve_load.py --profile; the static binary carried as .gpu/py-spy): where the engine's host time goes.
 set -uo pipefail
@@ -81,6 +83,11 @@ if has ttft; then
   stamp "TTFT, lone requests, k = 10/50: ${TTFT_STORES:-hbm,pinned:sync,pinned:auto,pinned:async}"
   PYTHONPATH=$NOW timeout 900 python3 benchmarks/ttft.py --cuda-graphs --shape llama-3.1-8b --ks 10,50 --reps 20 \
     --kv-stores "${TTFT_STORES:-hbm,pinned:sync,pinned:auto,pinned:async}" --out "$RUN/ttft_stores.json" 2>&1 | quiet | tail -16
+fi
+if has reads; then
+  stamp "users read into pinned memory, by threads"
+  PYTHONPATH=$NOW timeout 600 python3 benchmarks/user_reads.py --users 40 --threads 1,2,4,8 --repeats 3 --warm \
+    --out "$RUN/user_reads" 2>&1 | grep -v "user/s\]" | tail -14
 fi
 if has users1000 && [[ -f benchmarks/tier_users.py ]]; then
   stamp "the 1,000-user tier run"
