@@ -26,6 +26,7 @@ import json
 import os
 import platform
 import shlex
+import shutil
 import statistics
 import sys
 import tempfile
@@ -101,8 +102,6 @@ def run(args: argparse.Namespace) -> dict:
                      "min": min(rates), "max": max(rates),
                      "gb_per_s": statistics.median(rates) * user_bytes / 1e9, "seconds": times})
     if not args.data:
-        import shutil
-
         shutil.rmtree(data, ignore_errors=True)
     return {"command": "python " + shlex.join(sys.argv), "shape": args.shape, "users": args.users,
             "facts": args.facts, "fact_tokens": args.fact_tokens, "at_rest": args.at_rest,
