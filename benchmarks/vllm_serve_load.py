@@ -559,26 +559,53 @@ def table(result: dict) -> str:
 
 
 def plot(result: dict, path: Path) -> None:
+    """Requests/s and engine TTFT of each system: against the users where a run has several levels,
+    else a bar each, with the rounds' spread (min-max) and each row's ratio to prompt injection."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    rows = result["rows"]
     fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
-    for system in dict.fromkeys(r["system"] for r in result["rows"]):
-        mine = [r for r in result["rows"] if r["system"] == system]
-        left.plot([r["users"] for r in mine], [r["requests_per_s"] for r in mine], "o-", label=system)
-        right.plot([r["users"] for r in mine], [r.get("ttft_mean_ms", 0) for r in mine], "o-", label=system)
+    if len({r["users"] for r in rows}) == 1:
+        _bars(rows, left, right)
+    else:
+        for system in dict.fromkeys(r["system"] for r in rows):
+            mine = [r for r in rows if r["system"] == system]
+            left.plot([r["users"] for r in mine], [r["requests_per_s"] for r in mine], "o-", label=system)
+            right.plot([r["users"] for r in mine], [r.get("ttft_mean_ms", 0) for r in mine], "o-", label=system)
+        for ax in (left, right):
+            ax.set_xlabel("concurrent users")
+            ax.set_xscale("log")
+            ax.legend(fontsize=8)
     left.set_ylabel("requests/s")
     right.set_ylabel("engine time to first token, mean ms")
     for ax in (left, right):
-        ax.set_xlabel("concurrent users")
-        ax.set_xscale("log")
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
     fig.suptitle(result["model"], fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
+
+
+def _bars(rows: list[dict], left, right) -> None:
+    """One level of users: a bar per system, requests/s with the rounds' min-max and its ratio to
+    prompt injection (within rounds), and engine TTFT."""
+    names = [r["system"] for r in rows]
+    rates = [r["requests_per_s"] for r in rows]
+    spread = [r.get("requests_per_s_spread") or {"min": rate, "max": rate} for r, rate in zip(rows, rates)]
+    errors = [[rate - s["min"] for rate, s in zip(rates, spread)], [s["max"] - rate for rate, s in zip(rates, spread)]]
+    left.bar(names, rates, yerr=errors, capsize=4, color="tab:blue")
+    for index, row in enumerate(rows):
+        ratio = (row.get("x_prompt") or {}).get("median")
+        if ratio is not None:
+            left.annotate(f"{ratio:.2f}× prompt", (index, spread[index]["max"]), ha="center", va="bottom", fontsize=8,
+                          xytext=(0, 6), textcoords="offset points")
+    left.set_ylim(top=max(s["max"] for s in spread) * 1.15)  # room for the ratios above the bars
+    right.bar(names, [r.get("ttft_mean_ms", 0) for r in rows], color="tab:orange")
+    for ax in (left, right):
+        ax.set_title(f"{rows[0]['users']} concurrent users", fontsize=9)
+        ax.tick_params(axis="x", labelrotation=20, labelsize=8)
 
 
 def add_engine_options(parser: argparse.ArgumentParser) -> None:

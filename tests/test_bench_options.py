@@ -340,3 +340,25 @@ def test_stores_side_by_side_are_compared_within_each_round():
     assert "side by side" in table and "pinned:auto (async_loads auto, pinned_reads overlap)" in table
     assert "| 100 | kv@0 on pinned:auto | 167.00 (144.00-190.00) |" in table
     assert "| × kv@B on hbm |" in table and "| 0.955 (0.950-0.960) |" in table
+
+
+@pytest.mark.parametrize("levels", [[100], [1, 10, 100]])
+def test_the_load_plot_draws_one_level_as_bars_and_several_as_lines(tmp_path, levels):
+    """One level of users: a bar per system with its rounds' spread and ratio (no line of one
+    point); several: lines against the users. Either way a PNG."""
+    load = load_module()
+    rows = [{"users": users, "system": system, "requests_per_s": rate, "ttft_mean_ms": 50.0,
+             "requests_per_s_spread": {"median": rate, "min": rate * 0.9, "max": rate * 1.1},
+             "x_prompt": {"median": rate / 40.0}} for users in levels for system, rate in (("prompt", 40.0),
+                                                                                           ("kv@0", 200.0))]
+    load.plot({"model": "m", "rows": rows}, tmp_path / "load.png")
+    assert (tmp_path / "load.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    import matplotlib.pyplot as plt
+
+    requests_axis = plt.gcf().axes[0]
+    if len(levels) == 1:
+        assert len(requests_axis.patches) == 2 and [t.get_text() for t in requests_axis.texts] == [
+            "1.00× prompt", "5.00× prompt"]
+    else:
+        assert not requests_axis.patches and len(requests_axis.get_lines()) == 2
+    plt.close("all")
