@@ -55,6 +55,7 @@ def test_vllm_serve_injects_memory_from_request_params(tmp_path):
     assert metrics['vllm:inferscale_host_seconds_total{step="plan"}'] > 0  # counted; how much is for benchmarks
     assert metrics['vllm:inferscale_host_seconds_total{step="load"}'] > 0
     assert metrics['vllm:inferscale_load_steps_total{read="resident"}'] == 1  # on a CPU: nothing crosses a bus
+    assert metrics['vllm:inferscale_load_steps_total{read="copied"}'] == 0  # shown, though never taken here
     # the recompute budget each matched request got (this engine's is fixed at 0): a histogram
     assert metrics["vllm:inferscale_recompute_budget_tokens_count"] == 1
     assert metrics['vllm:inferscale_recompute_budget_tokens_bucket{le="0.0"}'] == 1

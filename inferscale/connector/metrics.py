@@ -19,7 +19,8 @@ and there hands it to the metrics the connector class registered
   ``injected_requests``, the mean per call or per request)
 - ``vllm:inferscale_plan_calls_total`` (the scheduler's matches of a request with memory)
 - ``vllm:inferscale_load_steps_total{read}`` (worker steps that wrote loads, by how the K/V reached
-  the GPU: ``resident``, ``copied``, ``in_place``, ``beside_batch``; :data:`~inferscale.inject.stats.STEP_READS`)
+  the GPU: ``resident``, ``copied``, ``in_place``, ``beside_batch``, each shown from 0;
+  :data:`~inferscale.inject.stats.STEP_READS`)
 
 and a histogram, ``vllm:inferscale_recompute_budget_tokens`` (the recompute budget each request
 whose memory was matched got: with ``recompute_tokens = "adaptive"`` the cap while the engine had
@@ -43,6 +44,7 @@ from inferscale.inject.stats import (
     INJECTED_TOKENS,
     PLAN_CALLS,
     STEP_PREFIX,
+    STEP_READS,
     add_counts,
 )
 from inferscale.inject.report import CLIENT_CODES
@@ -97,6 +99,8 @@ class InferScalePromMetrics(compat.KVConnectorPromMetrics):
         for engine in self.per_engine_labelvalues:
             for code in CLIENT_CODES:  # every code shows, at 0 until it happens
                 self.fallbacks(engine, code)
+            for read in STEP_READS:  # every read path too: a 0 says the path was not taken
+                self.steps(engine, read)
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
         for key, value in transfer_stats_data.items():

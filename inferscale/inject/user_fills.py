@@ -27,7 +27,7 @@ from inferscale.storage.tiers import Tiers
 
 
 class UserFills:
-    def __init__(self, tiers: Tiers, threads: int = 1):
+    def __init__(self, tiers: Tiers, threads: int):
         self.tiers, self.threads = tiers, threads
         self._reads: dict[str, concurrent.futures.Future] = {}  # by user, under way (or just done)
         self._pool: concurrent.futures.ThreadPoolExecutor | None = None  # started on first use
