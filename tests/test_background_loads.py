@@ -117,6 +117,7 @@ def scheduler_of(llm):
 def assert_nothing_left(llm):
     """The connector's state on both sides is empty, and vLLM holds no request."""
     scheduler, worker = rec.SIDES["scheduler"], rec.SIDES["worker"]
+    assert scheduler._background.waits_kept() == 0
     assert (len(scheduler._background), scheduler._plans, scheduler._pending, scheduler._loaded_blocks,
             scheduler._failed, scheduler._beside) == (0, {}, {}, {}, set(), set())
     assert (worker.background.loading, worker._background_queue) == (set(), [])
@@ -128,6 +129,7 @@ def test_a_batch_of_background_loads_answers_as_loads_before_the_forward_pass(ba
     _, data, memory_of = memory
     alone, plain = synchronous
     users = ["alice", "bob", "alice", "bob", "alice"]  # the same memory twice in one batch, beside others
+    rec.PARKED.clear()
     got = answers(background, data, memory_of, users)
     for user, (tokens, report, cached) in zip(users, got):
         segment = memory_of[user][0][1]
@@ -135,6 +137,9 @@ def test_a_batch_of_background_loads_answers_as_loads_before_the_forward_pass(ba
         assert report == {"injected_tokens": len(segment), "recomputed_tokens": 0, "fallback": None}
         assert tokens == plain[user] or DTYPE != "float32"
     assert rec.WRITES and all(kind == "background" for kind, _ in rec.WRITES), rec.WRITES
+    # each request's wait counted once it ran: reported after at least the parking schedule, run after that
+    assert len(rec.PARKED) == len(users)
+    assert all(0 <= reported < scheduled and seconds > 0 for reported, scheduled, seconds in rec.PARKED), rec.PARKED
     assert_nothing_left(background)
 
 

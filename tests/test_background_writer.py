@@ -117,7 +117,38 @@ def test_background_requests_are_tracked_exactly_and_forgotten(events):
         assert all(book.is_loading(r) for r in loading)
     for n in range(5):
         book.finished(f"r{n}")
-    assert len(book) == 0 and book.to_send() == []
+    assert len(book) == 0 and book.to_send() == [] and book.waits_kept() == 0
+
+
+def test_a_parked_request_says_how_many_schedules_it_waited():
+    """vLLM's asynchronous scheduling: schedule N parks the request and sends its load, N + 1 is
+    built before N's output (the report) is read, N + 2 runs it: reported 1 schedule after the
+    parking one, run 2 after it; the seconds from the parking schedule to the running one."""
+    now = [10.0]
+    book = BackgroundRequests(clock=lambda: now[0])
+    book.allocated("r", Plan(None), [3, 4])
+    assert [req_id for req_id, _, _ in book.to_send()] == ["r"]  # schedule N
+    assert book.scheduled(["other"]) == []
+    book.step_built()
+    book.step_built()  # N + 1, built before N's output was read
+    now[0] = 10.04
+    book.arrived(["r"])  # N's output
+    now[0] = 10.05
+    (wait,) = book.scheduled(["other", "r"])  # N + 2 runs it
+    assert (wait.until_reported, wait.until_scheduled) == (1, 2) and wait.seconds == pytest.approx(0.05)
+    book.step_built()
+    assert book.scheduled(["r"]) == [] and book.waits_kept() == 0 and len(book) == 0
+
+
+def test_a_request_finished_while_parked_leaves_no_wait_behind():
+    book = BackgroundRequests()
+    book.allocated("r", Plan(None), [1])
+    book.to_send()
+    book.step_built()
+    book.arrived(["r"])
+    assert book.waits_kept() == 1
+    book.finished("r")
+    assert book.waits_kept() == 0 and book.scheduled(["r"]) == []
 
 
 # ---------------------------------------------------------------- the worker's writer, on the CPU

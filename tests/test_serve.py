@@ -56,6 +56,9 @@ def test_vllm_serve_injects_memory_from_request_params(tmp_path):
     assert metrics['vllm:inferscale_host_seconds_total{step="load"}'] > 0
     assert metrics['vllm:inferscale_load_steps_total{read="resident"}'] == 1  # on a CPU: nothing crosses a bus
     assert metrics['vllm:inferscale_load_steps_total{read="copied"}'] == 0  # shown, though never taken here
+    # no request was parked to load beside the batch (a CPU loads before the forward pass): shown at 0
+    assert metrics["vllm:inferscale_parked_requests_total"] == 0
+    assert metrics['vllm:inferscale_parked_schedules_total{until="scheduled"}'] == 0
     # the recompute budget each matched request got (this engine's is fixed at 0): a histogram
     assert metrics["vllm:inferscale_recompute_budget_tokens_count"] == 1
     assert metrics['vllm:inferscale_recompute_budget_tokens_bucket{le="0.0"}'] == 1
@@ -63,7 +66,7 @@ def test_vllm_serve_injects_memory_from_request_params(tmp_path):
 
 def _connector_metrics(base: str, wait_for: str, timeout_s: float = 10.0) -> dict[str, float]:
     """The connector's counters and histogram counts on the server's /metrics (labels other than
-    reason/tier/step/read/le dropped)."""
+    reason/tier/step/read/until/le dropped)."""
     from prometheus_client.parser import text_string_to_metric_families
 
     deadline = time.monotonic() + timeout_s
@@ -74,7 +77,7 @@ def _connector_metrics(base: str, wait_for: str, timeout_s: float = 10.0) -> dic
         for family in text_string_to_metric_families(text):
             for sample in family.samples:
                 if sample.name.startswith("vllm:inferscale_") and sample.name.endswith(("_total", "_count", "_bucket")):
-                    extra = {k: v for k, v in sample.labels.items() if k in ("reason", "tier", "step", "read", "le")}
+                    extra = {k: v for k, v in sample.labels.items() if k in ("reason", "tier", "step", "read", "until", "le")}
                     label = ",".join(f'{k}="{v}"' for k, v in extra.items())
                     out[sample.name + (f"{{{label}}}" if label else "")] = sample.value
         if any(key.startswith(wait_for) and value for key, value in out.items()) or time.monotonic() > deadline:

@@ -21,6 +21,11 @@ and there hands it to the metrics the connector class registered
 - ``vllm:inferscale_load_steps_total{read}`` (worker steps that wrote loads, by how the K/V reached
   the GPU: ``resident``, ``copied``, ``in_place``, ``beside_batch``, each shown from 0;
   :data:`~inferscale.inject.stats.STEP_READS`)
+- ``vllm:inferscale_parked_requests_total``, ``vllm:inferscale_parked_schedules_total{until}`` and
+  ``vllm:inferscale_parked_seconds_total`` (requests parked in ``WAITING_FOR_REMOTE_KVS`` while
+  their memory loaded beside the batch, once scheduled: the schedules they waited until the workers'
+  report was read, ``reported``, and until they ran, ``scheduled``, and the seconds; divided by the
+  requests, the mean wait: :mod:`~inferscale.inject.background_requests`)
 
 and a histogram, ``vllm:inferscale_recompute_budget_tokens`` (the recompute budget each request
 whose memory was matched got: with ``recompute_tokens = "adaptive"`` the cap while the engine had
@@ -42,6 +47,10 @@ from inferscale.inject.stats import (
     HOST_PREFIX,
     INJECTED_REQUESTS,
     INJECTED_TOKENS,
+    PARKED_PREFIX,
+    PARKED_REQUESTS,
+    PARKED_SECONDS,
+    PARKED_UNTIL,
     PLAN_CALLS,
     STEP_PREFIX,
     STEP_READS,
@@ -94,6 +103,12 @@ class InferScalePromMetrics(compat.KVConnectorPromMetrics):
         self.plans = self._counter("plan_calls", "Times the scheduler matched a request against its memory.")
         self.steps = self._counter("load_steps", "Worker steps that wrote loads, by how their K/V reached the GPU.",
                                    "read")
+        self.parked = self._counter("parked_requests", "Requests parked while their memory loaded beside the "
+                                    "batch, counted when scheduled.")
+        self.parked_schedules = self._counter("parked_schedules", "Schedules the parked requests waited: until "
+                                              "the workers' report was read, and until they ran.", "until")
+        self.parked_seconds = self._counter("parked_seconds", "Seconds the parked requests waited, from the "
+                                            "schedule that parked them to the one that ran them.")
         self.budgets = self._histogram("recompute_budget_tokens", "Recompute budget (memory tokens left to vLLM "
                                        "at most) of each request whose memory was matched.", BUDGET_BUCKETS)
         for engine in self.per_engine_labelvalues:
@@ -101,6 +116,10 @@ class InferScalePromMetrics(compat.KVConnectorPromMetrics):
                 self.fallbacks(engine, code)
             for read in STEP_READS:  # every read path too: a 0 says the path was not taken
                 self.steps(engine, read)
+            self.parked(engine)  # at 0 until a request is parked
+            self.parked_seconds(engine)
+            for until in PARKED_UNTIL:
+                self.parked_schedules(engine, until)
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
         for key, value in transfer_stats_data.items():
@@ -122,6 +141,12 @@ class InferScalePromMetrics(compat.KVConnectorPromMetrics):
                 self.plans(engine_idx).inc(value)
             elif key.startswith(STEP_PREFIX):
                 self.steps(engine_idx, key.removeprefix(STEP_PREFIX)).inc(value)
+            elif key == PARKED_REQUESTS:
+                self.parked(engine_idx).inc(value)
+            elif key.startswith(PARKED_PREFIX):
+                self.parked_schedules(engine_idx, key.removeprefix(PARKED_PREFIX)).inc(value)
+            elif key == PARKED_SECONDS:
+                self.parked_seconds(engine_idx).inc(value)
             elif key.startswith(BUDGET_PREFIX):
                 self._observe_budget(engine_idx, int(key.removeprefix(BUDGET_PREFIX)), int(value))
 

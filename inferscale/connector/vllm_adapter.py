@@ -164,6 +164,9 @@ class InferScaleConnector(compat.KVConnectorBase_V1):
             if plan is not None:
                 meta.loads.append(self._load_spec(req_id, plan, block_ids))
         meta.background_loads = [self._load_spec(*load) for load in self._background.to_send()]
+        for wait in self._background.scheduled(req_id for req_id, _ in scheduled):
+            self.stats.record_parked(wait.until_reported, wait.until_scheduled, wait.seconds)
+        self._background.step_built()
         self.load.step_built(compat.scheduled_request_ids(scheduler_output))
         return meta
 

@@ -1,4 +1,4 @@
-"""What the connector counts: injections, fallbacks by reason, store hits and bytes by tier.
+"""What the connector counts: injections, fallbacks by reason, store hits and bytes by tier, waits.
 
 Plain counters, vLLM-free. Each side of the connector keeps its own
 :class:`ConnectorStats` and hands vLLM what it counted since the last call
@@ -35,6 +35,15 @@ STEP_PREFIX = "load_steps."
 STEP_READS = ("resident", "copied", "in_place", "beside_batch")
 #: requests whose memory was matched, by the recompute budget they got: "recompute_budget.<tokens>"
 BUDGET_PREFIX = "recompute_budget."
+#: requests parked while their memory loaded beside the batch, once scheduled
+PARKED_REQUESTS = "parked_requests"
+#: the schedules they waited, "parked_schedules.<until>" (:data:`PARKED_UNTIL`)
+PARKED_PREFIX = "parked_schedules."
+#: "reported": built after the parking one before the workers' report was read; "scheduled": from the
+#: parking one to the one that ran the request (inject/background_requests.py)
+PARKED_UNTIL = ("reported", "scheduled")
+#: the seconds they waited, from the schedule that parked them to the one that ran them
+PARKED_SECONDS = "parked_seconds"
 
 
 class ConnectorStats:
@@ -70,6 +79,12 @@ class ConnectorStats:
     def record_plan(self, seconds: float) -> None:
         """The scheduler matched a request with its memory in ``seconds``."""
         self._add({HOST_PREFIX + "plan": seconds, PLAN_CALLS: 1})
+
+    def record_parked(self, until_reported: int, until_scheduled: int, seconds: float) -> None:
+        """A request parked for its background load was scheduled, having waited ``until_reported``
+        and ``until_scheduled`` schedules and ``seconds``."""
+        self._add({PARKED_REQUESTS: 1, PARKED_PREFIX + "reported": until_reported,
+                   PARKED_PREFIX + "scheduled": until_scheduled, PARKED_SECONDS: seconds})
 
     def record_budget(self, tokens: int) -> None:
         """A request whose memory was matched got a recompute budget of ``tokens``."""

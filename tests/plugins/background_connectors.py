@@ -4,12 +4,24 @@ both of its sides (an in-process engine runs them in the test's process)."""
 from inferscale.connector import compat
 from inferscale.connector.vllm_adapter import InferScaleConnector
 from inferscale.inject.background import BackgroundWriter
+from inferscale.inject.stats import ConnectorStats
 from inferscale.inject.writer import KVWriter
 
 #: ("before" | "background", request ids) for every step a writer was asked to write
 WRITES: list[tuple[str, list[str]]] = []
 #: the live connector of each side: "scheduler", "worker"
 SIDES: dict[str, InferScaleConnector] = {}
+#: (schedules until reported, until scheduled, seconds) of every parked request the scheduler side counted
+PARKED: list[tuple[int, int, float]] = []
+
+
+class RecordingStats(ConnectorStats):
+    """The scheduler side's counters, keeping each parked request's wait as well (vLLM takes the
+    counts every step)."""
+
+    def record_parked(self, until_reported, until_scheduled, seconds):
+        PARKED.append((until_reported, until_scheduled, seconds))
+        super().record_parked(until_reported, until_scheduled, seconds)
 
 
 class RecordingWriter(KVWriter):
@@ -30,4 +42,6 @@ class RecordingConnector(InferScaleConnector):
 
     def __init__(self, vllm_config, role, kv_cache_config=None):
         super().__init__(vllm_config, role, kv_cache_config)
+        if role == compat.KVConnectorRole.SCHEDULER:
+            self.stats = RecordingStats()
         SIDES["scheduler" if role == compat.KVConnectorRole.SCHEDULER else "worker"] = self
