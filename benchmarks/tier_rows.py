@@ -17,8 +17,6 @@ import load_rows
 ALL_IN_HBM = "hbm:all"
 #: how the report names ``Config.kv_dtype_at_rest``
 AT_REST = {"model": "the model's dtype", "fp8_e4m3": "fp8 (e4m3)"}
-#: ``ResidentStore.Options.max_bytes``' default (the budget a memory tier gets when none is set)
-DEFAULT_MAX_BYTES = 4 << 30
 _SIZE = re.compile(r"(\d+(?:\.\d+)?)\s*(B|KiB|MiB|GiB|TiB)?")
 _UNITS = {None: 1, "B": 1, "KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30, "TiB": 1 << 40}
 
@@ -32,20 +30,21 @@ def parse_stores(spec: str) -> list[tuple[str, str]]:
         tier, _, budget = entry.partition(":")
         if tier not in ("pinned", "hbm") or not budget:
             raise ValueError(f"a store is pinned:BUDGET or hbm:BUDGET, got {entry!r}")
-        budget_bytes(budget, 1, 1)  # checked before any engine starts
+        budget_bytes(budget, 1, 1, tier=tier)  # checked before any engine starts
         stores.append((tier, budget))
     if not stores:
         raise ValueError("no store given")
     return stores
 
 
-def budget_bytes(budget: str, user_bytes: int, users: int, internal_bytes: int = 0) -> int:
+def budget_bytes(budget: str, user_bytes: int, users: int, internal_bytes: int = 0, *, tier: str = "pinned") -> int:
     """The memory tier's ``max_bytes`` for ``budget``: ``N%`` of the ``users`` users' K/V,
     ``all`` (every user, and a quarter more for the facts written while the run goes on),
-    ``default`` (the product's budget) or a size (``4GiB``, ``512MiB``, bytes); the instruction
-    prefix's ``internal_bytes`` (never evicted) come on top of a share."""
+    ``default`` (the budget the product gives ``tier`` on this machine: a quarter of its memory
+    per GPU for ``pinned``, 4 GiB for ``hbm``) or a size (``4GiB``, ``512MiB``, bytes); the
+    instruction prefix's ``internal_bytes`` (never evicted) come on top of a share."""
     if budget == "default":
-        return DEFAULT_MAX_BYTES
+        return default_budget(tier)
     if budget == "all":
         return int(users * user_bytes * 1.25) + internal_bytes + (64 << 20)
     if budget.endswith("%"):
@@ -57,6 +56,18 @@ def budget_bytes(budget: str, user_bytes: int, users: int, internal_bytes: int =
     if not match:
         raise ValueError(f"a budget is N%, all, default or a size such as 4GiB, got {budget!r}")
     return int(float(match[1]) * _UNITS[match[2]])
+
+
+def default_budget(tier: str) -> int:
+    """The ``max_bytes`` the product resolves ``"auto"`` to for memory tier ``tier`` (``pinned``
+    or ``hbm``) on this machine."""
+    from inferscale.storage.hbm import HBMStore
+    from inferscale.storage.pinned import PinnedHostStore
+
+    stores = {"pinned": PinnedHostStore, "hbm": HBMStore}
+    if tier not in stores:
+        raise ValueError(f"a memory tier is pinned or hbm, got {tier!r}")
+    return stores[tier].auto_max_bytes()
 
 
 class Popularity:

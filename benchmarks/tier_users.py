@@ -15,8 +15,9 @@ a flag given beside it wins. Sized for the H100 machine (about 60 GB of free dis
 host memory): the qwen2.5-7b shape keeps 28 layers x 4 KV heads x 128 a token, 56 KiB in
 bfloat16, 28 KiB in fp8 plus 56 KiB a fact for the offsets and scales. 1,006 users x 60 facts x
 20 tokens are then 38 GB of K/V at rest in fp8 (69 GB in bfloat16: more than the disk holds,
-hence fp8 at rest); ``pinned:default`` is the product's 4 GiB of pinned host memory (~110 of these
-users, 11 %), ``hbm:all`` a tier of every user (38 GB of GPU memory beside vLLM's 40 %). The
+hence fp8 at rest); ``pinned:default`` is the product's default budget of pinned host memory, a
+quarter of the machine's memory per GPU (32 GiB on the H100 machine: ~900 of these users, ~90 %),
+``hbm:all`` a tier of every user (38 GB of GPU memory beside vLLM's 40 %). The
 users' memory stays in ``--data`` (delete /tmp/tier_users_data afterwards); a second run with the
 same sizes reads it back instead of writing it (the writes of the first stay in it), and
 ``--stores pinned:30% --baseline <first run>.json`` sets a store's rows beside an earlier run's
@@ -28,11 +29,11 @@ a temporary directory, removed at the end.
    kept in ``--kv-dtype-at-rest`` on disk): ``--users`` users, asked for with Zipf(``--zipf``)
    popularity in the order user0, user1, ...; and ``2 x --probes`` users no load asks for;
 2. for each ``--stores`` entry (``TIER:BUDGET``: the memory tier ``pinned`` or ``hbm``, its
-   ``max_bytes`` a share ``N%`` of the users' K/V, ``all``, ``default`` or a size), one `vllm
-   serve` with the connector, that memory tier, and the disk store of record behind it
-   (``vllm_serve_load.start_server``); a tier of every user is first filled (every user asked
-   for once), then every system runs untimed for ``--warmup-seconds`` (the tier reaches its
-   steady state);
+   ``max_bytes`` a share ``N%`` of the users' K/V, ``all``, ``default`` (the product's budget for
+   the tier on this machine) or a size), one `vllm serve` with the connector, that memory tier,
+   and the disk store of record behind it (``vllm_serve_load.start_server``); a tier of every
+   user is first filled (every user asked for once), then every system runs untimed for
+   ``--warmup-seconds`` (the tier reaches its steady state);
 3. ``--repeats`` rounds, each running every system once (prompt injection, then KV injection with
    each ``--budgets`` recompute budget) for ``--seconds``: ``--concurrency`` clients in a closed
    loop over ``--clients`` processes, each request for a user drawn by popularity, with k fresh
@@ -323,7 +324,7 @@ def run_store(args, tier: str, budget: str, model: Path, data: Path, systems: li
     from inferscale.config import BackendSpec, Config
 
     label = f"{tier}:{budget}"
-    max_bytes = tier_rows.budget_bytes(budget, users["user_bytes"], args.users, users["internal_bytes"])
+    max_bytes = tier_rows.budget_bytes(budget, users["user_bytes"], args.users, users["internal_bytes"], tier=tier)
     config = Config(model=str(model), data_dir=str(data), kv_store=BackendSpec(tier, {"max_bytes": max_bytes}),
                     recompute_tokens="adaptive", kv_dtype_at_rest=args.kv_dtype_at_rest, tuning=vsl.tuning_of(args))
     log = out.parent / f"{out.name}_{tier}_{budget.replace('%', 'pct')}_server.log"
@@ -395,7 +396,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--k", type=int, default=50, help="facts per request")
     parser.add_argument("--stores", default="pinned:default,hbm:all",
                         help="memory tiers, one engine each: TIER:BUDGET with TIER pinned or hbm and BUDGET N%% "
-                             "(of the users' K/V), all, default (the product's 4 GiB) or a size (4GiB)")
+                             "(of the users' K/V), all, default (the product's budget: for pinned a quarter of "
+                             "the machine's memory per GPU, for hbm 4 GiB) or a size (4GiB)")
     parser.add_argument("--budgets", default="adaptive",
                         help="recompute budgets of the KV-injection systems (as vllm_serve_load.py's --budgets)")
     parser.add_argument("--concurrency", type=int, default=100, help="clients in the closed loop")

@@ -88,7 +88,7 @@ def test_a_user_larger_than_the_budget_is_refused(disk):
 
 
 def test_budget_is_an_option():
-    assert PinnedHostStore().max_bytes == 4 << 30
+    assert PinnedHostStore().max_bytes == PinnedHostStore.auto_max_bytes()  # "auto": a share of this machine
     store = build("kv_store", BackendSpec("pinned", {"max_bytes": 1 << 20}))
     assert store.max_bytes == 1 << 20
     unbounded = {"device": "cpu", "max_bytes": None, "unbounded": True}

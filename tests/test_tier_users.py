@@ -26,7 +26,7 @@ def test_stores_name_a_memory_tier_and_its_budget():
     assert tier_rows.budget_bytes("30%", 1000, 10) == 3000
     assert tier_rows.budget_bytes("30%", 1000, 10, internal_bytes=7) == 3007  # the prefix is never evicted
     assert tier_rows.budget_bytes("all", 1000, 10, 7) >= 10 * 1000 + 7
-    assert tier_rows.budget_bytes("default", 1, 1) == 4 << 30
+    assert tier_rows.budget_bytes("default", 1, 1, tier="hbm") == 4 << 30
     assert tier_rows.budget_bytes("512MiB", 1, 1) == 512 << 20 and tier_rows.budget_bytes("1234", 1, 1) == 1234
     for bad in ("disk:30%", "pinned", "pinned:", "pinned:0%", "pinned:120%", "hbm:lots", ""):
         with pytest.raises(ValueError):

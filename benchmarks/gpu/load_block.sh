@@ -19,7 +19,8 @@
 #   fp8       pinned, beside the batch, K/V at rest in fp8 (100 users, 3 repeats)
 #   ttft      ttft.py, lone requests at k = 10/50: hbm, pinned:sync, pinned:auto (alone: before the
 #             forward pass), pinned:async (always beside the batch); TTFT_STORES picks fewer
-#   users1000 benchmarks/tier_users.py (its docstring's GPU command)
+#   users1000 benchmarks/tier_users.py (its docstring's GPU command; USERS1000_ARGS: more options, e.g.
+#             "--seconds 12" for shorter rounds)
 #   reads     benchmarks/user_reads.py: users read from disk into pinned host memory, users/s by threads
 #             (1/2/4/8) with the machine's CPUs and page-locked memory (about 2 minutes; no GPU work)
 # PROFILE=1: the stores step also samples the server's processes with py-spy during every row
@@ -91,7 +92,8 @@ if has reads; then
 fi
 if has users1000 && [[ -f benchmarks/tier_users.py ]]; then
   stamp "the 1,000-user tier run"
-  PYTHONPATH=$NOW timeout 1200 python3 benchmarks/tier_users.py --gpu --out "$RUN/tier_users" 2>&1 | quiet | tail -20
+  PYTHONPATH=$NOW timeout 1200 python3 benchmarks/tier_users.py --gpu ${USERS1000_ARGS:-} --out "$RUN/tier_users" 2>&1 \
+    | quiet | tail -20
 fi
 stamp done
 touch "$RUN/done"

@@ -6,7 +6,9 @@ state is one immutable :class:`UserKV` swapped in whole, so ``get`` reads a
 consistent snapshot without taking a lock while writers (serialised by a
 lock) build the next one.
 
-**Budget.** The store holds at most ``max_bytes`` of K/V. Making room for a
+**Budget.** The store holds at most ``max_bytes`` of K/V: by default (``"auto"``) the budget
+the store's class picks for the machine it runs on (:meth:`ResidentStore.auto_max_bytes`: 4 GiB
+for the GPU's own memory, a share of the host's memory for the pinned tier). Making room for a
 user evicts whole users, least recently used first (``get`` counts as a
 use); the users the library keeps for itself (ids starting with ``_``, i.e.
 the instruction prefix every request reads) are never evicted. A user larger
@@ -50,8 +52,11 @@ from inferscale.storage.resident.user_kv import UserKV
 #: what :meth:`ResidentStore._place` receives per fact: a block it already holds, or a new fact
 #: (an Fp8KV where the store keeps fp8)
 Source = torch.Tensor | FactKV | Fp8KV
-#: the default budget of a memory store (bytes of K/V)
+#: the budget of the GPU memory tier (bytes of K/V) when none is set, and the least a
+#: host-memory tier gets where a quarter of the machine's memory allows it
 DEFAULT_MAX_BYTES = 4 << 30
+#: ``max_bytes`` that asks the store for the budget it picks for this machine
+AUTO = "auto"
 
 
 class ResidentStore(KVStore):
@@ -69,16 +74,17 @@ class ResidentStore(KVStore):
         #: None: the current CUDA device if there is one, else the CPU
         device: str | None = None
         #: bytes of K/V held at most; least recently used users are evicted past it
-        #: (None: no limit, only with ``unbounded``)
-        max_bytes: int | None = DEFAULT_MAX_BYTES
+        #: ("auto": the store's budget for this machine, :meth:`ResidentStore.auto_max_bytes`;
+        #: None: no limit, only with ``unbounded``)
+        max_bytes: int | str | None = AUTO
         #: allow ``max_bytes = None``: the tier then grows with every user loaded, up to the machine's memory
         unbounded: bool = False
 
         def __post_init__(self):
             check_device(self.device)
             value = self.max_bytes
-            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
-                raise ValueError(f"max_bytes must be an integer >= 0 or None, got {value!r}")
+            if not (value is None or _is_auto(value) or _is_byte_count(value)):
+                raise ValueError(f"max_bytes must be an integer >= 0, {AUTO!r} or None, got {value!r}")
             if value is None and self.unbounded is not True:
                 raise ValueError("max_bytes = None (no budget) holds every user loaded, up to the machine's "
                                  "memory; set unbounded = true beside it to mean that")
@@ -91,10 +97,19 @@ class ResidentStore(KVStore):
         self.kv_dtype_at_rest = check_at_rest(runtime.get("kv_dtype_at_rest", MODEL))
         #: where ``get`` puts the batch when the caller names no device
         self.device = auto_device(options.device or runtime_device(runtime))
-        self.max_bytes = options.max_bytes
+        #: bytes of K/V held at most (None: no limit); "auto" is resolved here, once
+        self.max_bytes: int | None = self.auto_max_bytes() if _is_auto(options.max_bytes) else options.max_bytes
         self._users: dict[str, UserKV] = {}
         self._order = UsageOrder()
         self._write_lock = threading.Lock()
+
+    @classmethod
+    def auto_max_bytes(cls) -> int:
+        """The budget ``max_bytes = "auto"`` stands for: :data:`DEFAULT_MAX_BYTES` (4 GiB) for a
+        store in the GPU's memory, which the model and vLLM's cache share. A store whose memory
+        is elsewhere overrides it (the pinned tier: a share of the host's memory,
+        :func:`~inferscale.storage.pinned.host_share`)."""
+        return DEFAULT_MAX_BYTES
 
     @abstractmethod
     def _place(self, layout: KVLayout, sources: Mapping[str, Source]) -> dict[str, torch.Tensor]:
@@ -293,8 +308,16 @@ class ResidentStore(KVStore):
         return user
 
 
+def _is_auto(value: Any) -> bool:
+    return isinstance(value, str) and value == AUTO
+
+
+def _is_byte_count(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
 def _nbytes(layout: KVLayout, token_ids) -> int:
     return layout.nbytes(len(ids) for ids in token_ids)
 
 
-__all__ = ["DEFAULT_MAX_BYTES", "ResidentStore", "Source", "UserKV"]
+__all__ = ["AUTO", "DEFAULT_MAX_BYTES", "ResidentStore", "Source", "UserKV"]
