@@ -16,7 +16,8 @@ host memory): the qwen2.5-7b shape keeps 28 layers x 4 KV heads x 128 a token, 5
 bfloat16, 28 KiB in fp8 plus 56 KiB a fact for the offsets and scales. 1,006 users x 60 facts x
 20 tokens are then 38 GB of K/V at rest in fp8 (69 GB in bfloat16: more than the disk holds,
 hence fp8 at rest); ``pinned:default`` is the product's default budget of pinned host memory, a
-quarter of the machine's memory per GPU (32 GiB on the H100 machine: ~900 of these users, ~90 %),
+quarter of the machine's memory per GPU, counted as page-locked buffers of a power of two each (32
+GiB on the H100 machine: 512 of these users at 64 MiB, ~51 %),
 ``hbm:all`` a tier of every user (38 GB of GPU memory beside vLLM's 40 %). The
 users' memory stays in ``--data`` (delete /tmp/tier_users_data afterwards); a second run with the
 same sizes reads it back instead of writing it (the writes of the first stay in it), and

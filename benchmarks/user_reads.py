@@ -2,8 +2,9 @@
 
 A load beside the batch whose user the memory tier lacks waits for that user's read
 (``inferscale/inject/user_fills.py``), on ``Config.tuning.user_read_threads`` threads. With users
-beyond the tier (benchmarks/tier_users.py: 1,000 users, Zipf; a tier of 4 GiB holds ~11 % of them,
-the pinned default of a 128 GiB one-GPU machine ~90 %) those reads set how many cold users a second an engine can take. This writes ``--users``
+beyond the tier (benchmarks/tier_users.py: 1,000 users, Zipf; a pinned tier of 4 GiB holds ~6 % of
+them, the default of a 128 GiB one-GPU machine ~51 %) those reads set how many cold users a
+second an engine can take. This writes ``--users``
 users of a model's K/V shape (random K/V, ``--facts`` facts of ``--fact-tokens`` tokens, kept in
 ``--at-rest``) to a disk store, then fills a fresh pinned tier (the same form at rest) with all of
 them (``ensure_user``, as a read beside the batch does) for each thread count, ``--repeats``

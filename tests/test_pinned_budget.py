@@ -237,3 +237,39 @@ def test_the_benchmark_s_default_is_the_product_s_budget_for_the_tier():
     assert tier_rows.parse_stores("pinned:default,hbm:default") == [("pinned", "default"), ("hbm", "default")]
     with pytest.raises(ValueError, match="pinned or hbm"):
         tier_rows.budget_bytes("default", 1, 1, tier="disk")
+
+
+# ---------------------------------------------------------------- what the budget counts
+
+@given(st.integers(1, 1 << 45))
+def test_a_page_locked_buffer_takes_the_power_of_two_above_it(nbytes):
+    taken = pinned.pinned_footprint(nbytes)
+    assert taken >= nbytes and taken < 2 * nbytes and taken & (taken - 1) == 0
+
+
+def test_an_empty_buffer_takes_nothing():
+    assert pinned.pinned_footprint(0) == 0
+
+
+class RoundedUp(PinnedHostStore):
+    """A pinned store on the CPU counting what page-locked buffers would take there."""
+
+    def _footprint(self, nbytes: int) -> int:
+        return pinned.pinned_footprint(nbytes)
+
+
+def test_the_budget_counts_page_locked_buffers_not_only_the_k_v():
+    """Three users of 40 bytes of K/V each fit a budget of 160 bytes as K/V, but take 64 bytes each
+    page-locked: the third evicts the first."""
+    from test_storage import make_fact
+
+    fact = make_fact(1, layers=1, heads=1, size=5)  # 2 x 1 x 1 x 1 x 5 float32 = 40 bytes
+    store = RoundedUp(PinnedHostStore.Options(device="cpu", max_bytes=160))
+    for user in ("a", "b", "c"):
+        store.put(user, {"f": fact})
+    assert store.nbytes("c") == 40
+    assert sorted(store.users()) == ["b", "c"]
+    plain = PinnedHostStore(PinnedHostStore.Options(device="cpu", max_bytes=160))
+    for user in ("a", "b", "c"):
+        plain.put(user, {"f": fact})
+    assert sorted(plain.users()) == ["a", "b", "c"]  # on the CPU nothing is page-locked: the K/V alone

@@ -24,7 +24,9 @@ stream; they are valid for work queued on that stream. Another stream must
 **Budget.** By default (``max_bytes = "auto"``) the tier may hold a quarter of the machine's
 memory, split between its GPUs (:func:`host_share`: 32 GiB on a machine of 128 GiB and one
 GPU, 64 GiB for each of eight GPUs on a machine of 2 TiB). Buffers are allocated user by user
-as users are loaded, so a large budget costs no memory until users fill it.
+as users are loaded, so a large budget costs no memory until users fill it. The budget counts
+what those buffers take (:func:`pinned_footprint`: page-locked buffers come in powers of two), so it
+bounds the page-locked memory, not only the K/V in it.
 """
 
 from __future__ import annotations
@@ -71,6 +73,11 @@ class PinnedHostStore(ResidentStore):
         the budget is a ceiling, not memory taken up front."""
         return host_share(machine_memory(), machine_gpus())
 
+    def _footprint(self, nbytes: int) -> int:
+        """Page-locked, a user's buffer takes :func:`pinned_footprint` of its K/V: the budget bounds
+        the page-locked memory the tier holds, not only the K/V in it."""
+        return pinned_footprint(nbytes) if self.pinned else nbytes
+
     def _place(self, layout: KVLayout, sources: Mapping[str, Source]) -> dict[str, torch.Tensor]:
         """Pack every fact of ``sources`` into one new host buffer; return views into it."""
         lengths = {fact_id: _num_tokens(src) for fact_id, src in sources.items()}
@@ -101,6 +108,13 @@ class PinnedHostStore(ResidentStore):
         """A new host buffer of ``numel`` elements for one user's packed facts (page-locked
         where CUDA exists)."""
         return torch.empty(numel, dtype=dtype, pin_memory=self.pinned and numel > 0)
+
+
+def pinned_footprint(nbytes: int) -> int:
+    """The page-locked memory a buffer of ``nbytes`` takes: torch's pinned allocator rounds every
+    allocation up to a power of two (and keeps freed blocks for reuse at that size), so a user of
+    38 MB of K/V holds 64 MiB."""
+    return 0 if nbytes <= 0 else 1 << (nbytes - 1).bit_length()
 
 
 def host_share(memory_bytes: int, gpus: int) -> int:
