@@ -70,6 +70,16 @@ def default_budget(tier: str) -> int:
     return stores[tier].auto_max_bytes()
 
 
+def user_footprint(tier: str, user_bytes: int) -> int:
+    """What one user of ``user_bytes`` of K/V takes of memory tier ``tier``'s budget here: a pinned
+    tier's page-locked buffer comes in a power of two (where CUDA exists), an hbm tier's is the K/V."""
+    import torch
+
+    from inferscale.storage.pinned import pinned_footprint
+
+    return pinned_footprint(user_bytes) if tier == "pinned" and torch.cuda.is_available() else user_bytes
+
+
 class Popularity:
     """Zipf(``s``) popularity over users in rank order: the i-th is asked for with weight ``(i + 1)^-s``."""
 

@@ -338,7 +338,7 @@ def run_store(args, tier: str, budget: str, model: Path, data: Path, systems: li
                                             writer, config.kv_path))
     finally:
         serve_start.stop(proc, dump=False)
-    holds = min(args.users, (max_bytes - users["internal_bytes"]) / users["user_bytes"])
+    holds = min(args.users, (max_bytes - users["internal_bytes"]) / tier_rows.user_footprint(tier, users["user_bytes"]))
     store = {"store": label, "tier": tier, "budget": budget, "max_bytes": max_bytes, "holds_users": holds,
              "ideal_hit_rate": writer.popularity.share(int(holds)), "warm_up": warm,
              "cold_user": tier_rows.cold_summary(cold), "probes": cold}

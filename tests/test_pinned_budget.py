@@ -10,6 +10,7 @@ import types
 from pathlib import Path
 
 import pytest
+import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -273,3 +274,9 @@ def test_the_budget_counts_page_locked_buffers_not_only_the_k_v():
     for user in ("a", "b", "c"):
         plain.put(user, {"f": fact})
     assert sorted(plain.users()) == ["a", "b", "c"]  # on the CPU nothing is page-locked: the K/V alone
+
+
+def test_a_benchmark_user_takes_of_the_budget_what_the_tier_counts():
+    expected = pinned.pinned_footprint(40_000_000) if torch.cuda.is_available() else 40_000_000
+    assert tier_rows.user_footprint("pinned", 40_000_000) == expected
+    assert tier_rows.user_footprint("hbm", 40_000_000) == 40_000_000
