@@ -714,6 +714,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--profile needs py-spy: set PY_SPY to its binary or put it on PATH")
 
     from inferscale.config import BackendSpec, Config
+    from inferscale.storage.pinned import pinned_footprint
 
     work = Path(tempfile.mkdtemp(prefix="inferscale-load-"))
     cfg = SHAPES[args.shape]
@@ -723,6 +724,8 @@ def main(argv: list[str] | None = None) -> int:
     began = time.monotonic()
     prefix, tokens = write_users(work, cfg, max(levels), args.facts, args.fact_tokens, args.prefix_tokens)
     memory_bytes = max(levels) * args.facts * args.fact_tokens * kv_bytes_per_token(cfg)
+    # every user held: a pinned tier counts each user's page-locked buffer, a power of two
+    budget = max(levels) * pinned_footprint(args.facts * args.fact_tokens * kv_bytes_per_token(cfg))
     print(f"{max(levels)} users × {args.facts} facts: {memory_bytes / 2**30:.1f} GiB of K/V written in "
           f"{time.monotonic() - began:.0f} s", flush=True)
     out = Path(args.out)
@@ -732,7 +735,7 @@ def main(argv: list[str] | None = None) -> int:
         for label, store, tuning in specs:  # one after another: each sizes its KV cache from what is free
             # every kv@B request carries its own budget; kv@adaptive's carry none: the connector's default
             config = Config(model=str(model), data_dir=str(work), recompute_tokens="adaptive",
-                            kv_store=BackendSpec(store, {"max_bytes": int(memory_bytes * 1.25) + (1 << 30)}),
+                            kv_store=BackendSpec(store, {"max_bytes": int(budget * 1.25) + (1 << 30)}),
                             kv_dtype_at_rest=args.kv_dtype_at_rest, tuning=tuning_of(args, **tuning))
             name = f"{out.name}_server" + (f"_{label.replace(':', '_')}" if len(specs) > 1 else "")
             proc, url = start_server(model, config, args, out.parent / f"{name}.log")

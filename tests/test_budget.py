@@ -21,8 +21,9 @@ from test_storage import make_fact, make_facts
 FACTS_PER_USER = 4
 
 
-def user_bytes(disk: DiskStore, user: str) -> int:
-    return disk.nbytes(user)
+def user_bytes(disk: DiskStore, user: str, kind: type = PinnedHostStore) -> int:
+    """What the user takes of a ``kind`` tier's budget (page-locked, a power of two where CUDA exists)."""
+    return kind(kind.Options(device="cpu", max_bytes=0))._footprint(disk.nbytes(user))
 
 
 @pytest.fixture
@@ -47,8 +48,8 @@ def load(loader: SegmentLoader, disk: DiskStore, user: str) -> None:
 
 @pytest.mark.parametrize("kind", [PinnedHostStore, HBMStore])
 def test_serving_many_users_stays_within_the_budget(disk, kind):
-    per_user = user_bytes(disk, "u0")
-    budget = user_bytes(disk, SYSTEM_USER) + 5 * per_user + per_user // 2
+    per_user = user_bytes(disk, "u0", kind)
+    budget = user_bytes(disk, SYSTEM_USER, kind) + 5 * per_user + per_user // 2
     memory = kind(kind.Options(device="cpu", max_bytes=budget))
     rope = RotaryEmbedding(1.0 / (10_000 ** (torch.arange(0, 8, 2).float() / 8)), 8)
     loader = SegmentLoader(memory, disk, rope, kv_head_range(2, 1, 0), "cpu", torch.float32)
