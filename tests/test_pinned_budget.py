@@ -16,10 +16,10 @@ from hypothesis import strategies as st
 
 from inferscale.config import BackendSpec, Config, build
 from inferscale.errors import ConfigError
-from inferscale.storage import pinned
+from inferscale.storage import host_budget, pinned
 from inferscale.storage.hbm import HBMStore
-from inferscale.storage.pinned import (PinnedHostStore, budget_line, cgroup_memory_limit, host_share, machine_gpus,
-                                       machine_memory)
+from inferscale.storage.host_budget import budget_line, cgroup_memory_limit, host_share, machine_gpus, machine_memory
+from inferscale.storage.pinned import PinnedHostStore
 from inferscale.storage.resident.store import DEFAULT_MAX_BYTES, ResidentStore
 from inferscale.storage.tiers.build import build_tiers
 
@@ -36,8 +36,8 @@ TiB = 1 << 40
 def machine(monkeypatch):
     """Pretend the machine has ``memory`` bytes and ``gpus`` GPUs."""
     def set_machine(memory: int, gpus: int) -> None:
-        monkeypatch.setattr(pinned, "machine_memory", lambda: memory)
-        monkeypatch.setattr(pinned, "machine_gpus", lambda: gpus)
+        monkeypatch.setattr(host_budget, "machine_memory", lambda: memory)
+        monkeypatch.setattr(host_budget, "machine_gpus", lambda: gpus)
     return set_machine
 
 
@@ -56,7 +56,7 @@ def fresh_gpu_count():
     (2 * TiB, 8, 64 * GiB),  # eight GPUs, 2 TiB: 64 GiB each
     (24 * GiB, 1, 6 * GiB),  # no GPU (counted as one), 24 GiB
     (8 * GiB, 1, 2 * GiB),  # a laptop: a quarter, below 4 GiB
-    (64 * GiB, 8, 4 * GiB),  # eight GPUs on 64 GiB: 2 GiB each would be less than today's 4 GiB
+    (64 * GiB, 8, 4 * GiB),  # eight GPUs on 64 GiB: 2 GiB each would be less than the 4 GiB floor
     (0, 1, 0),
 ])
 def test_a_quarter_of_the_memory_per_gpu(memory, gpus, share):
@@ -146,17 +146,17 @@ def fake_nvml(count: int | None) -> types.ModuleType:
 
 def test_gpus_are_nvml_s_count_of_the_machine(monkeypatch, fresh_gpu_count):
     monkeypatch.setitem(sys.modules, "pynvml", fake_nvml(8))
-    monkeypatch.setattr(pinned.torch.cuda, "device_count", lambda: 1)  # this process sees one of them
+    monkeypatch.setattr(host_budget.torch.cuda, "device_count", lambda: 1)  # this process sees one of them
     assert machine_gpus() == 8
 
 
 @pytest.mark.parametrize("nvml", [fake_nvml(None), None])  # no driver; no pynvml at all
 def test_without_nvml_gpus_are_those_torch_sees_and_at_least_one(monkeypatch, fresh_gpu_count, nvml):
     monkeypatch.setitem(sys.modules, "pynvml", nvml)  # None: `import pynvml` raises ImportError
-    monkeypatch.setattr(pinned.torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(host_budget.torch.cuda, "device_count", lambda: 2)
     assert machine_gpus() == 2
     machine_gpus.cache_clear()
-    monkeypatch.setattr(pinned.torch.cuda, "device_count", lambda: 0)
+    monkeypatch.setattr(host_budget.torch.cuda, "device_count", lambda: 0)
     assert machine_gpus() == 1
 
 

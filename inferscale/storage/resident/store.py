@@ -109,7 +109,7 @@ class ResidentStore(KVStore):
         """The budget ``max_bytes = "auto"`` stands for: :data:`DEFAULT_MAX_BYTES` (4 GiB) for a
         store in the GPU's memory, which the model and vLLM's cache share. A store whose memory
         is elsewhere overrides it (the pinned tier: a share of the host's memory,
-        :func:`~inferscale.storage.pinned.host_share`)."""
+        :func:`~inferscale.storage.host_budget.host_share`)."""
         return DEFAULT_MAX_BYTES
 
     @abstractmethod
