@@ -26,8 +26,10 @@
      vLLM's prefix cache never serves them).
 
 ``--kv-store`` may name several stores side by side (``hbm,pinned:auto``:
-``STORE[:ASYNC_LOADS[:PINNED_READS]]``, ``--async-loads`` and ``--pinned-reads`` where a spec names
-none; ``pinned:never:overlap,pinned:never:copy`` sets two ways of reading host memory side by side): one server each on the same GPU, started one after the
+``STORE[:ASYNC_LOADS[:PINNED_READS[:BEFORE_FORWARD_TOKENS]]]``, ``--async-loads`` and ``--pinned-reads``
+where a spec names none; ``pinned:never:overlap,pinned:never:copy`` sets two ways of reading host memory
+side by side, ``pinned:auto,pinned:auto:overlap:2064`` two budgets of loads before the forward pass):
+one server each on the same GPU, started one after the
 other (``--gpu-memory-utilization`` is each one's share: 0.36 for two 7B-shape servers on 80 GB, with room for what vLLM does not count), all up
 for the whole run; the KV rows become ``kv@B on STORE`` and each round runs every store's rows back to
 back, so that the stores are compared within the same minute, not across server starts (the question
@@ -172,7 +174,16 @@ def request_budget(system: str) -> int | None:
 ON = load_rows.ON
 #: the stores a server may hold, and the tuning a ``--kv-store`` spec may name after it, in order
 STORES = ("hbm", "pinned")
-SPEC_TUNING = (("async_loads", ("auto", "always", "never")), ("pinned_reads", ("overlap", "copy")))
+SPEC_TUNING = (("async_loads", ("auto", "always", "never")), ("pinned_reads", ("overlap", "copy")),
+               ("before_forward_tokens", "an integer ≥ 0"))
+
+
+def spec_value(value: str, allowed: tuple[str, ...] | str) -> str | int | None:
+    """A spec's value for a tuning field that takes one of ``allowed``, or an integer ≥ 0 (``allowed``
+    a description); None when it is neither."""
+    if isinstance(allowed, tuple):
+        return value if value in allowed else None
+    return int(value) if value.isdigit() else None
 
 
 def split_system(system: str) -> tuple[str, str | None]:
@@ -181,19 +192,20 @@ def split_system(system: str) -> tuple[str, str | None]:
     return base, label or None
 
 
-def server_specs(value: str) -> list[tuple[str, str, dict[str, str]]]:
-    """``--kv-store`` (comma-separated ``STORE[:ASYNC_LOADS[:PINNED_READS]]``) as (label, store, the
-    ``Config.tuning`` fields the spec names) per server; a ValueError for an unknown store or value,
-    or a spec given twice."""
+def server_specs(value: str) -> list[tuple[str, str, dict[str, str | int]]]:
+    """``--kv-store`` (comma-separated ``STORE[:ASYNC_LOADS[:PINNED_READS[:BEFORE_FORWARD_TOKENS]]]``) as
+    (label, store, the ``Config.tuning`` fields the spec names) per server; a ValueError for an unknown
+    store or value, or a spec given twice."""
     specs = []
     for spec in filter(None, (part.strip() for part in value.split(","))):
         store, *values = spec.split(":")
-        if store not in STORES or len(values) > len(SPEC_TUNING) or any(
-                v not in allowed for v, (_, allowed) in zip(values, SPEC_TUNING)):
-            raise ValueError(f"{spec!r}: expected STORE[:ASYNC_LOADS[:PINNED_READS]], STORE one of "
-                             f"{', '.join(STORES)}, " + ", ".join(f"{name.upper()} one of {', '.join(allowed)}"
-                                                                 for name, allowed in SPEC_TUNING))
-        specs.append((spec, store, {name: v for v, (name, _) in zip(values, SPEC_TUNING)}))
+        tuning = [spec_value(v, allowed) for v, (_, allowed) in zip(values, SPEC_TUNING)]
+        if store not in STORES or len(values) > len(SPEC_TUNING) or None in tuning:
+            raise ValueError(f"{spec!r}: expected STORE[:ASYNC_LOADS[:PINNED_READS[:BEFORE_FORWARD_TOKENS]]], "
+                             f"STORE one of {', '.join(STORES)}, " + ", ".join(
+                                 f"{name.upper()} " + (f"one of {', '.join(allowed)}" if isinstance(allowed, tuple)
+                                                       else allowed) for name, allowed in SPEC_TUNING))
+        specs.append((spec, store, {name: v for v, (name, _) in zip(tuning, SPEC_TUNING)}))
     if not specs:
         raise ValueError("no store named")
     if len({label for label, _, _ in specs}) < len(specs):
@@ -505,8 +517,9 @@ def _stores(result: dict) -> str:
     servers = result.get("servers") or []
     if len(servers) < 2:
         return f"KV store {result['kv_store']}"
-    each = ", ".join(f"{s['label']} (async_loads {s['async_loads']}, pinned_reads {s['pinned_reads']})"
-                     for s in servers)
+    each = ", ".join(f"{s['label']} (async_loads {s['async_loads']}, pinned_reads {s['pinned_reads']}"
+                     + (f", before_forward_tokens {s['before_forward_tokens']})" if s.get("before_forward_tokens")
+                        else ")") for s in servers)
     return (f"KV stores side by side, one `vllm serve` each on one device, every round running each one's rows "
             f"back to back: {each}; prompt injection and the question alone on {servers[0]['label']}'s server")
 
@@ -631,7 +644,7 @@ def add_engine_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--start-timeout", type=float, default=600)
 
 
-def tuning_of(args, **overrides: str):
+def tuning_of(args, **overrides):
     """``Config.tuning`` from :func:`add_engine_options`' switches (Tuning's defaults where none was
     given), with ``overrides`` (a ``--kv-store`` spec's) over them."""
     from inferscale.config import Tuning
@@ -759,7 +772,8 @@ def main(argv: list[str] | None = None) -> int:
               "max_tokens": args.max_tokens, "seconds": args.seconds, "kv_store": args.kv_store,
               "servers": [{"label": s.label, "kv_store": s.config.kv_store.name,
                            "async_loads": s.config.tuning.async_loads,
-                           "pinned_reads": s.config.tuning.pinned_reads} for s in servers],
+                           "pinned_reads": s.config.tuning.pinned_reads,
+                           "before_forward_tokens": s.config.tuning.before_forward_tokens} for s in servers],
               "kv_dtype_at_rest": args.kv_dtype_at_rest,
               "fused_write": not args.layerwise_write, "pinned_reads": per_server(servers, "pinned_reads"),
               "async_loads": per_server(servers, "async_loads"),

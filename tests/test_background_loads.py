@@ -18,6 +18,7 @@ import torch
 import tiny_models
 import vllm_harness as vh
 from inferscale.connector import compat
+from inferscale.inject.load_mode import LoadMode
 from plugins import background_connectors as rec
 
 pytestmark = pytest.mark.slow
@@ -234,6 +235,33 @@ def test_a_failed_background_load_is_recomputed_right_under_the_recompute_policy
         tokens, out = run_steps(llm, prompt, params, salt)
         assert vh.report(out)["fallback"] == "load_error"
         assert tokens == synchronous[1]["alice"]
+        assert_nothing_left(llm)
+    finally:
+        vh.close_engine(llm)
+
+
+def test_a_step_loads_its_first_requests_before_the_forward_pass_and_the_rest_beside_the_batch(memory, synchronous):
+    """[tuning] before_forward_tokens: of a step's requests, those whose loads fit the budget are
+    written before its forward pass and the rest beside the batch; every answer as before. (A
+    request for memory a request before it in the step loads before the forward pass finds it in
+    vLLM's prefix cache, the same salt: nothing to load.)"""
+    _, data, memory_of = memory
+    alone, _ = synchronous
+    users = ["alice", "bob", "alice", "bob"]
+    alice, bob = (len(memory_of[user][0][1]) for user in ("alice", "bob"))
+    llm = engine(memory, "auto")  # on a CPU "auto" loads before the forward pass: a GPU's mode, set here
+    try:
+        rec.SIDES["scheduler"].load_mode = LoadMode(True, lone_before_forward=True,
+                                                    before_forward_tokens=alice + min(alice, bob) // 2)
+        got = answers(llm, data, memory_of, users)
+        assert [tokens for tokens, _, _ in got] == [alone[user][0] for user in users]
+        segments = [alice, bob, alice, bob]
+        assert all(report["injected_tokens"] == n or (report["injected_tokens"] == 0 and cached >= n)
+                   for (_, report, cached), n in zip(got, segments)), got
+        before = [ids for kind, ids in rec.WRITES if kind == "before"]
+        beside = [ids for kind, ids in rec.WRITES if kind == "background"]
+        assert before and all(len(ids) == 1 for ids in before), rec.WRITES  # never past the budget in a step
+        assert beside, rec.WRITES  # bob's memory, past it
         assert_nothing_left(llm)
     finally:
         vh.close_engine(llm)

@@ -44,13 +44,28 @@ CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA streams")
     ("always", "hbm", "cpu", True), ("never", "pinned", "cuda", False),
 ])
 def test_auto_loads_in_the_background_what_crosses_the_bus(mode, store, device, expected):
-    assert load_mode(mode, store, device).beside_batch(alone=False) is expected
+    assert load_mode(mode, store, device).beside_batch(alone=False, tokens=1032) is expected
 
 
 @pytest.mark.parametrize("mode, expected", [("auto", False), ("always", True), ("never", False)])
 def test_auto_loads_a_lone_request_before_the_forward_pass(mode, expected):
     """With no batch to run beside, a background load would only cost the request its extra steps."""
-    assert load_mode(mode, "pinned", "cuda").beside_batch(alone=True) is expected
+    assert load_mode(mode, "pinned", "cuda").beside_batch(alone=True, tokens=1032) is expected
+
+
+def test_auto_loads_a_step_s_first_requests_before_the_forward_pass_within_its_budget():
+    """[tuning] before_forward_tokens: the loads of a step before its forward pass stop at the budget;
+    the request that would pass it, and any after it, load beside the batch."""
+    mode = load_mode("auto", "pinned", "cuda", before_forward_tokens=2064)
+    assert mode.beside_batch(alone=False, tokens=1032, step_tokens=0) is False
+    assert mode.beside_batch(alone=False, tokens=1032, step_tokens=1032) is False
+    assert mode.beside_batch(alone=False, tokens=1032, step_tokens=2064) is True
+    assert mode.beside_batch(alone=False, tokens=3000, step_tokens=0) is True  # larger than the budget alone
+    assert mode.beside_batch(alone=True, tokens=3000, step_tokens=0) is False  # a lone request never waits
+    # where "auto" keeps every load before the forward pass, and under "always" and "never", the budget is moot
+    assert load_mode("auto", "hbm", "cuda", 0).beside_batch(alone=False, tokens=1, step_tokens=0) is False
+    assert load_mode("always", "pinned", "cuda", 10**6).beside_batch(alone=False, tokens=1, step_tokens=0) is True
+    assert load_mode("never", "pinned", "cuda", 0).beside_batch(alone=False, tokens=10**6, step_tokens=0) is False
 
 
 @settings(max_examples=300, deadline=None)

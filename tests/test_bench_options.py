@@ -288,8 +288,11 @@ def test_the_load_run_sets_stores_side_by_side_a_server_each():
     assert load.server_specs("hbm:never, pinned:auto:copy") == [
         ("hbm:never", "hbm", {"async_loads": "never"}),
         ("pinned:auto:copy", "pinned", {"async_loads": "auto", "pinned_reads": "copy"})]
+    assert load.server_specs("pinned:auto:overlap:2064") == [
+        ("pinned:auto:overlap:2064", "pinned", {"async_loads": "auto", "pinned_reads": "overlap",
+                                                "before_forward_tokens": 2064})]
     for bad in ("disk", "pinned:sometimes", "pinned:never:dma", "pinned:never:copy:x", "pinned::copy", "hbm,hbm", "",
-                "pinned:auto,pinned:auto"):
+                "pinned:auto,pinned:auto", "pinned:auto:copy:-1", "pinned:auto:copy:12:1"):
         with pytest.raises(ValueError):
             load.server_specs(bad)
     # a spec's tuning over the command line's, the command line's over Tuning's defaults
@@ -298,6 +301,7 @@ def test_the_load_run_sets_stores_side_by_side_a_server_each():
     assert (load.tuning_of(args).async_loads, load.tuning_of(args).pinned_reads) == ("always", "copy")
     tuning = load.tuning_of(args, **load.server_specs("pinned:never:overlap")[0][2])
     assert (tuning.async_loads, tuning.pinned_reads) == ("never", "overlap")
+    assert load.tuning_of(args, **load.server_specs("pinned:auto:copy:1032")[0][2]).before_forward_tokens == 1032
     # one server: the systems as ever; several: each KV system on each, a store's rows back to back
     assert load.run_systems(["kv@0"], ["pinned"]) == ["none", "kv@0", "prompt"]
     both = load.run_systems(["kv@0", "kv@adaptive"], ["hbm", "pinned:auto"])

@@ -127,7 +127,7 @@ def test_the_signal_matches_a_plain_model_of_the_scheduler(events, ask, max_step
             load.arrived(rid)
             waiting.add(rid)
         elif event == "admit":
-            load.admitted(rid, tokens)
+            load.admitted(rid, tokens, loaded=tokens // 3)
             waiting.discard(rid), decoding.discard(rid)
             admitted[rid] = tokens
         elif event == "step":
@@ -142,6 +142,9 @@ def test_the_signal_matches_a_plain_model_of_the_scheduler(events, ask, max_step
     assert load.has_room(f"r{ask}") == (others <= max_waiting and step <= max_step)
     busy = decoding - {f"r{ask}"} or any(tokens for other, tokens in admitted.items() if other != f"r{ask}")
     assert load.alone(f"r{ask}") == (not busy and not others)
+    # the memory the step loads before its forward pass: that of the requests admitted since the last step
+    assert load.loaded_before_forward(besides=f"r{ask}") == sum(
+        tokens // 3 for other, tokens in admitted.items() if other != f"r{ask}")
 
 
 # ---------------------------------------------------------------- the claim

@@ -13,7 +13,8 @@
 #             by side in one run (a server each on the GPU, SIDE_GPU_UTIL each; a round runs every store's
 #             rows back to back): hbm read before the forward pass and pinned beside the batch (its default,
 #             async_loads auto) by default;
-#             a spec may name pinned_reads too (SIDE="pinned:never:overlap,pinned:never:copy")
+#             a spec may name pinned_reads and before_forward_tokens too (SIDE="pinned:never:overlap,pinned:never:copy",
+#             SIDE="pinned:auto,pinned:auto:overlap:2064")
 #   stores    the same, one run (and server start) per store:async_loads pair of SPECS, one after another
 #   default   the adaptive tail at 1/10/30/100 users, 3 repeats, on the store STORE (pinned) and ASYNC
 #   fp8       pinned, beside the batch, K/V at rest in fp8 (100 users, 3 repeats)

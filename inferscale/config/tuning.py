@@ -73,6 +73,12 @@ class Tuning:
     #: measurement: pinned, 100 users on one H100, 1.21x "never"'s requests/s in one run
     #: (benchmarks/results/load_side_1207f_pinned_never_pinned_auto_h100.md)
     async_loads: str = "auto"
+    #: with async_loads = "auto" where it loads beside the batch: the memory tokens a step may still
+    #: load before its forward pass (in vLLM's order of admission); a request whose load would take
+    #: the step past them loads beside the batch instead. Copies issued while the GPU still runs
+    #: the step before cost the batch little; a burst of them holds up every request in the step.
+    #: 0: every request loads beside the batch unless it would run alone (inject/load_mode.py)
+    before_forward_tokens: int = 0
     #: loads beside the batch: users their memory tier does not hold are read from the store of
     #: record on this many threads at once (a read is mostly checksum, file and copy work, which
     #: release Python's lock; benchmarks/user_reads.py measures users/s against threads)
@@ -92,7 +98,7 @@ class Tuning:
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"tuning {name} must be true or false, got {getattr(self, name)!r}")
         for name, least in (("pinned_read_programs", 0), ("pinned_read_launches", 1), ("tail_max_step_tokens", 0),
-                            ("tail_max_waiting", 0), ("user_read_threads", 1)):
+                            ("tail_max_waiting", 0), ("user_read_threads", 1), ("before_forward_tokens", 0)):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < least:
                 raise ConfigError(f"tuning {name} must be an integer ≥ {least}, got {value!r}")

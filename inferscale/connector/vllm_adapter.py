@@ -108,7 +108,7 @@ class InferScaleConnector(compat.KVConnectorBase_V1):
         if role == compat.KVConnectorRole.SCHEDULER:
             #: which requests load their memory in the background (the worker follows the metadata)
             self.load_mode = load_mode(self.config.tuning.async_loads, self.config.kv_store.name,
-                                       compat.device_type(vllm_config))
+                                       compat.device_type(vllm_config), self.config.tuning.before_forward_tokens)
             self._beside: set[str] = set()  # requests last told to load in the background
             self.record = store_of_record(self.config)  # the scheduler matches prompts against its indexes
             self.salts = CacheSalts.from_file(self.config.secret_path)  # the worker never needs the secret
@@ -129,28 +129,30 @@ class InferScaleConnector(compat.KVConnectorBase_V1):
         self.load.arrived(request.request_id)
 
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int, bool]:
-        if request.request_id in self._failed:  # its load failed: from here on it is prefilled normally
+        req_id = request.request_id
+        if req_id in self._failed:  # its load failed: from here on it is prefilled normally
             return 0, False
         began = time.perf_counter()
         plan = plan_request(self.record, self.salts, request.prompt_token_ids or [], request.kv_transfer_params,
-                            request.cache_salt, num_computed_tokens, self.blend,
-                            partial(self.load.has_room, request.request_id))
+                            request.cache_salt, num_computed_tokens, self.blend, partial(self.load.has_room, req_id))
         plan = claim_nothing(plan, self.off_reason) if self.off_reason else plan
         if plan is not NO_MEMORY:
-            self._plans[request.request_id] = plan
+            self._plans[req_id] = plan
             self.stats.record_plan(time.perf_counter() - began)
-        beside = plan.num_external > 0 and self.load_mode.beside_batch(self.load.alone(request.request_id))
+        beside = plan.num_external > 0 and self.load_mode.beside_batch(
+            self.load.alone(req_id), plan.num_external, self.load.loaded_before_forward(besides=req_id))
         if beside:
-            self._beside.add(request.request_id)
+            self._beside.add(req_id)
         else:
-            self._beside.discard(request.request_id)
+            self._beside.discard(req_id)
         return plan.num_external, beside
 
     def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
         plan = self._plans.get(request.request_id)
         parked = request.request_id in self._beside and num_external_tokens > 0  # loads first: in no step's work yet
         # (a request parked to load counts too: it joins the batch in a step or two, prefilling as much)
-        self.load.admitted(request.request_id, request.num_tokens - (plan.claim_len if plan else 0))
+        self.load.admitted(request.request_id, request.num_tokens - (plan.claim_len if plan else 0),
+                           0 if parked else num_external_tokens)
         if parked:  # the request is not scheduled: its blocks are known only here
             self._background.allocated(request.request_id, plan, compat.allocated_block_ids(blocks))
         elif num_external_tokens > 0:

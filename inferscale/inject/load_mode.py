@@ -21,6 +21,14 @@ waits: :meth:`~inferscale.inject.load_signal.EngineLoad.alone`): there is no bat
 the extra steps are all the request would gain (on one H100, k = 50 from host memory, a lone
 request's TTFT rose 1.8 ms over the question alone when loaded before the forward pass, 8.5 ms in
 the background).
+
+Between the two, ``Config.tuning.before_forward_tokens`` lets "auto" load the first requests of a
+step before its forward pass, up to that many memory tokens a step, and only the rest beside the
+batch. Their copies run on the copy engines while the GPU still runs the step before (vLLM
+schedules a step ahead), so a few cost the batch nothing and spare those requests the steps they
+would wait parked; what a step cannot hide is a burst, and the budget sends a burst's excess to the
+background. 0 (the default until measured otherwise) loads every request beside the batch that
+would not run alone.
 """
 
 from __future__ import annotations
@@ -34,20 +42,26 @@ DEVICE_TIERS = frozenset({"hbm"})
 @dataclass(frozen=True)
 class LoadMode:
     """When the scheduler side sends a request's load to the background: never unless
-    ``background``, and with ``lone_before_forward`` not a request that would run alone."""
+    ``background``; with ``lone_before_forward`` not a request that would run alone; nor one whose
+    load still fits the ``before_forward_tokens`` its step may load before the forward pass."""
 
     background: bool
     lone_before_forward: bool = False
+    before_forward_tokens: int = 0
 
-    def beside_batch(self, alone: bool) -> bool:
-        """Whether a request's load goes to the background (``alone``: nothing else would run in
-        its step)."""
-        return self.background and not (alone and self.lone_before_forward)
+    def beside_batch(self, alone: bool, tokens: int, step_tokens: int = 0) -> bool:
+        """Whether a request's load of ``tokens`` memory tokens goes to the background (``alone``:
+        nothing else would run in its step; ``step_tokens``: the memory tokens its step already
+        loads before the forward pass)."""
+        if not self.background or (alone and self.lone_before_forward):
+            return False
+        return step_tokens + tokens > self.before_forward_tokens
 
 
-def load_mode(async_loads: str, kv_store: str, device_type: str) -> LoadMode:
+def load_mode(async_loads: str, kv_store: str, device_type: str, before_forward_tokens: int = 0) -> LoadMode:
     """The :class:`LoadMode` of an engine on ``device_type`` with the memory tier ``kv_store``
-    under ``Config.tuning.async_loads`` (see the module)."""
+    under ``Config.tuning.async_loads`` and ``before_forward_tokens`` (see the module)."""
     if async_loads == "auto":
-        return LoadMode(device_type == "cuda" and kv_store not in DEVICE_TIERS, lone_before_forward=True)
+        return LoadMode(device_type == "cuda" and kv_store not in DEVICE_TIERS, lone_before_forward=True,
+                        before_forward_tokens=before_forward_tokens)
     return LoadMode(async_loads == "always")

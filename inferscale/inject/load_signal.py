@@ -46,25 +46,35 @@ class EngineLoad:
         self._waiting: set[str] = set()
         self._decoding: set[str] = set()
         self._admitted: dict[str, int] = {}  # admitted in this step: request id → tokens it prefills
+        self._loaded: dict[str, int] = {}  # admitted in this step: request id → memory tokens loaded before the forward
 
     def arrived(self, req_id: str) -> None:
         self._waiting.add(req_id)
 
-    def admitted(self, req_id: str, tokens: int) -> None:
-        """``req_id`` is scheduled in this step, prefilling ``tokens`` tokens."""
+    def admitted(self, req_id: str, tokens: int, loaded: int = 0) -> None:
+        """``req_id`` is scheduled in this step, prefilling ``tokens`` tokens, its memory's
+        ``loaded`` tokens written before the forward pass."""
         self._waiting.discard(req_id)
         self._decoding.discard(req_id)
         self._admitted[req_id] = max(0, tokens)
+        self._loaded[req_id] = max(0, loaded)
 
     def step_built(self, scheduled: Iterable[str]) -> None:
         """The step is complete: the requests it scheduled decode in the next one."""
         self._decoding = set(scheduled)
         self._admitted.clear()
+        self._loaded.clear()
 
     def finished(self, req_id: str) -> None:
         self._waiting.discard(req_id)
         self._decoding.discard(req_id)
         self._admitted.pop(req_id, None)
+        self._loaded.pop(req_id, None)
+
+    def loaded_before_forward(self, besides: str | None = None) -> int:
+        """Memory tokens the step being scheduled loads before its forward pass so far (``besides``'
+        own left out)."""
+        return sum(tokens for req_id, tokens in self._loaded.items() if req_id != besides)
 
     def step_tokens(self, besides: str | None = None) -> int:
         """Tokens the step being scheduled holds so far (``besides``' own left out)."""
