@@ -15,7 +15,10 @@ stacks, one thread per stack root), and :func:`summarize` reads one back:
   spinning on a queue, a condition, a socket or the GPU), and ``working`` the rest: the thread's
   real host work;
 * ``self``: the functions the busiest thread was in (leaf frames), as shares of the row;
-* ``inferscale``: the share of the row inside InferScale's own code (any frame of the package).
+* ``inferscale``: the share of the row inside InferScale's own code (any frame of the package);
+* ``eager``: the share of the row in forward passes vLLM ran without its CUDA graphs (a stack through
+  vLLM's ``CUDAGraphWrapper`` that replays nothing: steps larger than any size it captured a graph
+  for, such as a burst of prefills), whose kernels the host launches one by one.
 
     PY_SPY=/path/to/py-spy python benchmarks/vllm_serve_load.py ... --profile /tmp/run/profile
     python benchmarks/engine_profile.py /tmp/run/profile/100u_kv@0_0_EngineCore.txt   # one file's summary
@@ -41,6 +44,7 @@ RATE = 100
 WAITS = frozenset({"sched_yield", "wait", "_wait", "acquire_read", "dequeue", "poll", "select", "synchronize",
                    "recv", "recv_multipart", "sleep"})
 _OURS = re.compile(r"[(/]inferscale/")  # py-spy names a file relative to its sys.path entry
+_GRAPH_WRAPPER = "CUDAGraphWrapper.__call__"
 _THREAD = re.compile(r"^(?:process \d+:[^;]*;)?thread \((0x[0-9A-Fa-f]+)\)")
 
 
@@ -109,6 +113,7 @@ def summarize(path: Path, seconds: float, rate: int = RATE, top: int = 8) -> dic
     threads: Counter[str] = Counter()
     leaves: dict[str, Counter[str]] = {}
     ours: Counter[str] = Counter()
+    eager: Counter[str] = Counter()
     waits: Counter[str] = Counter()
     for line in path.read_text(errors="replace").splitlines():
         stack, _, count = line.rpartition(" ")
@@ -124,15 +129,23 @@ def summarize(path: Path, seconds: float, rate: int = RATE, top: int = 8) -> dic
             waits[thread] += n
         if _OURS.search(stack):
             ours[thread] += n
+        if _runs_without_graphs(stack):
+            eager[thread] += n
     if not threads:
-        return {"busy": 0.0, "waiting": 0.0, "working": 0.0, "self": [], "inferscale": 0.0}
+        return {"busy": 0.0, "waiting": 0.0, "working": 0.0, "self": [], "inferscale": 0.0, "eager": 0.0}
     busiest, samples = threads.most_common(1)[0]
     expected = max(1.0, seconds * rate)
     waiting = waits[busiest]
     return {"busy": round(samples / expected, 3), "waiting": round(waiting / expected, 3),
             "working": round((samples - waiting) / expected, 3), "threads": len(threads),
             "self": [(name, round(n / expected, 3)) for name, n in leaves[busiest].most_common(top)],
-            "inferscale": round(ours[busiest] / expected, 3)}
+            "inferscale": round(ours[busiest] / expected, 3), "eager": round(eager[busiest] / expected, 3)}
+
+
+def _runs_without_graphs(stack: str) -> bool:
+    """Whether a stack is in a forward pass vLLM's CUDA-graph wrapper runs without replaying a graph."""
+    _, wrapper, inner = stack.partition(_GRAPH_WRAPPER)
+    return bool(wrapper) and "replay" not in inner
 
 
 def _waits(frame: str) -> bool:
@@ -164,14 +177,16 @@ def table(runs: list[dict]) -> str:
                 groups.setdefault((run["users"], run["system"], name), []).append(summary)
     if not groups:
         return ""
-    lines = ["| users | system | process | working % of the row (min-max) | busy % | InferScale % | hottest functions (first round) |",
-             "|---|---|---|---|---|---|---|"]
+    lines = ["| users | system | process | working % of the row (min-max) | busy % | InferScale % | forward without CUDA graphs % "
+             "| hottest functions (first round) |",
+             "|---|---|---|---|---|---|---|---|"]
     for (users, system, name), found in groups.items():
         working = sorted(100 * s["working"] for s in found)
         hottest = ", ".join(f"{f} {100 * share:.1f}" for f, share in found[0]["self"][:4])
         lines.append(f"| {users} | {system} | {name} | {statistics.median(working):.0f} ({working[0]:.0f}-{working[-1]:.0f}) | "
                      f"{statistics.median([100 * s['busy'] for s in found]):.0f} | "
-                     f"{statistics.median([100 * s['inferscale'] for s in found]):.1f} | {hottest} |")
+                     f"{statistics.median([100 * s['inferscale'] for s in found]):.1f} | "
+                     f"{statistics.median([100 * s.get('eager', 0.0) for s in found]):.1f} | {hottest} |")
     return "\n".join(lines) + "\n"
 
 

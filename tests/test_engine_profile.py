@@ -49,7 +49,7 @@ def test_table_takes_the_median_over_rounds():
             for w in (0.5, 0.7, 0.6)]
     runs.append({"users": 100, "system": "none"})  # a row run without --profile
     text = engine_profile.table(runs)
-    assert text.count("\n") == 3 and "| 100 | kv@0 | EngineCore | 60 (50-70) | 70 | 2.0 | schedule (scheduler.py) 20.0 |" in text
+    assert text.count("\n") == 3 and "| 100 | kv@0 | EngineCore | 60 (50-70) | 70 | 2.0 | 0.0 | schedule (scheduler.py) 20.0 |" in text
     assert engine_profile.table([{"users": 1, "system": "none"}]) == ""
 
 
@@ -60,3 +60,16 @@ def test_a_wait_is_told_by_its_whole_name(tmp_path):
                     "thread (0x1);step (core.py:1);Event.synchronize (torch/cuda/streams.py:1) 50\n")
     summary = engine_profile.summarize(path, seconds=1.0, rate=100)
     assert summary["waiting"] == 0.5 and summary["working"] == 0.5  # only synchronize waits
+
+
+def test_forward_passes_without_cuda_graphs_are_told_apart(tmp_path):
+    """A stack through vLLM's CUDA-graph wrapper that replays a graph is a graph; one that runs the
+    compiled pieces (a step larger than any captured) is not."""
+    wrapper = ("execute_model (vllm/v1/worker/gpu/model_runner.py:1361);"
+               "CUDAGraphWrapper.__call__ (vllm/compilation/cuda_graph.py:254)")
+    path = tmp_path / "rows.txt"
+    path.write_text(f"thread (0x1);step (core.py:1);{wrapper};PiecewiseBackend.__call__ (p.py:380);Runner.call (c.py:623) 30\n"
+                    f"thread (0x1);step (core.py:1);{wrapper};CUDAGraph.replay (torch/cuda/graphs.py:88) 20\n"
+                    "thread (0x1);step (core.py:1);schedule (scheduler.py:300) 50\n")
+    summary = engine_profile.summarize(path, seconds=1.0, rate=100)
+    assert summary["eager"] == 0.3
