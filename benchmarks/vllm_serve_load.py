@@ -508,6 +508,21 @@ def connector_counters(snapshot: dict[str, float]) -> dict[str, float]:
             if k.startswith("vllm:inferscale_") and "_total" in k}
 
 
+def parked_waits(counts: dict) -> str:
+    """The mean wait of the requests parked to load beside the batch, per server (from the
+    connector's ``parked_*`` counters); "" when none was parked."""
+    by_label = counts if counts and all(isinstance(v, dict) for v in counts.values()) else {"": counts or {}}
+    said = []
+    for label, c in by_label.items():
+        parked = c.get("parked_requests_total", 0.0)
+        if parked:
+            said.append(f"{label + ': ' if label else ''}{parked:.0f} requests parked, waiting "
+                        f"{c.get('parked_schedules_total{until=reported}', 0.0) / parked:.2f} schedules for the "
+                        f"workers' report, {c.get('parked_schedules_total{until=scheduled}', 0.0) / parked:.2f} until "
+                        f"they ran, {1000 * c.get('parked_seconds_total', 0.0) / parked:.1f} ms")
+    return "; ".join(said)
+
+
 def _clients(rows: list[dict]) -> str:
     most = max((r.get("client_processes", 1) for r in rows), default=1)
     return "one process drives every user" if most == 1 else f"the users spread over up to {most} processes"
@@ -547,7 +562,10 @@ def table(result: dict) -> str:
              "client latency p50 / p99 ms | client CPU | failed |",
              "|---|---|---|---|---|" + "---|" * bool(first) + "---|---|---|---|---|---|---|---|"]
     if counts:
-        lines[6:6] = [f"The connector's counters over the timed runs: {json.dumps(counts)}.", ""]
+        waits = parked_waits(counts)
+        lines[6:6] = [f"The connector's counters over the timed runs: {json.dumps(counts)}.", ""] + (
+            [f"Parked to load beside the batch, the mean wait (from the schedule that parked a request to the "
+             f"one that ran it; vLLM's floor is 1 and 2 schedules): {waits}.", ""] if waits else [])
     if result.get("default"):
         lines[6:6] = [f"The default, `{result['default']['method']}`, is served by {result['default']['system']}: "
                       "the same tokens injected and prefilled whatever the facts were encoded behind.", ""]

@@ -366,3 +366,14 @@ def test_the_load_plot_draws_one_level_as_bars_and_several_as_lines(tmp_path, le
     else:
         assert not requests_axis.patches and len(requests_axis.get_lines()) == 2
     plt.close("all")
+
+
+def test_the_load_report_says_how_long_parked_requests_waited():
+    load = load_module()
+    counts = {"parked_requests_total": 4.0, "parked_schedules_total{until=reported}": 4.0,
+              "parked_schedules_total{until=scheduled}": 10.0, "parked_seconds_total": 0.2}
+    assert load.parked_waits(counts) == ("4 requests parked, waiting 1.00 schedules for the workers' report, "
+                                         "2.50 until they ran, 50.0 ms")
+    side = {"hbm:never": {"parked_requests_total": 0.0}, "pinned:auto": counts}
+    assert load.parked_waits(side).startswith("pinned:auto: 4 requests parked")
+    assert load.parked_waits({"parked_requests_total": 0.0}) == "" and load.parked_waits({}) == ""
