@@ -16,7 +16,10 @@ being scheduled holds:
 * the tokens of the requests admitted so far in this step (their prompt less what is injected),
   those vLLM parks to load their memory in the background included: they join the batch a step
   or two later, prefilling as much, and a burst of them is load as much as a burst scheduled at
-  once.
+  once;
+* the memory tokens those admitted requests load before the step's forward pass
+  (:meth:`EngineLoad.loaded_before_forward`: the budget ``Config.tuning.before_forward_tokens`` of
+  :mod:`~inferscale.inject.load_mode` is spent against it).
 
 A request has room (:meth:`EngineLoad.has_room`) while at most ``max_waiting`` other requests wait
 and the step holds at most ``max_step_tokens`` tokens of other requests' work. Its own question
