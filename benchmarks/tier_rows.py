@@ -58,26 +58,27 @@ def budget_bytes(budget: str, user_bytes: int, users: int, internal_bytes: int =
     return int(float(match[1]) * _UNITS[match[2]])
 
 
-def default_budget(tier: str) -> int:
-    """The ``max_bytes`` the product resolves ``"auto"`` to for memory tier ``tier`` (``pinned``
-    or ``hbm``) on this machine."""
+def memory_tier(tier: str):
+    """A store of memory tier ``tier`` (``pinned`` or ``hbm``) as this machine would build it by
+    default, holding nothing: what its budget and a user's footprint in it are here."""
     from inferscale.storage.hbm import HBMStore
     from inferscale.storage.pinned import PinnedHostStore
 
     stores = {"pinned": PinnedHostStore, "hbm": HBMStore}
     if tier not in stores:
         raise ValueError(f"a memory tier is pinned or hbm, got {tier!r}")
-    return stores[tier].auto_max_bytes()
+    return stores[tier](stores[tier].Options(device="cpu"))
+
+
+def default_budget(tier: str) -> int:
+    """The ``max_bytes`` the product resolves ``"auto"`` to for memory tier ``tier`` on this machine."""
+    return memory_tier(tier).max_bytes
 
 
 def user_footprint(tier: str, user_bytes: int) -> int:
-    """What one user of ``user_bytes`` of K/V takes of memory tier ``tier``'s budget here: a pinned
-    tier's page-locked buffer comes in a power of two (where CUDA exists), an hbm tier's is the K/V."""
-    import torch
-
-    from inferscale.storage.pinned import pinned_footprint
-
-    return pinned_footprint(user_bytes) if tier == "pinned" and torch.cuda.is_available() else user_bytes
+    """What one user of ``user_bytes`` of K/V takes of memory tier ``tier``'s budget here
+    (:meth:`~inferscale.storage.resident.store.ResidentStore.footprint`)."""
+    return memory_tier(tier).footprint(user_bytes)
 
 
 class Popularity:

@@ -23,7 +23,7 @@ FACTS_PER_USER = 4
 
 def user_bytes(disk: DiskStore, user: str, kind: type = PinnedHostStore) -> int:
     """What the user takes of a ``kind`` tier's budget (page-locked, a power of two where CUDA exists)."""
-    return kind(kind.Options(device="cpu", max_bytes=0))._footprint(disk.nbytes(user))
+    return kind(kind.Options(device="cpu", max_bytes=0)).footprint(disk.nbytes(user))
 
 
 @pytest.fixture

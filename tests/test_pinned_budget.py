@@ -255,7 +255,7 @@ def test_an_empty_buffer_takes_nothing():
 class RoundedUp(PinnedHostStore):
     """A pinned store on the CPU counting what page-locked buffers would take there."""
 
-    def _footprint(self, nbytes: int) -> int:
+    def footprint(self, nbytes: int) -> int:
         return pinned.pinned_footprint(nbytes)
 
 

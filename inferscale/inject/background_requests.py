@@ -63,7 +63,7 @@ class BackgroundRequests:
     def arrived(self, req_ids: Iterable[str]) -> None:
         """The workers reported these requests' loads (arrived, or failed)."""
         for req_id in req_ids:
-            if req_id in self._loading and req_id in self._sent:
+            if req_id in self._loading:  # (sent: its wait is being timed)
                 self._reported[req_id] = self._steps - self._sent[req_id][0] - 1
             self._loading.discard(req_id)
 

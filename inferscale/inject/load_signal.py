@@ -48,8 +48,8 @@ class EngineLoad:
         self.max_waiting = max_waiting
         self._waiting: set[str] = set()
         self._decoding: set[str] = set()
-        self._admitted: dict[str, int] = {}  # admitted in this step: request id → tokens it prefills
-        self._loaded: dict[str, int] = {}  # admitted in this step: request id → memory tokens loaded before the forward
+        # admitted in this step: request id → (tokens it prefills, memory tokens loaded before the forward pass)
+        self._admitted: dict[str, tuple[int, int]] = {}
 
     def arrived(self, req_id: str) -> None:
         self._waiting.add(req_id)
@@ -59,30 +59,27 @@ class EngineLoad:
         ``loaded`` tokens written before the forward pass."""
         self._waiting.discard(req_id)
         self._decoding.discard(req_id)
-        self._admitted[req_id] = max(0, tokens)
-        self._loaded[req_id] = max(0, loaded)
+        self._admitted[req_id] = (max(0, tokens), max(0, loaded))
 
     def step_built(self, scheduled: Iterable[str]) -> None:
         """The step is complete: the requests it scheduled decode in the next one."""
         self._decoding = set(scheduled)
         self._admitted.clear()
-        self._loaded.clear()
 
     def finished(self, req_id: str) -> None:
         self._waiting.discard(req_id)
         self._decoding.discard(req_id)
         self._admitted.pop(req_id, None)
-        self._loaded.pop(req_id, None)
 
     def loaded_before_forward(self, besides: str | None = None) -> int:
         """Memory tokens the step being scheduled loads before its forward pass so far (``besides``'
         own left out)."""
-        return sum(tokens for req_id, tokens in self._loaded.items() if req_id != besides)
+        return sum(loaded for req_id, (_, loaded) in self._admitted.items() if req_id != besides)
 
     def step_tokens(self, besides: str | None = None) -> int:
         """Tokens the step being scheduled holds so far (``besides``' own left out)."""
         return (len(self._decoding) - (besides in self._decoding)
-                + sum(tokens for req_id, tokens in self._admitted.items() if req_id != besides))
+                + sum(tokens for req_id, (tokens, _) in self._admitted.items() if req_id != besides))
 
     def waiting_besides(self, req_id: str) -> int:
         """Requests waiting to be admitted, ``req_id`` left out."""

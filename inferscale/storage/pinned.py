@@ -68,7 +68,7 @@ class PinnedHostStore(ResidentStore):
         taken up front."""
         return host_budget.host_share(host_budget.machine_memory(), host_budget.machine_gpus())
 
-    def _footprint(self, nbytes: int) -> int:
+    def footprint(self, nbytes: int) -> int:
         """Page-locked, a user's buffer takes :func:`pinned_footprint` of its K/V: the budget bounds
         the page-locked memory the tier holds, not only the K/V in it."""
         return pinned_footprint(nbytes) if self.pinned else nbytes

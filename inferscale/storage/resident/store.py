@@ -7,7 +7,7 @@ consistent snapshot without taking a lock while writers (serialised by a
 lock) build the next one.
 
 **Budget.** The store holds at most ``max_bytes`` (its users' K/V, counted as the memory their
-buffers take: :meth:`ResidentStore._footprint`): by default (``"auto"``) the budget
+buffers take: :meth:`ResidentStore.footprint`): by default (``"auto"``) the budget
 the store's class picks for the machine it runs on (:meth:`ResidentStore.auto_max_bytes`: 4 GiB
 for the GPU's own memory, a share of the host's memory for the pinned tier). Making room for a
 user evicts whole users, least recently used first (``get`` counts as a
@@ -257,9 +257,9 @@ class ResidentStore(KVStore):
         (except the never-evicted internal ones) would free."""
         if self.max_bytes is None:
             return
-        kept = sum(self._footprint(u.nbytes) for uid, u in list(self._users.items())
+        kept = sum(self.footprint(u.nbytes) for uid, u in list(self._users.items())
                    if uid != user_id and is_internal(uid))
-        if self._footprint(nbytes) > self.max_bytes - kept:
+        if self.footprint(nbytes) > self.max_bytes - kept:
             raise CapacityError(f"kv_store {self.name!r}: user {user_id!r} needs {nbytes} bytes of K/V; at most "
                                 f"{self.max_bytes - kept} of max_bytes={self.max_bytes} can be freed (refused "
                                 f"before it was read)")
@@ -268,23 +268,23 @@ class ResidentStore(KVStore):
         """Bytes of K/V held for every user (at most ``max_bytes``)."""
         return sum(user.nbytes for user in list(self._users.values()))
 
-    def _footprint(self, nbytes: int) -> int:
+    def footprint(self, nbytes: int) -> int:
         """The memory a user of ``nbytes`` of K/V takes in this store: what the budget counts (the
         K/V itself here; more where the allocator rounds a buffer up)."""
         return nbytes
 
     def _held_bytes(self, user_id: str) -> int:
         user = self._users.get(user_id)
-        return self._footprint(user.nbytes) if user else 0
+        return self.footprint(user.nbytes) if user else 0
 
     # -- internals (the write lock is held) -------------------------------------------
 
     def _make_room(self, user_id: str, need: int) -> None:
         """Evict least recently used users until a user of ``need`` bytes of K/V fits beside the
-        others (each counted by :meth:`_footprint`)."""
+        others (each counted by :meth:`footprint`)."""
         if self.max_bytes is None:
             return
-        need = self._footprint(need)
+        need = self.footprint(need)
         others = sum(map(self._held_bytes, list(self._users))) - self._held_bytes(user_id)
         while others + need > self.max_bytes:
             victim = self._order.oldest(spare=lambda u: u == user_id or is_internal(u))
