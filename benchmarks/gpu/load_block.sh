@@ -64,7 +64,8 @@ stores_run() {
   show=${show:-16}  # lines of its output kept in the log (a profile adds 3 a row)
   stamp "load: $spec, 100 users, B = $STORE_BUDGETS, $REPEATS repeats"
   PYTHONPATH=$NOW timeout "$limit" "${load[@]}" "$@" --users 100 --budgets "$STORE_BUDGETS" --repeats "$REPEATS" \
-    --kv-store "$spec" --out "$RUN/load_$name" ${PROFILE:+--profile "$RUN/profile_$name"} 2>&1 | quiet | tail -n "$show"
+    --kv-store "$spec" --out "$RUN/load_$name" ${PROFILE:+--profile "$RUN/profile_$name"} 2>&1 \
+    | tee "$RUN/load_$name.out" | quiet | tail -n "$show"  # .out: every row as it ends (a run cut short keeps them)
   rm -rf /tmp/vllm_serve_load_* 2>/dev/null
 }
 has side && stores_run side "$SIDE" 1500 --gpu-memory-utilization "$SIDE_GPU_UTIL"
