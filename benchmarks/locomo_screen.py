@@ -14,7 +14,10 @@ Per question and k it records KL(teacher || method) averaged over the answer's t
 answer's mean negative log-likelihood under the method (and under the teacher). Nothing is
 sampled, so there are no greedy flips: each question's value moves smoothly with the method.
 The summary gives each method's mean per k and pooled over k (each question's values averaged
-over the ks first), and its paired gap to ``--reference`` with a 95 % question-bootstrap interval.
+over the ks first), and its paired gap to ``--reference`` with a 95 % question-bootstrap interval,
+in KL and in NLL. A method whose prompt differs from the baseline's (``closing=ask``: the question
+also asked at the end of the system message) is judged by its NLL: its KL measures the change of
+prompt as well as that of the K/V.
 
 Methods are named as in the F1 harness (``kv[window=-10,closing=answer]``, with ``wrappers=FILE``
 for learned fact wrappers, ``recompute_tokens=B`` for a tail, ``calibration=FILE``); any such name
@@ -226,18 +229,25 @@ def harness_groups() -> dict:
 def markdown(summary: dict, reference: str | None, ks: list[int], n: int, model: str) -> str:
     lines = [f"LoCoMo screen, {n} questions, {model}: KL from prompt injection and gold-answer NLL per answer token", "",
              "| method | KL per k (" + " / ".join(map(str, ks)) + ") | KL pooled (95 %) | NLL pooled (95 %) | "
-             f"KL − reference (95 %) | KL ÷ reference |", "|---|---|---|---|---|---|"]
+             f"KL − reference (95 %) | KL ÷ reference | NLL − reference (95 %) |", "|---|---|---|---|---|---|---|"]
     for m, s in summary.items():
         per_k = " / ".join(f"{s['per_k'].get(str(k), {}).get('kl', float('nan')):.3f}" for k in ks)
         kl, nll = s["pooled"]["kl"], s["pooled"]["nll"]
-        g = s["gap"].get("kl", {}).get("all")
-        gap_cell = f"{g['gap']:+.4f} ({g['low']:+.4f}, {g['high']:+.4f})" if g else "—"
+        g, n = s["gap"].get("kl", {}).get("all"), s["gap"].get("nll", {}).get("all")
         ratio = f"{g['ratio']:.3f}" if g else "—"
         lines.append(f"| {m} | {per_k} | {kl['mean']:.4f} ({kl['low']:.4f}, {kl['high']:.4f}) | "
-                     f"{nll['mean']:.3f} ({nll['low']:.3f}, {nll['high']:.3f}) | {gap_cell} | {ratio} |")
+                     f"{nll['mean']:.3f} ({nll['low']:.3f}, {nll['high']:.3f}) | {_gap_cell(g, 4)} | {ratio} | "
+                     f"{_gap_cell(n, 3)} |")
     if reference:
         lines += ["", f"Reference: `{reference}`; gaps are paired per question, pooled over k."]
     return "\n".join(lines) + "\n"
+
+
+def _gap_cell(gap: dict | None, digits: int) -> str:
+    """A paired gap with its 95 % interval, "—" for none (the reference itself)."""
+    if not gap:
+        return "—"
+    return f"{gap['gap']:+.{digits}f} ({gap['low']:+.{digits}f}, {gap['high']:+.{digits}f})"
 
 
 def parse_args(argv=None):

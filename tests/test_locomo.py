@@ -245,3 +245,20 @@ def test_a_method_whose_calibration_does_not_load_is_skipped_by_name(tmp_path, c
                harness.Method("kv", window=-10, calibration=str(tmp_path / "missing.json"))]
     assert harness.usable(methods) == methods[:2]
     assert "skipped kv: calibration" in capsys.readouterr().out
+
+
+def test_the_ask_closing_asks_the_question_twice():
+    """``closing=ask``: the closing line, then the question itself, before the user's turn that asks
+    it again; the prefix and the facts stay those of every other method."""
+    from transformers import AutoTokenizer
+
+    from locomo.prompts import Prompts
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_models.tiny_model_dir("qwen2", "float32"))
+    prompts = Prompts(tokenizer, {})
+    question = "When did Maya go surfing?"
+    asked, answer = prompts.query("ask", question), prompts.query("answer", question)
+    text = tokenizer.decode(asked)
+    assert text.count(question) == 2 and tokenizer.decode(answer).count(question) == 1
+    assert text.startswith(tokenizer.decode(prompts.query("answer", question))[:20])
+    assert harness.select_methods("kv[window=-10,closing=ask]")[0].closing == "ask"

@@ -14,6 +14,9 @@ INSTRUCTION = (
 
 #: text after the facts, before the question (always prefilled)
 CLOSINGS = {"none": "", "answer": DEFAULT_CLOSING}
+#: a closing that carries the question: the closing line, then the question itself, so the question is
+#: read twice, at the end of the system message (fresh, after the facts) and again as the user's turn
+ASK = "ask"
 
 
 class Prompts:
@@ -43,6 +46,11 @@ class Prompts:
         return list(self._wrappers[wrappers].wrapped(self._facts[key]))
 
     def query(self, closing: str, question: str) -> list[int]:
+        if closing == ASK:
+            from inferscale.compose.prompt import PromptFormat
+
+            text = f"{CLOSINGS['answer']}Question: {question}\n"
+            return PromptFormat.from_tokenizer(self.tokenizer, INSTRUCTION, text).query_ids(self.tokenizer, question)
         return self.formats[closing].query_ids(self.tokenizer, question)
 
 
