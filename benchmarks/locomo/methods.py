@@ -14,7 +14,7 @@ class Method:
     mode: str = "kv"  # kv | prompt
     window: int = 2  # turns before each fact ("turns" policy); negative: the -window facts before it ("facts")
     style: str = "bullet"
-    closing: str = "none"
+    closing: str = "none"  # the text after the facts (prompts.CLOSINGS), or "ask": the closing line, then the question
     recompute_tokens: int = 0
     key_scale: float = 1.0
     neighbours: int = 0  # > 0: the "neighbours" policy, each fact behind its nearest facts (window unused)
