@@ -265,7 +265,7 @@ def parse_args(argv=None):
     p.add_argument("--embedder", default="minilm")
     p.add_argument("--retrieval", default=None, help="retrieval cache (JSON), as locomo_accuracy.py's")
     p.add_argument("--encode-batch", type=int, default=16)
-    p.add_argument("--out", required=True)
+    p.add_argument("--out", required=True, help="the JSON (its .json suffix added where missing) and the table beside it (.md)")
     return p.parse_args(argv)
 
 
@@ -313,11 +313,11 @@ def main(argv=None) -> None:
     table = markdown(summary, args.reference, ks, len(items), f"{Path(model_path).name} ({dtype}, {device})")
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"command": " ".join(["python", *sys.argv]), "model": Path(model_path).name,
-                               "dtype": dtype, "device": device, "ks": ks, "cycle": args.cycle,
-                               "questions": len(items), "baseline": baseline.name, "reference": args.reference,
-                               "encode_s": encode_s, "screen_s": time.perf_counter() - start - encode_s,
-                               "summary": summary, "rows": rows}, indent=1) + "\n")
+    result = {"command": " ".join(["python", *sys.argv]), "model": Path(model_path).name, "dtype": dtype,
+              "device": device, "ks": ks, "cycle": args.cycle, "questions": len(items), "baseline": baseline.name,
+              "reference": args.reference, "encode_s": encode_s, "screen_s": time.perf_counter() - start - encode_s,
+              "summary": summary, "rows": rows}
+    out.with_suffix(".json").write_text(json.dumps(result, indent=1) + "\n")
     out.with_suffix(".md").write_text(table)
     print("\n" + table, flush=True)
 

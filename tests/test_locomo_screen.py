@@ -49,7 +49,10 @@ def test_the_screen_tells_injected_facts_from_recomputed_ones(tmp_path):
     assert gap["low"] <= gap["gap"] <= gap["high"] < 0 and gap["questions"] == 8
     nll = summary[injected]["pooled"]["nll"]
     assert nll["low"] <= nll["mean"] <= nll["high"]
-    assert "KL pooled" in out.with_suffix(".md").read_text()
+    nll_gap = summary[recomputed]["gap"]["nll"]["all"]
+    assert nll_gap["low"] <= nll_gap["gap"] <= nll_gap["high"]
+    table = out.with_suffix(".md").read_text()
+    assert "KL pooled" in table and "NLL − reference" in table and f"{nll_gap['gap']:+.3f}" in table
 
 
 def test_the_f1_harness_names_where_fp8_at_rest_is_measured():
