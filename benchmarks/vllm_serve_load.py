@@ -26,9 +26,12 @@
      vLLM's prefix cache never serves them).
 
 ``--kv-store`` may name several stores side by side (``hbm,pinned:auto``:
-``STORE[:ASYNC_LOADS[:PINNED_READS[:BEFORE_FORWARD_TOKENS]]]``, ``--async-loads`` and ``--pinned-reads``
-where a spec names none; ``pinned:never:overlap,pinned:never:copy`` sets two ways of reading host memory
-side by side, ``pinned:auto,pinned:auto:overlap:2064`` two budgets of loads before the forward pass):
+``STORE[:ASYNC_LOADS[:PINNED_READS[:BEFORE_FORWARD_TOKENS]]]``, then any other ``[tuning]`` field as
+``:FIELD=VALUE``; ``--async-loads`` and ``--pinned-reads`` where a spec names none;
+``pinned:never:overlap,pinned:never:copy`` sets two ways of reading host memory side by side,
+``pinned:auto,pinned:auto:overlap:2064`` two budgets of loads before the forward pass,
+``pinned:never:overlap,pinned:never:overlap:pinned_copy_below_mib=0:pinned_copy_above_mib=0`` copies against
+in-place reads pipelined by layer group under load):
 one server each on the same GPU, started one after the
 other (``--gpu-memory-utilization`` is each one's share: 0.36 for two 7B-shape servers on 80 GB, with room for what vLLM does not count), all up
 for the whole run; the KV rows become ``kv@B on STORE`` and each round runs every store's rows back to
@@ -54,6 +57,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import json
 import os
 import random
@@ -192,25 +196,56 @@ def split_system(system: str) -> tuple[str, str | None]:
     return base, label or None
 
 
-def server_specs(value: str) -> list[tuple[str, str, dict[str, str | int]]]:
-    """``--kv-store`` (comma-separated ``STORE[:ASYNC_LOADS[:PINNED_READS[:BEFORE_FORWARD_TOKENS]]]``) as
-    (label, store, the ``Config.tuning`` fields the spec names) per server; a ValueError for an unknown
-    store or value, or a spec given twice."""
+def server_specs(value: str) -> list[tuple[str, str, dict[str, str | int | float | bool]]]:
+    """``--kv-store`` (comma-separated ``STORE[:ASYNC_LOADS[:PINNED_READS[:BEFORE_FORWARD_TOKENS]]][:FIELD=VALUE...]``)
+    as (label, store, the ``Config.tuning`` fields the spec names) per server: the positional values first, then
+    any other ``[tuning]`` field by name (``pinned:never:pinned_copy_below_mib=0:pinned_copy_above_mib=0``); a
+    ValueError for an unknown store, field or value, or a spec given twice."""
     specs = []
     for spec in filter(None, (part.strip() for part in value.split(","))):
         store, *values = spec.split(":")
-        tuning = [spec_value(v, allowed) for v, (_, allowed) in zip(values, SPEC_TUNING)]
-        if store not in STORES or len(values) > len(SPEC_TUNING) or None in tuning:
-            raise ValueError(f"{spec!r}: expected STORE[:ASYNC_LOADS[:PINNED_READS[:BEFORE_FORWARD_TOKENS]]], "
-                             f"STORE one of {', '.join(STORES)}, " + ", ".join(
+        positional = list(itertools.takewhile(lambda v: "=" not in v, values))
+        tuning = [spec_value(v, allowed) for v, (_, allowed) in zip(positional, SPEC_TUNING)]
+        if store not in STORES or len(positional) > len(SPEC_TUNING) or None in tuning:
+            raise ValueError(f"{spec!r}: expected STORE[:ASYNC_LOADS[:PINNED_READS[:BEFORE_FORWARD_TOKENS]]]"
+                             f"[:FIELD=VALUE...], STORE one of {', '.join(STORES)}, " + ", ".join(
                                  f"{name.upper()} " + (f"one of {', '.join(allowed)}" if isinstance(allowed, tuple)
                                                        else allowed) for name, allowed in SPEC_TUNING))
-        specs.append((spec, store, {name: v for v, (name, _) in zip(tuning, SPEC_TUNING)}))
+        fields = {name: v for v, (name, _) in zip(tuning, SPEC_TUNING)}
+        for item in values[len(positional):]:
+            name, setting = named_tuning(spec, item)
+            if name in fields:
+                raise ValueError(f"{spec!r}: {name} given twice")
+            fields[name] = setting
+        specs.append((spec, store, fields))
     if not specs:
         raise ValueError("no store named")
     if len({label for label, _, _ in specs}) < len(specs):
         raise ValueError(f"a store named twice in {value!r}")
     return specs
+
+
+def named_tuning(spec: str, item: str) -> tuple[str, str | int | float | bool]:
+    """``FIELD=VALUE`` of a ``--kv-store`` spec as a ``Config.tuning`` field and its value, read as the
+    field's default is typed (``true``/``false``, an integer, a number or a word); checked as the config
+    checks it. A ValueError names what is wrong."""
+    from inferscale.config import Tuning
+    from inferscale.errors import ConfigError
+
+    name, _, text = item.partition("=")
+    defaults = Tuning()
+    if not hasattr(defaults, name):
+        raise ValueError(f"{spec!r}: {name!r} is not a [tuning] field")
+    kind = type(getattr(defaults, name))
+    try:
+        setting = {"true": True, "false": False}[text] if kind is bool else kind(text)
+    except (KeyError, ValueError):
+        raise ValueError(f"{spec!r}: {name} takes a {kind.__name__}, got {text!r}") from None
+    try:
+        Tuning(**{name: setting})
+    except ConfigError as exc:
+        raise ValueError(f"{spec!r}: {exc}") from None
+    return name, setting
 
 
 def run_systems(kv: list[str], labels: list[str]) -> list[str]:
@@ -791,7 +826,8 @@ def main(argv: list[str] | None = None) -> int:
               "servers": [{"label": s.label, "kv_store": s.config.kv_store.name,
                            "async_loads": s.config.tuning.async_loads,
                            "pinned_reads": s.config.tuning.pinned_reads,
-                           "before_forward_tokens": s.config.tuning.before_forward_tokens} for s in servers],
+                           "before_forward_tokens": s.config.tuning.before_forward_tokens,
+                           "tuning": s.config.tuning.to_dict()} for s in servers],
               "kv_dtype_at_rest": args.kv_dtype_at_rest,
               "fused_write": not args.layerwise_write, "pinned_reads": per_server(servers, "pinned_reads"),
               "async_loads": per_server(servers, "async_loads"),

@@ -14,7 +14,9 @@
 #             rows back to back): hbm read before the forward pass and pinned beside the batch (its default,
 #             async_loads auto) by default;
 #             a spec may name pinned_reads and before_forward_tokens too (SIDE="pinned:never:overlap,pinned:never:copy",
-#             SIDE="pinned:auto,pinned:auto:overlap:2064")
+#             SIDE="pinned:auto,pinned:auto:overlap:2064"), then any [tuning] field as :FIELD=VALUE
+#             (SIDE="pinned:never:copy,pinned:never:overlap:pinned_copy_below_mib=0:pinned_copy_above_mib=0":
+#             copies before the forward pass against reads in place pipelined by layer group, under load)
 #   stores    the same, one run (and server start) per store:async_loads pair of SPECS, one after another
 #   default   the adaptive tail at 1/10/30/100 users, 3 repeats, on the store STORE (pinned) and ASYNC
 #   fp8       pinned, beside the batch, K/V at rest in fp8 (100 users, 3 repeats)
