@@ -30,7 +30,7 @@
 ``:FIELD=VALUE``; ``--async-loads`` and ``--pinned-reads`` where a spec names none;
 ``pinned:never:overlap,pinned:never:copy`` sets two ways of reading host memory side by side,
 ``pinned:auto,pinned:auto:overlap:2064`` two budgets of loads before the forward pass,
-``pinned:never:overlap,pinned:never:overlap:pinned_copy_below_mib=0:pinned_copy_above_mib=0`` copies against
+``pinned:never:copy,pinned:never:overlap:pinned_copy_below_mib=0:pinned_copy_above_mib=0`` copies against
 in-place reads pipelined by layer group under load):
 one server each on the same GPU, started one after the
 other (``--gpu-memory-utilization`` is each one's share: 0.36 for two 7B-shape servers on 80 GB, with room for what vLLM does not count), all up
@@ -229,12 +229,12 @@ def named_tuning(spec: str, item: str) -> tuple[str, str | int | float | bool]:
     """``FIELD=VALUE`` of a ``--kv-store`` spec as a ``Config.tuning`` field and its value, read as the
     field's default is typed (``true``/``false``, an integer, a number or a word); checked as the config
     checks it. A ValueError names what is wrong."""
-    from inferscale.config import Tuning
+    from inferscale.config import TUNING_KEYS, Tuning
     from inferscale.errors import ConfigError
 
     name, _, text = item.partition("=")
     defaults = Tuning()
-    if not hasattr(defaults, name):
+    if name not in TUNING_KEYS:
         raise ValueError(f"{spec!r}: {name!r} is not a [tuning] field")
     kind = type(getattr(defaults, name))
     try:

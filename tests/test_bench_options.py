@@ -298,7 +298,7 @@ def test_the_load_run_sets_stores_side_by_side_a_server_each():
     assert load.server_specs("pinned:user_read_threads=2")[0][2] == {"user_read_threads": 2}
     for bad in ("disk", "pinned:sometimes", "pinned:never:dma", "pinned:never:copy:x", "pinned::copy", "hbm,hbm", "",
                 "pinned:auto,pinned:auto", "pinned:auto:copy:-1", "pinned:auto:copy:12:1",
-                "pinned:speed=1", "pinned:user_read_threads=two", "pinned:user_read_threads=0", "pinned:write_graphs=1",
+                "pinned:speed=1", "pinned:to_dict=1", "pinned:user_read_threads=two", "pinned:user_read_threads=0", "pinned:write_graphs=1",
                 "pinned:never:async_loads=auto", "pinned:pinned_copy_below_mib=0:auto"):
         with pytest.raises(ValueError):
             load.server_specs(bad)
