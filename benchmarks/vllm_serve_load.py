@@ -217,6 +217,7 @@ def server_specs(value: str) -> list[tuple[str, str, dict[str, str | int | float
             if name in fields:
                 raise ValueError(f"{spec!r}: {name} given twice")
             fields[name] = setting
+        check_tuning(spec, fields)
         specs.append((spec, store, fields))
     if not specs:
         raise ValueError("no store named")
@@ -227,25 +228,29 @@ def server_specs(value: str) -> list[tuple[str, str, dict[str, str | int | float
 
 def named_tuning(spec: str, item: str) -> tuple[str, str | int | float | bool]:
     """``FIELD=VALUE`` of a ``--kv-store`` spec as a ``Config.tuning`` field and its value, read as the
-    field's default is typed (``true``/``false``, an integer, a number or a word); checked as the config
-    checks it. A ValueError names what is wrong."""
+    field's default is typed (``true``/``false``, an integer, a number or a word). A ValueError names
+    what is wrong."""
     from inferscale.config import TUNING_KEYS, Tuning
-    from inferscale.errors import ConfigError
 
     name, _, text = item.partition("=")
-    defaults = Tuning()
     if name not in TUNING_KEYS:
         raise ValueError(f"{spec!r}: {name!r} is not a [tuning] field")
-    kind = type(getattr(defaults, name))
+    kind = type(getattr(Tuning(), name))
     try:
-        setting = {"true": True, "false": False}[text] if kind is bool else kind(text)
+        return name, {"true": True, "false": False}[text] if kind is bool else kind(text)
     except (KeyError, ValueError):
         raise ValueError(f"{spec!r}: {name} takes a {kind.__name__}, got {text!r}") from None
+
+
+def check_tuning(spec: str, fields: dict) -> None:
+    """A ValueError where the fields a spec names are not a tuning the config accepts (checked as it checks them)."""
+    from inferscale.config import Tuning
+    from inferscale.errors import ConfigError
+
     try:
-        Tuning(**{name: setting})
+        Tuning(**fields)
     except ConfigError as exc:
         raise ValueError(f"{spec!r}: {exc}") from None
-    return name, setting
 
 
 def run_systems(kv: list[str], labels: list[str]) -> list[str]:
